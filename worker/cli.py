@@ -1,0 +1,155 @@
+"""`dialog-worker` command line. JSON on stdout, one object per line; errors on stderr.
+Exit codes: 0 ok, 1 failure, 2 usage or configuration error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import redis.exceptions
+
+from worker.client import DialogClient
+from worker.config import Settings, load_settings
+from worker.errors import ConfigError, ValidationError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def _emit(obj: Any) -> None:
+    print(json.dumps(obj, ensure_ascii=False), flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dialog-worker", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the worker daemon")
+    run.add_argument("--concurrency", type=int)
+    run.add_argument("--consumer")
+
+    send = sub.add_parser("send", help="enqueue one message")
+    send.add_argument("session")
+    send.add_argument("text")
+    send.add_argument("--msg-id")
+
+    state = sub.add_parser("state", help="print a session's dialog state (or null)")
+    state.add_argument("session")
+
+    session = sub.add_parser("session", help="inspect one session: lock, seqs, waiting messages")
+    session.add_argument("session")
+
+    sub.add_parser("stats", help="queue statistics")
+
+    verify = sub.add_parser("verify", help="concurrency verification against running workers")
+    verify.add_argument("--sessions", type=int, default=50)
+    verify.add_argument("--burst", type=int, default=10)
+    verify.add_argument("--timeout", type=float, default=120.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    overrides: dict[str, Any] = {}
+    if args.command == "run":
+        overrides = {"concurrency": args.concurrency, "consumer": args.consumer}
+    try:
+        settings = load_settings(overrides)
+    except ConfigError as exc:
+        print(f"dialog-worker: invalid setting {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "run":
+        return _run(settings)
+    handler = _COMMANDS[args.command]
+    try:
+        return int(anyio.run(handler, settings, args))
+    except ValidationError as exc:
+        print(f"dialog-worker: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except redis.exceptions.RedisError as exc:
+        print(
+            f"dialog-worker: redis error at {settings.redacted_url()}: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+
+
+def _run(settings: Settings) -> int:
+    from worker.daemon import run_worker
+    from worker.embedded import ensure_local_redis
+    from worker.engine import load_engine
+    from worker.log import configure
+
+    configure(settings.log_level, settings.log_format)
+    try:
+        engine = load_engine(settings.engine or None, settings.rules_file or None)
+    except ConfigError as exc:
+        print(f"dialog-worker: invalid setting {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    embedded = None
+    if "REDIS_URL" not in os.environ and settings.redis_url == "redis://localhost:6379/0":
+        try:
+            embedded = ensure_local_redis()
+        except RuntimeError as exc:
+            print(f"dialog-worker: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+    try:
+        run_worker(settings, engine)
+    finally:
+        if embedded is not None:
+            embedded.terminate()
+            embedded.wait(timeout=10)
+    return EXIT_OK
+
+
+async def _send(settings: Settings, args: argparse.Namespace) -> int:
+    async with DialogClient(settings=settings) as c:
+        r = await c.send(args.session, args.text, msg_id=args.msg_id)
+    _emit(r.as_dict())
+    return EXIT_OK
+
+
+async def _state(settings: Settings, args: argparse.Namespace) -> int:
+    async with DialogClient(settings=settings) as c:
+        _emit(await c.state(args.session))
+    return EXIT_OK
+
+
+async def _session(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.codec import check_id
+    from worker.views import session_view
+
+    check_id("session_id", args.session)
+    async with DialogClient(settings=settings) as c:
+        _emit(await session_view(c.redis, c.keys, args.session))
+    return EXIT_OK
+
+
+async def _stats(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.views import queue_stats
+
+    async with DialogClient(settings=settings) as c:
+        _emit(await queue_stats(c.redis, c.keys))
+    return EXIT_OK
+
+
+async def _verify(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.verify import verify
+
+    async with DialogClient(settings=settings, max_connections=200) as c:
+        report = await verify(c, args.sessions, args.burst, args.timeout)
+    _emit(report.as_dict())
+    return EXIT_OK if report.ok else EXIT_FAILURE
+
+
+_COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
+    "send": _send,
+    "state": _state,
+    "session": _session,
+    "stats": _stats,
+    "verify": _verify,
+}

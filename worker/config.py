@@ -1,0 +1,247 @@
+"""Settings: one typed, frozen object built once at start.
+
+Precedence is command-line flag > environment variable > config file (``config/worker.toml``
+or the file named by ``DIALOG_CONFIG``) > built-in default. Every value is validated here, so a
+bad one fails at start with one line that names the setting (the CLI exits 2), not minutes later
+inside a loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from worker.errors import ConfigError
+
+DEFAULT_CONFIG_FILE = Path("config/worker.toml")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Settings:
+    redis_url: str = "redis://localhost:6379/0"
+    stream: str = "dialog"
+    group: str = "dialog-workers"
+    reply_stream: str = "dialog-replies"
+    dlq_stream: str = "dialog-dlq"
+    # Prefix of every per-session key and of the delayed set; defaults to the stream name so
+    # two deployments with different streams on one Redis never share state.
+    key_prefix: str = ""
+    consumer: str = ""
+    concurrency: int = 64
+    lock_ttl_ms: int = 5000
+    visibility_timeout_ms: int = 30000
+    max_attempts: int = 3
+    backoff_base_ms: int = 50
+    backoff_max_ms: int = 5000
+    state_ttl_s: int = 86400
+    history_limit: int = 50
+    dedupe_ttl_s: int = 86400
+    max_message_bytes: int = 65536
+    reply_maxlen: int = 1_000_000
+    fallback_reply: str = "Maaf, pesan Anda tidak dapat diproses. Silakan coba lagi nanti."
+    engine: str = ""
+    rules_file: str = ""
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 8000
+    log_level: str = "info"
+    log_format: str = "json"
+    shutdown_grace_s: float = 25.0
+    redis_mode: str = "standalone"
+    shards: int = 1
+    read_block_ms: int = 1000
+    promote_interval_ms: int = 100
+    reclaim_interval_ms: int = 5000
+    consumer_idle_delete_s: int = 3600
+    redis_ca_path: str = ""
+
+    @property
+    def prefix(self) -> str:
+        return self.key_prefix or self.stream
+
+    def redacted_url(self) -> str:
+        return redact_url(self.redis_url)
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, for logs and errors."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing and validation
+
+
+def _int(minimum: int, maximum: int | None = None) -> Callable[[str, Any], int]:
+    def parse(name: str, raw: Any) -> int:
+        if isinstance(raw, bool):
+            raise ConfigError(name, f"expected an integer, got {raw!r}")
+        try:
+            value = int(str(raw).strip())
+        except ValueError:
+            raise ConfigError(name, f"expected an integer, got {raw!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+            raise ConfigError(name, f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _float(minimum: float) -> Callable[[str, Any], float]:
+    def parse(name: str, raw: Any) -> float:
+        try:
+            value = float(str(raw).strip())
+        except ValueError:
+            raise ConfigError(name, f"expected a number, got {raw!r}") from None
+        if value < minimum:
+            raise ConfigError(name, f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str, Any], str]:
+    def parse(name: str, raw: Any) -> str:
+        value = str(raw).strip().lower()
+        if value not in choices:
+            raise ConfigError(name, f"must be one of {', '.join(choices)}, got {raw!r}")
+        return value
+
+    return parse
+
+
+def _name(name: str, raw: Any) -> str:
+    value = str(raw).strip()
+    if not value or any(c.isspace() for c in value):
+        raise ConfigError(name, f"must be a non-empty name without spaces, got {raw!r}")
+    return value
+
+
+def _text(name: str, raw: Any) -> str:
+    return str(raw)
+
+
+def _url(name: str, raw: Any) -> str:
+    value = str(raw).strip()
+    if not value.startswith(("redis://", "rediss://", "unix://")):
+        # The value may hold a password: show only the scheme part.
+        raise ConfigError(
+            name, f"must start with redis://, rediss:// or unix://, got {value.split('://')[0]!r}"
+        )
+    return value
+
+
+_PARSERS: dict[str, Callable[[str, Any], Any]] = {
+    "redis_url": _url,
+    "stream": _name,
+    "group": _name,
+    "reply_stream": _name,
+    "dlq_stream": _name,
+    "key_prefix": _text,
+    "consumer": _text,
+    "concurrency": _int(1, 10_000),
+    "lock_ttl_ms": _int(100),
+    "visibility_timeout_ms": _int(100),
+    "max_attempts": _int(1, 1000),
+    "backoff_base_ms": _int(1),
+    "backoff_max_ms": _int(1),
+    "state_ttl_s": _int(1),
+    "history_limit": _int(0),
+    "dedupe_ttl_s": _int(1),
+    "max_message_bytes": _int(1, 512 * 1024 * 1024),
+    "reply_maxlen": _int(0),
+    "fallback_reply": _text,
+    "engine": _text,
+    "rules_file": _text,
+    "metrics_host": _name,
+    "metrics_port": _int(0, 65535),
+    "log_level": _choice("debug", "info", "warning", "error"),
+    "log_format": _choice("json", "console"),
+    "shutdown_grace_s": _float(0.0),
+    "redis_mode": _choice("standalone", "cluster"),
+    "shards": _int(1, 16384),
+    "read_block_ms": _int(1, 60_000),
+    "promote_interval_ms": _int(1),
+    "reclaim_interval_ms": _int(10),
+    "consumer_idle_delete_s": _int(1),
+    "redis_ca_path": _text,
+}
+
+# Environment names that do not follow the DIALOG_<FIELD> pattern.
+_ENV_NAMES = {"redis_url": "REDIS_URL", "redis_ca_path": "DIALOG_REDIS_CA_PATH"}
+
+
+def env_name(field: str) -> str:
+    return _ENV_NAMES.get(field, f"DIALOG_{field.upper()}")
+
+
+def load_settings(
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build the settings; ``overrides`` are command-line values (None means "not given")."""
+    env = os.environ if environ is None else environ
+    raw: dict[str, tuple[str, Any]] = {}
+
+    for field, value in _read_config_file(env).items():
+        raw[field] = (f"{field} (config file)", value)
+    for field in _PARSERS:
+        if env_name(field) in env:
+            raw[field] = (env_name(field), env[env_name(field)])
+    for field, value in (overrides or {}).items():
+        if value is not None:
+            if field not in _PARSERS:
+                raise ConfigError(field, "unknown setting")
+            raw[field] = (f"--{field.replace('_', '-')}", value)
+
+    values = {field: _PARSERS[field](label, value) for field, (label, value) in raw.items()}
+    if not values.get("consumer"):
+        values["consumer"] = f"{socket.gethostname()}-{os.getpid()}"
+    settings = Settings(**values)
+    _check_relations(settings)
+    return settings
+
+
+def _read_config_file(env: Mapping[str, str]) -> dict[str, Any]:
+    named = env.get("DIALOG_CONFIG")
+    path = Path(named) if named else DEFAULT_CONFIG_FILE
+    if not path.exists():
+        if named:
+            raise ConfigError("DIALOG_CONFIG", f"file not found: {path}")
+        return {}
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("DIALOG_CONFIG", f"cannot read {path}: {exc}") from None
+    table = data.get("worker", data)
+    if not isinstance(table, dict):
+        raise ConfigError("DIALOG_CONFIG", f"{path}: [worker] must be a table")
+    unknown = sorted(set(table) - set(_PARSERS))
+    if unknown:
+        raise ConfigError("DIALOG_CONFIG", f"{path}: unknown setting(s) {', '.join(unknown)}")
+    return dict(table)
+
+
+def _check_relations(s: Settings) -> None:
+    if s.backoff_max_ms < s.backoff_base_ms:
+        raise ConfigError(env_name("backoff_max_ms"), "must be >= DIALOG_BACKOFF_BASE_MS")
+    if s.visibility_timeout_ms < s.lock_ttl_ms:
+        # A reclaimer must never take an entry whose holder may still hold a live lease.
+        raise ConfigError(env_name("visibility_timeout_ms"), "must be >= DIALOG_LOCK_TTL_MS")
+    if s.read_block_ms >= 4000:
+        # redis-py's socket timeout is 5 s: a longer BLOCK raises a timeout (redis-py #2807).
+        raise ConfigError(env_name("read_block_ms"), "must be below 4000")
+    if s.redis_mode == "cluster":
+        raise ConfigError(env_name("redis_mode"), "cluster mode is not available in this version")
+    if s.shards != 1:
+        raise ConfigError(env_name("shards"), "shards > 1 needs cluster mode")

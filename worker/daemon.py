@@ -1,0 +1,369 @@
+"""The worker process: message tasks plus named side loops.
+
+    intake   reader (XREADGROUP, only as many entries as there are free slots)
+             reclaimer (XAUTOCLAIM of entries idle past the visibility timeout; consumer hygiene)
+    work     one task per message, at most DIALOG_CONCURRENCY at once (pipeline.py)
+    side     promoter (delayed set -> stream), heartbeat (lease renewal), sampler (gauges,
+             readiness), HTTP (/metrics, /healthz, /readyz), signals
+
+Shutdown (SIGTERM/SIGINT): intake stops at once; in-flight work gets DIALOG_SHUTDOWN_GRACE_S;
+what is still running then is cancelled and handed back to the queue; locks are released;
+exit 0. A second signal exits at once (whatever was in flight stays pending for others).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import redis.exceptions
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.asyncio import Redis
+
+from worker.config import Settings
+from worker.engine import Engine
+from worker.keys import Keys
+from worker.metrics import Metrics
+from worker.pipeline import Lease, Pipeline
+from worker.redis_conn import connect
+from worker.scripts import Scripts
+from worker.views import queue_stats
+
+log = structlog.get_logger("dialog_worker.daemon")
+
+PROMOTE_BATCH = 500
+SAMPLE_INTERVAL_S = 5.0
+OUTAGE_BACKOFF_MAX_S = 5.0
+
+
+class Worker:
+    def __init__(self, settings: Settings, engine: Engine, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.keys = Keys.from_settings(settings)
+        self.metrics = metrics or Metrics()
+        # Message tasks, side loops and a blocked XREADGROUP each hold a connection.
+        self.redis: Redis = connect(settings, max_connections=settings.concurrency + 8)
+        self.scripts = Scripts.register(self.redis)
+        self.leases: dict[str, Lease] = {}
+        self.pipeline = Pipeline(settings, self.scripts, engine, self.metrics, self.leases)
+        self.slots = anyio.Semaphore(settings.concurrency)
+        self.stopping = anyio.Event()
+        self.ready = False
+        self._last_error_log = 0.0
+
+    # ------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        log.info(
+            "worker_starting",
+            consumer=self.settings.consumer,
+            redis=self.settings.redacted_url(),
+            stream=self.keys.stream,
+            group=self.keys.group,
+            concurrency=self.settings.concurrency,
+        )
+        try:
+            async with anyio.create_task_group() as side:
+                side.start_soon(self._signals, side.cancel_scope)
+                if self.settings.metrics_port:
+                    await side.start(self._http)
+                side.start_soon(self._loop, "promoter", self._promote_once)
+                side.start_soon(self._loop, "heartbeat", self._heartbeat_once)
+                side.start_soon(self._loop, "sampler", self._sample_once)
+                async with anyio.create_task_group() as work:
+                    async with anyio.create_task_group() as intake:
+                        intake.start_soon(self._loop, "reader", lambda: self._read_once(work))
+                        intake.start_soon(self._loop, "reclaimer", lambda: self._reclaim_once(work))
+                        await self.stopping.wait()
+                        intake.cancel_scope.cancel()
+                    # Intake has stopped; in-flight work gets the grace period, then is cancelled
+                    # (cancelled steps hand their message back, see Pipeline._process).
+                    work.cancel_scope.deadline = (
+                        anyio.current_time() + self.settings.shutdown_grace_s
+                    )
+                    self.pipeline.stopping = True
+                side.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.redis.aclose()
+            log.info("worker_stopped", consumer=self.settings.consumer)
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    async def _signals(self, side_scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if self.stopping.is_set():
+                    log.warning("second_signal_exit_now", signal=signum)
+                    os._exit(1)
+                log.info(
+                    "shutdown_requested",
+                    signal=signum,
+                    grace_s=self.settings.shutdown_grace_s,
+                    in_flight=len(self.leases),
+                )
+                self.stop()
+
+    async def _loop(self, name: str, once: Callable[[], Awaitable[float]]) -> None:
+        """Run one side loop: each round returns how long to wait before the next. A Redis
+        failure marks the worker not ready and backs off; the loop itself never dies."""
+        failures = 0
+        while True:
+            try:
+                wait_s = await once()
+                failures = 0
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                failures += 1
+                self.ready = False
+                wait_s = min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures)
+                self._log_outage(name, exc, failures)
+            except redis.exceptions.RedisError as exc:
+                failures += 1
+                wait_s = min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures)
+                log.warning("loop_error", loop=name, error=repr(exc), failures=failures)
+            except Exception:
+                failures += 1
+                wait_s = min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures)
+                log.exception("loop_error", loop=name, failures=failures)
+            if wait_s > 0:
+                await anyio.sleep(wait_s)
+
+    def _log_outage(self, loop: str, exc: BaseException, failures: int) -> None:
+        now = time.monotonic()
+        if failures == 1 or now - self._last_error_log > 5:
+            self._last_error_log = now
+            log.warning("redis_unavailable", loop=loop, error=type(exc).__name__, failures=failures)
+
+    # ------------------------------------------------------------------------------------
+    # intake
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.stream, self.keys.group, id="0", mkstream=True)
+            log.info("group_created", stream=self.keys.stream, group=self.keys.group)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def _take_slots(self) -> int:
+        """Wait for one free slot, then take every other free one: we read only what we can
+        start now, so nothing sits unstarted in the pending list looking stuck."""
+        await self.slots.acquire()
+        taken = 1
+        while True:
+            try:
+                self.slots.acquire_nowait()
+            except anyio.WouldBlock:
+                return taken
+            taken += 1
+
+    def _give_slots(self, n: int) -> None:
+        for _ in range(n):
+            self.slots.release()
+
+    async def _read_once(self, work: anyio.abc.TaskGroup) -> float:
+        if not self.ready:
+            await self._ensure_group()
+            await self.redis.ping()
+            self.ready = True
+        slots = await self._take_slots()
+        try:
+            reply = await self.redis.xreadgroup(
+                self.keys.group,
+                self.settings.consumer,
+                {self.keys.stream: ">"},
+                count=slots,
+                block=self.settings.read_block_ms,
+            )
+        except redis.exceptions.ResponseError as exc:
+            self._give_slots(slots)
+            if "NOGROUP" in str(exc):
+                # The stream or group vanished (a Redis restart without persistence, a
+                # deleted key): create them again rather than spin.
+                self.ready = False
+                return 0
+            raise
+        except BaseException:
+            self._give_slots(slots)
+            raise
+        entries = [e for _, batch in reply for e in batch] if reply else []
+        self._give_slots(slots - len(entries))
+        for entry_id, fields in entries:
+            work.start_soon(self._run_entry, entry_id, fields)
+        return 0
+
+    async def _run_entry(self, entry_id: str, fields: dict[str, str] | None) -> None:
+        try:
+            if fields is None:
+                # Deleted after it was delivered: nothing left to process.
+                with anyio.CancelScope(shield=True):
+                    await self.redis.xack(self.keys.stream, self.keys.group, entry_id)
+                return
+            self.metrics.in_flight.inc()
+            try:
+                await self.pipeline.handle_entry(entry_id, fields)
+            finally:
+                self.metrics.in_flight.dec()
+        finally:
+            self.slots.release()
+
+    async def _reclaim_once(self, work: anyio.abc.TaskGroup) -> float:
+        """XAUTOCLAIM entries idle past the visibility timeout (their consumer died or hangs:
+        live work is kept fresh by the heartbeat). Follows the cursor to 0-0; a page may be
+        empty with a non-zero cursor, and IDs of entries deleted meanwhile come back apart."""
+        if not self.ready:
+            return self.settings.reclaim_interval_ms / 1000
+        cursor = "0-0"
+        while True:
+            slots = await self._take_slots()
+            try:
+                cursor, claimed, deleted = await self.redis.xautoclaim(
+                    self.keys.stream,
+                    self.keys.group,
+                    self.settings.consumer,
+                    min_idle_time=self.settings.visibility_timeout_ms,
+                    start_id=cursor,
+                    count=slots,
+                )
+            except BaseException:
+                self._give_slots(slots)
+                raise
+            self._give_slots(slots - len(claimed))
+            if deleted:
+                log.info("reclaim_deleted_entries", count=len(deleted))
+            if claimed:
+                self.metrics.reclaimed.inc(len(claimed))
+                log.info("reclaimed", count=len(claimed))
+            for entry_id, fields in claimed:
+                work.start_soon(self._run_entry, entry_id, fields)
+            if cursor == "0-0":
+                break
+        await self._delete_idle_consumers()
+        return self.settings.reclaim_interval_ms / 1000
+
+    async def _delete_idle_consumers(self) -> None:
+        idle_ms = self.settings.consumer_idle_delete_s * 1000
+        for consumer in await self.redis.xinfo_consumers(self.keys.stream, self.keys.group):
+            name = consumer["name"]
+            if (
+                name != self.settings.consumer
+                and int(consumer["pending"]) == 0
+                and int(consumer["idle"]) >= idle_ms
+            ):
+                deleted = await self.scripts.delconsumer(
+                    keys=[self.keys.stream], args=[self.keys.group, name, idle_ms]
+                )
+                if int(deleted):
+                    log.info("consumer_deleted", deleted_consumer=name)
+
+    # ------------------------------------------------------------------------------------
+    # side loops
+
+    async def _promote_once(self) -> float:
+        moved, wait_ms = await self.scripts.promote(
+            keys=[self.keys.delayed, self.keys.delayed_data, self.keys.stream],
+            args=[PROMOTE_BATCH],
+        )
+        if int(moved) >= PROMOTE_BATCH:
+            return 0
+        interval = self.settings.promote_interval_ms
+        wait = interval if int(wait_ms) < 0 else min(interval, max(int(wait_ms), 5))
+        return wait / 1000
+
+    async def _heartbeat_once(self) -> float:
+        ttl = self.settings.lock_ttl_ms
+        due = time.monotonic() - ttl / 3000
+        for lease in [lease for lease in self.leases.values() if lease.renewed_at < due]:
+            if lease.lost:
+                continue
+            ok = await self.scripts.renew(
+                keys=[lease.keys.lock, self.keys.stream, self.keys.delayed],
+                args=[
+                    lease.token,
+                    ttl,
+                    self.keys.group,
+                    self.settings.consumer,
+                    lease.source,
+                    lease.source_id,
+                ],
+            )
+            if int(ok):
+                lease.renewed_at = time.monotonic()
+                self.metrics.lease_renewals.inc()
+            else:
+                lease.lost = True
+                if lease.scope is not None:
+                    lease.scope.cancel()
+                log.warning("lease_lost", entry_id=lease.source_id)
+        return ttl / 4000
+
+    async def _sample_once(self) -> float:
+        stats = await queue_stats(self.redis, self.keys)
+        m = self.metrics
+        m.stream_length.set(stats["stream_length"])
+        m.group_lag.set(stats["lag"] or 0)
+        m.pending.set(stats["pending"])
+        m.oldest_pending_age.set(stats["oldest_pending_age_s"])
+        m.delayed.set(stats["delayed"])
+        m.dlq_length.set(stats["dlq_length"])
+        return SAMPLE_INTERVAL_S
+
+    # ------------------------------------------------------------------------------------
+    # HTTP: /metrics, /healthz, /readyz
+
+    async def _http(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        listener = await anyio.create_tcp_listener(
+            local_host=self.settings.metrics_host,
+            local_port=self.settings.metrics_port,
+            reuse_port=False,
+        )
+        log.info("http_listening", host=self.settings.metrics_host, port=self.settings.metrics_port)
+        task_status.started()
+        await listener.serve(self._serve_http)
+
+    async def _serve_http(self, stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            with contextlib.suppress(Exception), anyio.fail_after(5):
+                request = b""
+                while b"\r\n\r\n" not in request and len(request) < 8192:
+                    request += await stream.receive(4096)
+                path = request.split(b" ", 2)[1].decode() if request.count(b" ") >= 2 else "/"
+                status, ctype, body = self._route(path.split("?", 1)[0])
+                head = (
+                    f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                )
+                await stream.send(head.encode() + body)
+
+    def _route(self, path: str) -> tuple[str, str, bytes]:
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.metrics.registry)
+        if path == "/healthz":
+            return "200 OK", "text/plain", b"ok\n"
+        if path == "/readyz":
+            if self.ready and not self.stopping.is_set():
+                return "200 OK", "text/plain", b"ready\n"
+            return "503 Service Unavailable", "text/plain", b"not ready\n"
+        return "404 Not Found", "text/plain", b"not found\n"
+
+
+def run_worker(settings: Settings, engine: Engine, **kwargs: Any) -> None:
+    """Run a worker until it is told to stop, on uvloop where available."""
+    backend_options: dict[str, Any] = {}
+    try:
+        import uvloop  # noqa: F401
+
+        backend_options["use_uvloop"] = True
+    except ImportError:
+        pass
+    anyio.run(Worker(settings, engine, **kwargs).run, backend_options=backend_options)

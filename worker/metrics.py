@@ -1,0 +1,77 @@
+"""Prometheus metrics (contract section 7). No per-session labels: cardinality stays bounded."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.messages = Counter(
+            "dialog_messages", "Messages by final outcome", ["outcome"], registry=r
+        )
+        self.retries = Counter(
+            "dialog_retries", "Messages re-queued, by reason", ["reason"], registry=r
+        )
+        self.lock_contended = Counter(
+            "dialog_lock_contended", "Acquisitions that found the session locked", registry=r
+        )
+        self.reclaimed = Counter(
+            "dialog_reclaimed", "Entries taken over from idle consumers by XAUTOCLAIM", registry=r
+        )
+        self.fencing_rejections = Counter(
+            "dialog_fencing_rejections",
+            "Commits refused because the lock or the state version moved on",
+            registry=r,
+        )
+        self.lease_renewals = Counter(
+            "dialog_lease_renewals", "Lock lease extensions of long steps", registry=r
+        )
+        self.handoffs = Counter(
+            "dialog_handoffs", "Parked messages handed straight to the lock holder", registry=r
+        )
+        self.processing = Histogram(
+            "dialog_processing_seconds",
+            "From start of processing to commit, per message",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.end_to_end = Histogram(
+            "dialog_end_to_end_seconds",
+            "From first enqueue to commit, per message",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stream_length = Gauge("dialog_stream_length", "XLEN of the inbound stream", registry=r)
+        self.group_lag = Gauge("dialog_group_lag", "Entries not yet read by the group", registry=r)
+        self.pending = Gauge("dialog_pending", "Entries read but not acked", registry=r)
+        self.oldest_pending_age = Gauge(
+            "dialog_oldest_pending_age_seconds", "Idle time of the oldest pending entry", registry=r
+        )
+        self.delayed = Gauge("dialog_delayed", "Messages waiting in the delayed set", registry=r)
+        self.dlq_length = Gauge("dialog_dlq_length", "XLEN of the dead-letter stream", registry=r)
+        self.in_flight = Gauge("dialog_in_flight", "Messages being processed here", registry=r)
+        for outcome in ("applied", "duplicate", "dead_lettered"):
+            self.messages.labels(outcome)
+        for reason in ("contended", "out_of_order", "error"):
+            self.retries.labels(reason)

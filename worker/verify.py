@@ -1,0 +1,166 @@
+"""The concurrency verification: send bursts, wait until they are applied, and check that
+every message was applied exactly once, in order, with exactly one reply.
+
+Used by `dialog-worker verify` against live workers and by the test suite."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections import Counter, defaultdict
+from typing import Any
+
+import anyio
+
+from worker.client import DialogClient
+
+
+@dataclasses.dataclass
+class Sent:
+    session_id: str
+    seq: int
+    msg_id: str
+    text: str
+
+
+@dataclasses.dataclass
+class Report:
+    sessions: int
+    messages: int
+    seconds: float
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "sessions": self.sessions,
+            "messages": self.messages,
+            "seconds": round(self.seconds, 3),
+            "messages_per_s": round(self.messages / self.seconds, 1) if self.seconds else None,
+            "problems": self.problems[:50],
+            "problem_count": len(self.problems),
+        }
+
+
+async def send_bursts(
+    client: DialogClient, sessions: list[str], texts: list[str], senders: int = 200
+) -> list[Sent]:
+    """Send every text to every session; a session's texts go out back to back in order,
+    sessions in parallel (up to `senders` coroutines at once)."""
+    sent: list[Sent] = []
+    limiter = anyio.Semaphore(senders)
+
+    async def burst(session_id: str) -> None:
+        async with limiter:
+            for text in texts:
+                r = await client.send(session_id, text)
+                sent.append(Sent(session_id, r.seq, r.msg_id, text))
+
+    async with anyio.create_task_group() as tg:
+        for sid in sessions:
+            tg.start_soon(burst, sid)
+    return sent
+
+
+async def wait_applied(
+    client: DialogClient, sent: list[Sent], timeout_s: float, poll_s: float = 0.05
+) -> bool:
+    """Poll until every session's applied_seq reaches its last sent seq, or the deadline."""
+    last: dict[str, int] = {}
+    for s in sent:
+        last[s.session_id] = max(last.get(s.session_id, 0), s.seq)
+    deadline = time.monotonic() + timeout_s
+    waiting = dict(last)
+    while waiting and time.monotonic() < deadline:
+        keys = [client.keys.session(sid).state for sid in waiting]
+        async with client.redis.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.hget(k, "a")
+            applied = await pipe.execute()
+        for (sid, want), got in zip(list(waiting.items()), applied, strict=True):
+            if got is not None and int(got) >= want:
+                del waiting[sid]
+        if waiting:
+            await anyio.sleep(poll_s)
+    return not waiting
+
+
+async def check(client: DialogClient, sent: list[Sent], replies_after: str = "0-0") -> list[str]:
+    """Exactly once, in order, one reply each. `replies_after`: reply stream ID before sending."""
+    problems: list[str] = []
+    by_session: dict[str, list[Sent]] = defaultdict(list)
+    for s in sent:
+        by_session[s.session_id].append(s)
+    for sid, msgs in by_session.items():
+        msgs.sort(key=lambda m: m.seq)
+        state = await client.state(sid)
+        if state is None:
+            problems.append(f"{sid}: no state")
+            continue
+        if state["applied_seq"] != msgs[-1].seq:
+            problems.append(f"{sid}: applied_seq {state['applied_seq']} != {msgs[-1].seq}")
+        turns = state["history"]
+        ours = {m.msg_id for m in msgs}
+        seen = [t for t in turns if t["msg_id"] in ours]
+        expected = [m.msg_id for m in msgs][-len(turns) :] if turns else []
+        if len(msgs) <= client.settings.history_limit:
+            expected = [m.msg_id for m in msgs]
+        got = [t["msg_id"] for t in seen]
+        if got != expected:
+            dup = [k for k, n in Counter(got).items() if n > 1]
+            kind = "applied twice" if dup else "out of order or missing"
+            problems.append(f"{sid}: history {kind}: got {got[:12]} expected {expected[:12]}")
+        seqs = [t["seq"] for t in turns]
+        if seqs != sorted(seqs):
+            problems.append(f"{sid}: history seqs not increasing: {seqs[:12]}")
+    counts: Counter[tuple[str, str]] = Counter()
+    wanted = {(s.session_id, str(s.seq)) for s in sent}
+    start = f"({replies_after}"
+    while True:
+        batch = await client.redis.xrange(client.keys.replies, min=start, max="+", count=5000)
+        for _, f in batch:
+            key = (f.get("session_id", ""), f.get("seq", ""))
+            if key in wanted:
+                counts[key] += 1
+        if len(batch) < 5000:
+            break
+        start = f"({batch[-1][0]}"
+    missing = [k for k in wanted if counts[k] == 0]
+    extra = [k for k, n in counts.items() if n > 1]
+    if missing:
+        problems.append(f"{len(missing)} messages without a reply, e.g. {missing[:3]}")
+    if extra:
+        problems.append(f"{len(extra)} messages with more than one reply, e.g. {extra[:3]}")
+    return problems
+
+
+SEED_TEXTS = ["nama saya Budi", "saya ada kendala billing"]
+
+
+async def verify(client: DialogClient, sessions: int, burst: int, timeout_s: float) -> Report:
+    """The seed's check (two messages, one session) plus `sessions` x `burst` more."""
+    run = uuid.uuid4().hex[:8]
+    last = await client.redis.xrevrange(client.keys.replies, count=1)
+    replies_after = last[0][0] if last else "0-0"
+    started = time.monotonic()
+    sent = await send_bursts(client, [f"verify-{run}-seed"], SEED_TEXTS)
+    texts = [f"pesan {i}" for i in range(1, burst)]
+    sent += await send_bursts(
+        client, [f"verify-{run}-{i}" for i in range(sessions)], ["nama saya Budi", *texts]
+    )
+    problems: list[str] = []
+    if not await wait_applied(client, sent, timeout_s):
+        problems.append(f"not everything applied within {timeout_s}s (are workers running?)")
+    seconds = time.monotonic() - started
+    problems += await check(client, sent, replies_after)
+    seed = await client.state(f"verify-{run}-seed")
+    if seed is not None and (
+        seed["memory"].get("userName") != "Budi" or seed["step"] != "COMPLETED"
+    ):
+        problems.append(f"seed session: expected userName Budi and COMPLETED, got {seed}")
+    return Report(sessions + 1, len(sent), seconds, problems)
