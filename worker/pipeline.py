@@ -125,7 +125,11 @@ class Pipeline:
         )
         sk = self.keys.session(msg.session_id)
         token = secrets.token_hex(16)
-        park_delay = backoff_ms(
+        # A parked message is normally handed on by its predecessor's commit the moment that
+        # lands; its own due time is only the safety net (for a lost hand-off or a stale copy),
+        # so it waits at least one lock lease: a shorter timer would only cycle it through the
+        # stream and park it again, costing round trips and nothing gained.
+        park_delay = self.settings.lock_ttl_ms + backoff_ms(
             msg.requeues + 1, self.settings.backoff_base_ms, self.settings.backoff_max_ms
         )
         raw = await _shielded(

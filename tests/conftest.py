@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+SUPPORT = Path(__file__).resolve().parent / "support"
+sys.path.insert(0, str(SUPPORT))
+
+from redis_server import RedisServer  # noqa: E402
+from worker_procs import WorkerPool  # noqa: E402
+
+from worker.client import DialogClient  # noqa: E402
+from worker.config import load_settings  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One shared server for integration tests; each test starts from an empty database."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+def worker_env(url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DIALOG_")}
+    env.update({
+        "REDIS_URL": url,
+        "PYTHONPATH": os.pathsep.join([str(SUPPORT), str(SUPPORT.parent.parent)]),
+        "DIALOG_LOG_LEVEL": "warning",
+        "DIALOG_METRICS_PORT": "0",
+        "DIALOG_SHUTDOWN_GRACE_S": "10",
+    })
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def env(redis_server: RedisServer) -> dict[str, str]:
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    return worker_env(redis_server.url)
+
+
+@pytest.fixture
+def workers(env: dict[str, str], tmp_path: Path) -> Iterator[WorkerPool]:
+    pool = WorkerPool(env, tmp_path)
+    yield pool
+    pool.stop_all()
+
+
+@pytest_asyncio.fixture
+async def client(env: dict[str, str]) -> AsyncIterator[DialogClient]:
+    settings = load_settings(environ=env)
+    async with DialogClient(settings=settings, max_connections=200) as c:
+        yield c

@@ -1,0 +1,40 @@
+"""A dialog engine for fault tests, loaded by worker processes with
+DIALOG_ENGINE=fault_engine:make. The text decides what happens, so a test chooses the fault
+per message:
+    "boom ..."      raises RuntimeError every time (a failed attempt)
+    "fatal ..."     raises PermanentError (dead-letter at once)
+    "exit ..."      kills its worker process with os._exit (a poison message)
+    "sleep S ..."   sleeps S seconds, then behaves as the default rules
+    anything else   the default rules
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import anyio
+
+from worker.engine import load_rules
+from worker.errors import PermanentError
+
+
+class FaultEngine:
+    def __init__(self) -> None:
+        self.rules = load_rules()
+
+    async def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        text = message["text"]
+        if text.startswith("boom"):
+            raise RuntimeError(f"boom on seq {message['seq']}")
+        if text.startswith("fatal"):
+            raise PermanentError("refused by the engine")
+        if text.startswith("exit"):
+            os._exit(3)
+        if text.startswith("sleep "):
+            await anyio.sleep(float(text.split()[1]))
+        return self.rules.step(state, message)
+
+
+def make() -> FaultEngine:
+    return FaultEngine()
