@@ -45,6 +45,19 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("stats", help="queue statistics")
 
+    dlq = sub.add_parser("dlq", help="dead-letter stream: list, show, redrive, purge")
+    dsub = dlq.add_subparsers(dest="dlq_command", required=True)
+    dlist = dsub.add_parser("list", help="one line per dead letter, oldest first")
+    dlist.add_argument("--limit", type=int, default=100)
+    dshow = dsub.add_parser("show", help="every field of one dead letter")
+    dshow.add_argument("id")
+    dre = dsub.add_parser("redrive", help="re-send dead letters through send")
+    dre.add_argument("--limit", type=int)
+    dre.add_argument("--rate", type=float, help="at most this many per second")
+    dre.add_argument("--id", dest="entry_id")
+    dpurge = dsub.add_parser("purge", help="delete dead letters (all, or --id)")
+    dpurge.add_argument("--id", dest="entry_id")
+
     verify = sub.add_parser("verify", help="concurrency verification against running workers")
     verify.add_argument("--sessions", type=int, default=50)
     verify.add_argument("--burst", type=int, default=10)
@@ -146,10 +159,33 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
+async def _dlq(settings: Settings, args: argparse.Namespace) -> int:
+    from worker import dlq
+
+    async with DialogClient(settings=settings) as c:
+        if args.dlq_command == "list":
+            for row in await dlq.list_entries(c, args.limit):
+                _emit(row)
+        elif args.dlq_command == "show":
+            entry = await dlq.show(c, args.id)
+            if entry is None:
+                print(f"dialog-worker: no dead letter {args.id}", file=sys.stderr)
+                return EXIT_FAILURE
+            _emit(entry)
+        elif args.dlq_command == "redrive":
+            if args.rate is not None and args.rate <= 0:
+                raise ValidationError("--rate must be positive")
+            _emit(await dlq.redrive(c, args.limit, args.rate, args.entry_id))
+        else:
+            _emit({"purged": await dlq.purge(c, args.entry_id)})
+    return EXIT_OK
+
+
 _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
     "send": _send,
     "state": _state,
     "session": _session,
     "stats": _stats,
     "verify": _verify,
+    "dlq": _dlq,
 }

@@ -219,7 +219,8 @@ class Pipeline:
                     f"delivered {job.attempts - 1} times without finishing "
                     "(worker killed or lease lost during the step)"
                 )
-                return await self._deadletter(job, "exhausted", error)
+                # This delivery is not an attempt: the step is not run again.
+                return await self._deadletter(job, "exhausted", error, job.attempts - 1)
             try:
                 new_state, reply = await self._step(job)
             except anyio.get_cancelled_exc_class():
@@ -232,6 +233,9 @@ class Pipeline:
                 return await self._deadletter(job, "permanent", _describe(exc))
             except Exception as exc:
                 if job.lease.lost:
+                    # The heartbeat found the lock taken over and cancelled the step: the
+                    # result is given up, as the fenced commit would refuse it.
+                    self.metrics.fencing_rejections.inc()
                     log.warning("lease_lost", outcome="abandoned")
                     return None
                 if job.attempts >= settings.max_attempts:
@@ -374,7 +378,9 @@ class Pipeline:
         )
         return Code(int(raw))
 
-    async def _deadletter(self, job: Job, kind: str, error: str) -> Job | None:
+    async def _deadletter(
+        self, job: Job, kind: str, error: str, attempts: int | None = None
+    ) -> Job | None:
         """Dead-letter in the session's order: a fallback reply, a history turn and the
         applied_seq advance, so the session's later messages go on."""
         failed_at = str(now_ms())
@@ -382,7 +388,7 @@ class Pipeline:
             **job.msg.fields,
             "error": error,
             "error_kind": kind,
-            "attempts": str(max(job.attempts, 1)),
+            "attempts": str(max(job.attempts if attempts is None else attempts, 1)),
             "first_failed_at": job.first_failed_at or failed_at,
             "last_failed_at": failed_at,
             "consumer": self.settings.consumer,

@@ -5,6 +5,7 @@ per message:
     "fatal ..."     raises PermanentError (dead-letter at once)
     "exit ..."      kills its worker process with os._exit (a poison message)
     "sleep S ..."   sleeps S seconds, then behaves as the default rules
+    "flaky ..."     raises while the file named by FAULT_FLAG_FILE exists
     anything else   the default rules
 """
 
@@ -31,6 +32,9 @@ class FaultEngine:
             raise PermanentError("refused by the engine")
         if text.startswith("exit"):
             os._exit(3)
+        flag = os.environ.get("FAULT_FLAG_FILE")
+        if text.startswith("flaky") and flag and os.path.exists(flag):
+            raise RuntimeError("flaky: flag file present")
         if text.startswith("sleep "):
             await anyio.sleep(float(text.split()[1]))
         return self.rules.step(state, message)
