@@ -28,13 +28,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 def worker_env(url: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DIALOG_")}
-    env.update({
-        "REDIS_URL": url,
-        "PYTHONPATH": os.pathsep.join([str(SUPPORT), str(SUPPORT.parent.parent)]),
-        "DIALOG_LOG_LEVEL": "warning",
-        "DIALOG_METRICS_PORT": "0",
-        "DIALOG_SHUTDOWN_GRACE_S": "10",
-    })
+    env.update(
+        {
+            "REDIS_URL": url,
+            "PYTHONPATH": os.pathsep.join([str(SUPPORT), str(SUPPORT.parent.parent)]),
+            "DIALOG_LOG_LEVEL": "warning",
+            "DIALOG_METRICS_PORT": "0",
+            "DIALOG_SHUTDOWN_GRACE_S": "10",
+        }
+    )
     env.update(extra)
     return env
 

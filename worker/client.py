@@ -47,9 +47,7 @@ class DialogClient:
         if settings is None:
             settings = load_settings({"redis_url": url, **overrides})
         elif url or overrides:
-            settings = dataclasses.replace(
-                settings, **({"redis_url": url} if url else {}), **overrides
-            )
+            settings = settings.replace(**({"redis_url": url} if url else {}), **overrides)
         self.settings = settings
         self.keys = Keys.from_settings(settings)
         self.redis: Redis = connect(settings, max_connections)

@@ -9,6 +9,7 @@ inside a loop.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import tomllib
@@ -66,15 +67,37 @@ class Settings:
     def redacted_url(self) -> str:
         return redact_url(self.redis_url)
 
+    def replace(self, **overrides: Any) -> Settings:
+        """A copy with some values changed, validated like any other source."""
+        values = {k: _PARSERS[k](k, v) for k, v in overrides.items() if _known(k)}
+        changed = dataclasses.replace(self, **values)
+        _check_relations(changed)
+        return changed
+
+
+def _known(field: str) -> bool:
+    if field not in _PARSERS:
+        raise ConfigError(field, "unknown setting")
+    return True
+
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced, for logs and errors."""
+    """The URL with any password replaced, for logs and errors: in the user-info part and
+    in a ``password=`` query parameter (redis-py reads both)."""
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
+    if not sep:
+        return "<redacted: not a URL>" if "@" in url else url
+    base, qmark, query = rest.partition("?")
+    if "@" in base:
+        creds, _, host = base.rpartition("@")
+        user = creds.split(":", 1)[0]
+        base = f"{user}:***@{host}" if ":" in creds else f"{user}@{host}"
+    if qmark:
+        params = [
+            "password=***" if p.lower().startswith("password=") else p for p in query.split("&")
+        ]
+        query = "&".join(params)
+    return f"{scheme}://{base}{qmark}{query}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,8 +126,8 @@ def _float(minimum: float) -> Callable[[str, Any], float]:
             value = float(str(raw).strip())
         except ValueError:
             raise ConfigError(name, f"expected a number, got {raw!r}") from None
-        if value < minimum:
-            raise ConfigError(name, f"must be >= {minimum}, got {value}")
+        if not math.isfinite(value) or value < minimum:
+            raise ConfigError(name, f"must be a finite number >= {minimum}, got {raw!r}")
         return value
 
     return parse
@@ -134,10 +157,9 @@ def _text(name: str, raw: Any) -> str:
 def _url(name: str, raw: Any) -> str:
     value = str(raw).strip()
     if not value.startswith(("redis://", "rediss://", "unix://")):
-        # The value may hold a password: show only the scheme part.
-        raise ConfigError(
-            name, f"must start with redis://, rediss:// or unix://, got {value.split('://')[0]!r}"
-        )
+        # The value may hold a password: show only the scheme part, if there is one.
+        scheme = value.split("://", 1)[0] if "://" in value else "no scheme"
+        raise ConfigError(name, f"must start with redis://, rediss:// or unix://, got {scheme!r}")
     return value
 
 
@@ -226,6 +248,9 @@ def _read_config_file(env: Mapping[str, str]) -> dict[str, Any]:
     table = data.get("worker", data)
     if not isinstance(table, dict):
         raise ConfigError("DIALOG_CONFIG", f"{path}: [worker] must be a table")
+    if table is not data and len(data) > 1:
+        others = ", ".join(sorted(k for k in data if k != "worker"))
+        raise ConfigError("DIALOG_CONFIG", f"{path}: settings outside [worker]: {others}")
     unknown = sorted(set(table) - set(_PARSERS))
     if unknown:
         raise ConfigError("DIALOG_CONFIG", f"{path}: unknown setting(s) {', '.join(unknown)}")

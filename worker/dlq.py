@@ -20,8 +20,17 @@ import anyio
 from worker.client import DialogClient
 from worker.errors import ValidationError
 
-SUMMARY_FIELDS = ("session_id", "msg_id", "seq", "error_kind", "error", "attempts",
-                  "first_failed_at", "last_failed_at", "source_entry_id")
+SUMMARY_FIELDS = (
+    "session_id",
+    "msg_id",
+    "seq",
+    "error_kind",
+    "error",
+    "attempts",
+    "first_failed_at",
+    "last_failed_at",
+    "source_entry_id",
+)
 
 
 def summary(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
@@ -59,8 +68,11 @@ async def redrive(
                 break
             started = time.monotonic()
             try:
-                await client.send(fields.get("session_id", ""), fields.get("text", ""),
-                                  msg_id=f"redrive:{entry_id}")
+                await client.send(
+                    fields.get("session_id", ""),
+                    fields.get("text", ""),
+                    msg_id=f"redrive:{entry_id}",
+                )
             except ValidationError as exc:
                 # Cannot be re-sent as it is (no session, oversized): it stays for a human.
                 skipped += 1

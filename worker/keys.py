@@ -21,9 +21,8 @@ def escape_tag(session_id: str) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SessionKeys:
-    state: str  # hash: d (state JSON), v (version), a (applied_seq), in-flight attempt fields
+    state: str  # hash: d (state JSON), v (version), a (applied_seq), s (last seq), ia_* attempts
     lock: str  # string: holder token, PX lease
-    seq: str  # string: last assigned seq
     parked: str  # hash: seq -> delayed id of a message waiting for its predecessor
     dedupe_prefix: str  # + msg_id: string holding the seq assigned to that msg_id
 
@@ -61,11 +60,6 @@ class Keys:
         return SessionKeys(
             state=f"{base}:state",
             lock=f"{base}:lock",
-            seq=f"{base}:seq",
             parked=f"{base}:parked",
             dedupe_prefix=f"{base}:msg:",
         )
-
-    def session_pattern(self) -> str:
-        """SCAN pattern matching every session's state key (for inspection tools only)."""
-        return f"{self.prefix}:s:*:state"

@@ -9,7 +9,6 @@ import time
 
 import anyio
 import pytest
-from redis_server import wait_until
 
 from worker.verify import check, send_bursts, wait_applied
 
@@ -24,9 +23,21 @@ FAST = {
     "DIALOG_BACKOFF_MAX_MS": "100",
 }
 
-DLQ_FIELDS = {"session_id", "msg_id", "seq", "text", "enqueued_at", "error", "error_kind",
-              "attempts", "first_failed_at", "last_failed_at", "consumer", "worker_version",
-              "source_entry_id"}
+DLQ_FIELDS = {
+    "session_id",
+    "msg_id",
+    "seq",
+    "text",
+    "enqueued_at",
+    "error",
+    "error_kind",
+    "attempts",
+    "first_failed_at",
+    "last_failed_at",
+    "consumer",
+    "worker_version",
+    "source_entry_id",
+}
 
 
 async def dead_letters(client) -> list[dict[str, str]]:
@@ -49,8 +60,11 @@ async def assert_nothing_left(client) -> None:
 
     async def empty():
         pending = (await client.redis.xpending(k.stream, k.group))["pending"]
-        return (await client.redis.xlen(k.stream), pending, await client.redis.zcard(k.delayed)) \
-            == (0, 0, 0)
+        return (
+            await client.redis.xlen(k.stream),
+            pending,
+            await client.redis.zcard(k.delayed),
+        ) == (0, 0, 0)
 
     await wait_for(empty, 20, "stream, pending and delayed set to be empty")
 
@@ -128,8 +142,10 @@ async def test_oversized_entry_is_dead_lettered_and_the_next_message_proceeds(cl
     await client.redis.xgroup_create(k.stream, k.group, id="0", mkstream=True)
     # A producer that bypasses send's check: the entry takes seq 1 in the session's order.
     seq = await client.redis.hincrby(sk.state, "s", 1)
-    await client.redis.xadd(k.stream, {"session_id": "big", "msg_id": "huge", "seq": seq,
-                                       "text": "x" * 5000, "enqueued_at": 0})
+    await client.redis.xadd(
+        k.stream,
+        {"session_id": "big", "msg_id": "huge", "seq": seq, "text": "x" * 5000, "enqueued_at": 0},
+    )
     after = await client.send("big", "nama saya Budi")
     assert after.seq == 2
     await wait_for(lambda: client.state("big"), 20, "state")
@@ -160,8 +176,11 @@ async def test_redrive_resends_and_a_message_that_fails_again_is_dead_lettered_a
 
     flag.unlink()  # the dependency is fixed: "flaky" now succeeds, "boom" still fails
     cli = [sys.executable, "-m", "worker", "dlq"]
-    result = await anyio.to_thread.run_sync(lambda: subprocess.run(
-        [*cli, "redrive", "--rate", "50"], env=env, capture_output=True, text=True, check=True))
+    result = await anyio.to_thread.run_sync(
+        lambda: subprocess.run(
+            [*cli, "redrive", "--rate", "50"], env=env, capture_output=True, text=True, check=True
+        )
+    )
     assert json.loads(result.stdout) == {"redriven": 2, "skipped": 0}
 
     async def settled():
@@ -169,13 +188,18 @@ async def test_redrive_resends_and_a_message_that_fails_again_is_dead_lettered_a
         return state if state and state["applied_seq"] >= 4 else None
 
     state = await wait_for(settled, 30, "redriven messages")
-    turns = [(t["seq"], t["user"], t["bot"] == client.settings.fallback_reply)
-             for t in state["history"]]
-    assert turns == [(1, "flaky a", True), (2, "boom b", True),
-                     (3, "flaky a", False), (4, "boom b", True)]
+    turns = [
+        (t["seq"], t["user"], t["bot"] == client.settings.fallback_reply) for t in state["history"]
+    ]
+    assert turns == [
+        (1, "flaky a", True),
+        (2, "boom b", True),
+        (3, "flaky a", False),
+        (4, "boom b", True),
+    ]
     [again] = await dead_letters(client)
     assert again["text"] == "boom b" and again["msg_id"].startswith("redrive:")
-    listed = await anyio.to_thread.run_sync(lambda: subprocess.run(
-        [*cli, "list"], env=env, capture_output=True, text=True, check=True))
-    assert [json.loads(line)["msg_id"] for line in listed.stdout.splitlines()] == [
-        again["msg_id"]]
+    listed = await anyio.to_thread.run_sync(
+        lambda: subprocess.run([*cli, "list"], env=env, capture_output=True, text=True, check=True)
+    )
+    assert [json.loads(line)["msg_id"] for line in listed.stdout.splitlines()] == [again["msg_id"]]

@@ -29,7 +29,9 @@ async def assert_drained(client: DialogClient, timeout_s: float = 20) -> None:
 
 async def test_seed_verification_two_back_to_back_messages_two_workers(client, workers):
     workers.start(2)
-    sent = await send_bursts(client, ["session_123"], ["nama saya Budi", "saya ada kendala billing"])
+    sent = await send_bursts(
+        client, ["session_123"], ["nama saya Budi", "saya ada kendala billing"]
+    )
     assert await wait_applied(client, sent, timeout_s=20)
     state = await client.state("session_123")
     assert state["memory"]["userName"] == "Budi"
@@ -89,8 +91,16 @@ async def test_duplicate_msg_id_enqueues_nothing_and_returns_original_seq(client
     assert second.seq == 2
 
 
-@pytest.mark.parametrize("ids", [["a}b", "a", "b"], ["{x}", "x", "{x"], ["a:lock", "a"],
-                                 ["sesi-ñ-日本", "sesi"], ["é" * 128, "é" * 127]])
+@pytest.mark.parametrize(
+    "ids",
+    [
+        ["a}b", "a", "b"],
+        ["{x}", "x", "{x"],
+        ["a:lock", "a"],
+        ["sesi-ñ-日本", "sesi"],
+        ["é" * 128, "é" * 127],
+    ],
+)
 async def test_tricky_session_ids_stay_separate(client, workers, ids):
     workers.start(1)
     sent = []

@@ -35,10 +35,23 @@ async def acquire(client, scripts, session, token, entry_id, seq) -> LockReply:
 async def commit(client, scripts, session, token, version, seq, entry_id, doc) -> LockReply:
     sk, k = client.keys.session(session), client.keys
     raw = await scripts.commit(
-        keys=[sk.lock, sk.state, sk.parked, k.delayed, k.delayed_data, k.stream, k.replies,
-              k.dlq],
-        args=[token, version, seq, json.dumps(doc), 3600, "s", entry_id, k.group, session,
-              "m", "reply", TTL_MS, 0, ""],
+        keys=[sk.lock, sk.state, sk.parked, k.delayed, k.delayed_data, k.stream, k.replies, k.dlq],
+        args=[
+            token,
+            version,
+            seq,
+            json.dumps(doc),
+            3600,
+            "s",
+            entry_id,
+            k.group,
+            session,
+            "m",
+            "reply",
+            TTL_MS,
+            0,
+            "",
+        ],
     )
     return LockReply.parse(raw)
 

@@ -24,7 +24,9 @@ class FaultEngine:
     def __init__(self) -> None:
         self.rules = load_rules()
 
-    async def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    async def step(
+        self, state: dict[str, Any], message: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
         text = message["text"]
         if text.startswith("boom"):
             raise RuntimeError(f"boom on seq {message['seq']}")
@@ -33,7 +35,7 @@ class FaultEngine:
         if text.startswith("exit"):
             os._exit(3)
         flag = os.environ.get("FAULT_FLAG_FILE")
-        if text.startswith("flaky") and flag and os.path.exists(flag):
+        if text.startswith("flaky") and flag and os.path.exists(flag):  # noqa: ASYNC240 - a test toggle
             raise RuntimeError("flaky: flag file present")
         if text.startswith("sleep "):
             await anyio.sleep(float(text.split()[1]))

@@ -31,8 +31,15 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.02, what: str 
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, *, appendonly: bool = False, fsync: str = "everysec",
-                 port: int | None = None, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        appendonly: bool = False,
+        fsync: str = "everysec",
+        port: int | None = None,
+        extra: tuple[str, ...] = (),
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
@@ -50,11 +57,26 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", str(self.workdir), "--save", "",
-                "--appendonly", "yes" if self.appendonly else "no",
-                "--appendfsync", self.fsync, "--maxmemory-policy", "noeviction",
-                "--logfile", str(self.workdir / "redis.log"), *self.extra]
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.fsync,
+            "--maxmemory-policy",
+            "noeviction",
+            "--logfile",
+            str(self.workdir / "redis.log"),
+            *self.extra,
+        ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until(self._answers, 15, what=f"redis-server on port {self.port}")
         return self

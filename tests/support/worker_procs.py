@@ -19,22 +19,27 @@ class WorkerProc:
     def __init__(self, name: str, env: dict[str, str], logdir: Path, metrics: bool) -> None:
         self.name = name
         self.metrics_port = free_port() if metrics else 0
-        self.env = {**env, "DIALOG_CONSUMER": name,
-                    "DIALOG_METRICS_HOST": "127.0.0.1",
-                    "DIALOG_METRICS_PORT": str(self.metrics_port)}
+        self.env = {
+            **env,
+            "DIALOG_CONSUMER": name,
+            "DIALOG_METRICS_HOST": "127.0.0.1",
+            "DIALOG_METRICS_PORT": str(self.metrics_port),
+        }
         self.log_path = logdir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> WorkerProc:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "run"], env=self.env, cwd=REPO_DIR,
-            stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "worker", "run"],
+            env=self.env,
+            cwd=REPO_DIR,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         log.close()
         if self.metrics_port:
-            wait_until(lambda: self._get("/healthz") is not None, 20,
-                       what=f"{self.name} /healthz")
+            wait_until(lambda: self._get("/healthz") is not None, 20, what=f"{self.name} /healthz")
         return self
 
     @property

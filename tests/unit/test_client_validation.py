@@ -221,11 +221,6 @@ async def test_keyword_override_applies_on_top_of_given_settings() -> None:
             await c.send("s1", "x" * (MAX + 1), msg_id="m1")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client.py:500-503 applies keyword overrides to a given Settings with "
-    "dataclasses.replace, skipping the validation load_settings does",
-)
 def test_invalid_keyword_override_on_given_settings_raises_config_error() -> None:
     settings = load_settings(environ={})
     with pytest.raises(ConfigError):

@@ -370,11 +370,6 @@ def test_relation_check_applies_to_flags_too() -> None:
     assert exc.setting == "DIALOG_VISIBILITY_TIMEOUT_MS"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py:100-108 _float accepts 'nan' (nan < 0 is False): a NaN grace period "
-    "passes validation",
-)
 def test_nan_shutdown_grace_raises_config_error() -> None:
     assert config_error(environ={"DIALOG_SHUTDOWN_GRACE_S": "nan"}).setting == (
         "DIALOG_SHUTDOWN_GRACE_S"
@@ -398,11 +393,6 @@ def test_bad_url_scheme_error_does_not_echo_the_password(url: str) -> None:
     assert "s3cret" not in str(exc)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py:139 shows value.split('://')[0], which is the whole URL when it has no "
-    "'://' (missing scheme, or a typo like 'redis:/'), so the password is echoed",
-)
 @pytest.mark.parametrize("url", ["user:s3cret@localhost:6379/0", "redis:/user:s3cret@h:6379/0"])
 def test_schemeless_url_error_does_not_echo_the_password(url: str) -> None:
     assert "s3cret" not in str(config_error(environ={"REDIS_URL": url}))
@@ -436,11 +426,6 @@ def test_settings_redacted_url_hides_the_password() -> None:
     assert "s3cret" not in s.redacted_url()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py:70-77 redact_url only looks at user:password@; redis-py also takes the "
-    "password from the query string (?password=...), which is returned unchanged",
-)
 @pytest.mark.parametrize(
     "url", ["redis://h:6379/0?password=s3cret", "unix:///tmp/r.sock?db=0&password=s3cret"]
 )
