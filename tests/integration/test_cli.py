@@ -1,0 +1,112 @@
+"""The command line as users call it: JSON on stdout, errors on stderr, exit 0/1/2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+
+from worker.verify import check, send_bursts, wait_applied
+
+pytestmark = pytest.mark.integration
+
+
+def cli(env: dict[str, str], *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *args],
+        env={**env, **extra_env}, capture_output=True, text=True, timeout=120,
+    )
+
+
+async def acli(env, *args, **extra_env):
+    return await anyio.to_thread.run_sync(lambda: cli(env, *args, **extra_env))
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("DIALOG_CONCURRENCY", "many"), ("DIALOG_LOCK_TTL_MS", "-5"), ("DIALOG_LOG_FORMAT", "xml"),
+     ("REDIS_URL", "http://user:s3cret@host")],
+)
+def test_invalid_setting_fails_with_one_line_naming_it_and_exit_2(env, name, value):
+    result = cli(env, "stats", **{name: value})
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0]
+    assert "s3cret" not in result.stderr
+
+
+def test_run_with_unloadable_engine_exits_2(env):
+    result = cli(env, "run", DIALOG_ENGINE="no_such_module:make")
+    assert result.returncode == 2
+    assert "DIALOG_ENGINE" in result.stderr
+
+
+def test_send_state_and_duplicate_print_json(env):
+    first = json.loads(cli(env, "send", "c1", "nama saya Budi", "--msg-id", "m1").stdout)
+    assert first == {"session_id": "c1", "msg_id": "m1", "seq": 1, "duplicate": False}
+    again = json.loads(cli(env, "send", "c1", "nama saya Budi", "--msg-id", "m1").stdout)
+    assert again["duplicate"] is True and again["seq"] == 1
+    assert json.loads(cli(env, "state", "nobody").stdout) is None
+
+
+@pytest.mark.parametrize("args", [["send", "", "hi"], ["send", "s", ""], ["state", "x" * 300]])
+def test_refused_input_is_a_usage_error(env, args):
+    result = cli(env, *args)
+    assert result.returncode == 2
+    assert result.stderr.startswith("dialog-worker: ")
+
+
+def test_unreachable_redis_is_a_failure_without_password(env):
+    result = cli(env, "stats", REDIS_URL="redis://user:s3cret@127.0.0.1:1/0")
+    assert result.returncode == 1
+    assert "s3cret" not in result.stderr and "***" in result.stderr
+
+
+async def test_stats_and_session_show_queue_and_a_held_lock(env, client):
+    await client.send("held", "nama saya Budi")
+    await client.redis.set(client.keys.session("held").lock, "someone-else", px=30_000)
+    stats = json.loads((await acli(env, "stats")).stdout)
+    for key in ("stream_length", "lag", "pending", "oldest_pending_age_s", "delayed",
+                "dlq_length", "consumers"):
+        assert key in stats
+    assert stats["stream_length"] == 1
+    view = json.loads((await acli(env, "session", "held")).stdout)
+    assert view["lock"]["token"] == "someone-else"
+    assert 0 < view["lock"]["ttl_ms"] <= 30_000
+    assert (view["applied_seq"], view["last_seq"]) == (0, 1)
+
+
+async def test_verify_passes_against_running_workers_and_fails_without(env, workers):
+    failed = await acli(env, "verify", "--sessions", "2", "--burst", "2", "--timeout", "1")
+    assert failed.returncode == 1
+    assert json.loads(failed.stdout)["ok"] is False
+    workers.start(2)
+    result = await acli(env, "verify", "--sessions", "50", "--burst", "10", "--timeout", "60")
+    report = json.loads(result.stdout)
+    assert result.returncode == 0, report
+    assert report["ok"] and report["messages"] == 2 + 50 * 10
+
+
+async def test_idle_consumers_are_deleted_only_when_they_own_nothing(client, workers):
+    k = client.keys
+    await client.redis.xgroup_create(k.stream, k.group, id="0", mkstream=True)
+    await client.redis.xgroup_createconsumer(k.stream, k.group, "ghost")
+    sent = await send_bursts(client, ["orphan"], ["nama saya Budi"])
+    await client.redis.xreadgroup(k.group, "crashed", {k.stream: ">"}, count=1)
+    workers.start(1, DIALOG_CONSUMER_IDLE_DELETE_S="1", DIALOG_RECLAIM_INTERVAL_MS="100",
+                  DIALOG_VISIBILITY_TIMEOUT_MS="1500", DIALOG_LOCK_TTL_MS="1000")
+    # "crashed" still owns an entry: it is reclaimed first, then the consumer may go.
+    assert await wait_applied(client, sent, timeout_s=20)
+    assert await check(client, sent) == []
+    deadline = time.monotonic() + 20
+    while True:
+        names = {c["name"] for c in await client.redis.xinfo_consumers(k.stream, k.group)}
+        if not names & {"ghost", "crashed"}:
+            break
+        assert time.monotonic() < deadline, f"idle consumers not deleted: {names}"
+        await anyio.sleep(0.1)
