@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from worker.errors import ValidationError
 
 MAX_ID_BYTES = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def check_id(kind: str, value: object) -> str:
@@ -23,7 +25,7 @@ def check_id(kind: str, value: object) -> str:
     size = len(value.encode("utf-8", "surrogatepass"))
     if size > MAX_ID_BYTES:
         raise ValidationError(f"{kind} is {size} bytes; at most {MAX_ID_BYTES} are allowed")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if _CONTROL.search(value):
         raise ValidationError(f"{kind} must not contain control characters")
     try:
         value.encode("utf-8")

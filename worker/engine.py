@@ -65,7 +65,11 @@ async def run_step(engine: Engine, state: dict[str, Any], message: dict[str, Any
     rather than a retryable failure. Errors raised by the engine itself pass through: their
     class already says whether to retry.
     """
-    result: object = engine.step(copy.deepcopy(state), copy.deepcopy(message))
+    if isinstance(engine, RuleEngine):
+        # Our own engine never mutates its inputs (tested), so it is spared the copies.
+        result: object = engine.step(state, message)
+    else:
+        result = engine.step(copy.deepcopy(state), copy.deepcopy(message))
     if isinstance(result, Awaitable):
         result = await result
     engine_name = type(engine).__qualname__
@@ -195,9 +199,12 @@ class RuleEngine:
         if not isinstance(memory, dict):
             raise PermanentError(f"state memory must be a dict, got {_describe(memory)}")
 
-        # A deep copy, so the caller may change the result without touching its input.
-        new_state = copy.deepcopy(state)
-        new_memory: dict[str, Any] = copy.deepcopy(memory)
+        # Fresh containers for what a caller may change (memory holds only strings, history
+        # turns are never edited in place), without the cost of a deep copy on the hot path.
+        new_state = dict(state)
+        if isinstance(state.get("history"), list):
+            new_state["history"] = list(state["history"])
+        new_memory: dict[str, Any] = dict(memory)
         for rule in self._rules:
             if rule.when_step is not None and current not in rule.when_step:
                 continue
