@@ -176,13 +176,18 @@ class Worker:
             self.ready = True
         slots = await self._take_slots()
         try:
-            reply = await self.redis.xreadgroup(
-                self.keys.group,
-                self.settings.consumer,
-                {self.keys.stream: ">"},
-                count=slots,
-                block=self.settings.read_block_ms,
-            )
+            # Shielded: a read Redis has served assigns its entries to us, so cancelling it
+            # at shutdown would strand them unstarted in our pending list until another
+            # worker's visibility timeout. The read ends within read_block_ms, and the entries
+            # are started below with no await in between, so they are finished or handed back.
+            with anyio.CancelScope(shield=True):
+                reply = await self.redis.xreadgroup(
+                    self.keys.group,
+                    self.settings.consumer,
+                    {self.keys.stream: ">"},
+                    count=slots,
+                    block=self.settings.read_block_ms,
+                )
         except redis.exceptions.ResponseError as exc:
             self._give_slots(slots)
             if "NOGROUP" in str(exc):
@@ -225,14 +230,16 @@ class Worker:
         while True:
             slots = await self._take_slots()
             try:
-                cursor, claimed, deleted = await self.redis.xautoclaim(
-                    self.keys.stream,
-                    self.keys.group,
-                    self.settings.consumer,
-                    min_idle_time=self.settings.visibility_timeout_ms,
-                    start_id=cursor,
-                    count=slots,
-                )
+                # Shielded for the same reason as the read: claimed entries become ours.
+                with anyio.CancelScope(shield=True):
+                    cursor, claimed, deleted = await self.redis.xautoclaim(
+                        self.keys.stream,
+                        self.keys.group,
+                        self.settings.consumer,
+                        min_idle_time=self.settings.visibility_timeout_ms,
+                        start_id=cursor,
+                        count=slots,
+                    )
             except BaseException:
                 self._give_slots(slots)
                 raise
