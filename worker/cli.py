@@ -42,8 +42,16 @@ def _parser() -> argparse.ArgumentParser:
 
     session = sub.add_parser("session", help="inspect one session: lock, seqs, waiting messages")
     session.add_argument("session")
+    session.add_argument(
+        "--release-lock",
+        action="store_true",
+        help="delete the session lock (needs --yes); the holder's late "
+        "commit is then refused by the fence",
+    )
+    session.add_argument("--yes", action="store_true", help="confirm --release-lock")
 
-    sub.add_parser("stats", help="queue statistics")
+    stats = sub.add_parser("stats", help="queue statistics")
+    stats.add_argument("--format", choices=["json", "table"], default="json")
 
     dlq = sub.add_parser("dlq", help="dead-letter stream: list, show, redrive, purge")
     dsub = dlq.add_subparsers(dest="dlq_command", required=True)
@@ -97,7 +105,7 @@ def _run(settings: Settings) -> int:
     from worker.engine import load_engine
     from worker.log import configure
 
-    configure(settings.log_level, settings.log_format)
+    configure(settings.log_level, settings.log_format, settings.consumer)
     try:
         engine = load_engine(settings.engine or None, settings.rules_file or None)
     except ConfigError as exc:
@@ -137,8 +145,14 @@ async def _session(settings: Settings, args: argparse.Namespace) -> int:
     from worker.views import session_view
 
     check_id("session_id", args.session)
+    if args.release_lock and not args.yes:
+        raise ValidationError("--release-lock deletes another worker's lock: add --yes")
     async with DialogClient(settings=settings) as c:
-        _emit(await session_view(c.redis, c.keys, args.session))
+        view = await session_view(c.redis, c.keys, args.session)
+        if args.release_lock:
+            released = await c.redis.delete(c.keys.session(args.session).lock)
+            view["lock_released"] = bool(released)
+        _emit(view)
     return EXIT_OK
 
 
@@ -146,7 +160,13 @@ async def _stats(settings: Settings, args: argparse.Namespace) -> int:
     from worker.views import queue_stats
 
     async with DialogClient(settings=settings) as c:
-        _emit(await queue_stats(c.redis, c.keys))
+        stats = await queue_stats(c.redis, c.keys)
+    if args.format == "table":
+        width = max(len(k) for k in stats)
+        for key, value in stats.items():
+            print(f"{key:<{width}}  {value}")
+    else:
+        _emit(stats)
     return EXIT_OK
 
 

@@ -49,6 +49,7 @@ class Settings:
     rules_file: str = ""
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 8000
+    metrics_sample_interval_s: float = 5.0
     log_level: str = "info"
     log_format: str = "json"
     shutdown_grace_s: float = 25.0
@@ -187,6 +188,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "rules_file": _text,
     "metrics_host": _name,
     "metrics_port": _int(0, 65535),
+    "metrics_sample_interval_s": _float(0.05),
     "log_level": _choice("debug", "info", "warning", "error"),
     "log_format": _choice("json", "console"),
     "shutdown_grace_s": _float(0.0),

@@ -39,7 +39,6 @@ from worker.views import queue_stats
 log = structlog.get_logger("dialog_worker.daemon")
 
 PROMOTE_BATCH = 500
-SAMPLE_INTERVAL_S = 5.0
 OUTAGE_BACKOFF_MAX_S = 5.0
 
 
@@ -321,7 +320,7 @@ class Worker:
         m.oldest_pending_age.set(stats["oldest_pending_age_s"])
         m.delayed.set(stats["delayed"])
         m.dlq_length.set(stats["dlq_length"])
-        return SAMPLE_INTERVAL_S
+        return self.settings.metrics_sample_interval_s
 
     # ------------------------------------------------------------------------------------
     # HTTP: /metrics, /healthz, /readyz

@@ -1,23 +1,52 @@
-"""structlog set-up: JSON (or console) lines on stdout, per-message context via contextvars."""
+"""structlog set-up: JSON (or console) lines on stdout, per-message context via contextvars.
+
+Every line carries ``consumer``; lines about one message also carry ``session_id``,
+``msg_id``, ``seq``, ``entry_id`` and ``attempt`` (bound by the pipeline for the life of the
+message) and, where it has one, ``outcome`` and ``duration_ms``. The Redis URL is only ever
+logged redacted (``Settings.redacted_url``), and values that look like a URL with credentials
+are redacted again here as a last line of defence.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
 
+from worker.config import redact_url
 
-def configure(level: str = "info", fmt: str = "json") -> None:
+
+def _static(**fields: Any) -> structlog.types.Processor:
+    def add(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        for key, value in fields.items():
+            event.setdefault(key, value)
+        return event
+
+    return add
+
+
+def _redact_urls(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for key, value in event.items():
+        if isinstance(value, str) and "://" in value and "@" in value:
+            event[key] = redact_url(value)
+    return event
+
+
+def configure(level: str = "info", fmt: str = "json", consumer: str | None = None) -> None:
     renderer: structlog.types.Processor = (
         structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _static(**({"consumer": consumer} if consumer else {})),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            _redact_urls,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from worker.keys import Keys
 
@@ -34,7 +35,7 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
                 lag = group.get("lag")
                 pending = int(group["pending"])
                 consumers = int(group["consumers"])
-    except redis.exceptions.ResponseError:
+    except ResponseError:
         pass  # no stream yet
     if pending:
         summary = await redis.xpending(keys.stream, keys.group)
@@ -71,20 +72,73 @@ async def _count_unread(redis: Redis, keys: Keys) -> int:
         start = f"({batch[-1][0]}"
 
 
+# An operator tool scans at most this many entries of each stream / the delayed set.
+SCAN_LIMIT = 100_000
+
+
 async def session_view(redis: Redis, keys: Keys, session_id: str) -> dict[str, Any]:
-    """Everything about one session: lock, seq, waiting and dead-lettered messages."""
+    """Everything about one session: lock holder and TTL, applied vs last assigned seq, the
+    message in flight with its attempts and last error, its messages waiting in the stream or
+    the delayed set, and its dead letters. Scans are bounded by SCAN_LIMIT per structure."""
     sk = keys.session(session_id)
     fields = await redis.hgetall(sk.state)
     holder = await redis.get(sk.lock)
     ttl_ms = await redis.pttl(sk.lock)
     state = json.loads(fields["d"]) if "d" in fields else None
     parked = await redis.hgetall(sk.parked)
+    pending_ids = await _pending_index(redis, keys)
+    waiting = []
+    for entry_id, f in await _scan_stream(redis, keys.stream, session_id):
+        owner = pending_ids.get(entry_id)
+        waiting.append(
+            {
+                "where": "stream",
+                "entry_id": entry_id,
+                "seq": _int(f.get("seq")),
+                "msg_id": f.get("msg_id"),
+                "age_s": entry_age_s(entry_id, _now_ms()),
+                "consumer": owner[0] if owner else None,
+                "deliveries": owner[1] if owner else 0,
+            }
+        )
+    due = dict(await redis.zrange(keys.delayed, 0, SCAN_LIMIT - 1, withscores=True))
+    cursor = 0
+    while True:
+        cursor, batch = await redis.hscan(keys.delayed_data, cursor, count=1000)
+        for delayed_id, payload in batch.items():
+            flat = json.loads(payload)
+            f = dict(zip(flat[0::2], flat[1::2], strict=False))
+            if f.get("session_id") == session_id:
+                waiting.append(
+                    {
+                        "where": "delayed",
+                        "entry_id": delayed_id,
+                        "seq": _int(f.get("seq")),
+                        "msg_id": f.get("msg_id"),
+                        "due_in_s": round((due.get(delayed_id, 0) - _now_ms()) / 1000, 3),
+                        "requeues": _int(f.get("requeues")),
+                    }
+                )
+        if cursor == 0:
+            break
+    waiting.sort(key=lambda w: w["seq"] or 0)
+    dead = [
+        {
+            "id": i,
+            "seq": _int(f.get("seq")),
+            "msg_id": f.get("msg_id"),
+            "error_kind": f.get("error_kind"),
+            "error": f.get("error"),
+        }
+        for i, f in await _scan_stream(redis, keys.dlq, session_id)
+    ]
     return {
         "session_id": session_id,
         "lock": {"token": holder, "ttl_ms": ttl_ms if ttl_ms >= 0 else None},
         "applied_seq": int(fields.get("a", 0)),
         "last_seq": int(fields.get("s", 0)),
         "version": int(fields.get("v", 0)),
+        "step": state.get("step") if state else None,
         "in_flight": (
             {
                 "seq": int(fields["ia_seq"]),
@@ -95,5 +149,38 @@ async def session_view(redis: Redis, keys: Keys, session_id: str) -> dict[str, A
             else None
         ),
         "parked": {int(seq): delayed_id for seq, delayed_id in parked.items()},
-        "step": state.get("step") if state else None,
+        "waiting": waiting,
+        "dead_letters": dead,
     }
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def _scan_stream(redis: Redis, stream: str, session_id: str) -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
+    start, seen = "-", 0
+    while seen < SCAN_LIMIT:
+        batch = await redis.xrange(stream, min=start, max="+", count=1000)
+        seen += len(batch)
+        found += [(i, f) for i, f in batch if f.get("session_id") == session_id]
+        if len(batch) < 1000:
+            break
+        start = f"({batch[-1][0]}"
+    return found
+
+
+async def _pending_index(redis: Redis, keys: Keys) -> dict[str, tuple[str, int]]:
+    try:
+        rows = await redis.xpending_range(keys.stream, keys.group, "-", "+", SCAN_LIMIT)
+    except ResponseError:
+        return {}
+    return {r["message_id"]: (r["consumer"], int(r["times_delivered"])) for r in rows}
