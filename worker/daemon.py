@@ -54,8 +54,17 @@ class Worker:
         self.pipeline = Pipeline(settings, self.scripts, engine, self.metrics, self.leases)
         self.slots = anyio.Semaphore(settings.concurrency)
         self.stopping = anyio.Event()
-        self.ready = False
+        self._ready = False
         self._last_error_log = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
+        self.metrics.ready.set(1 if value else 0)
 
     # ------------------------------------------------------------------------------------
 
