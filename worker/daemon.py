@@ -18,7 +18,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -37,6 +37,10 @@ from worker.scripts import Scripts
 from worker.views import queue_stats
 
 log = structlog.get_logger("dialog_worker.daemon")
+
+# XREADGROUP / XAUTOCLAIM replies with decode_responses=True (redis-py cannot type these).
+ReadReply = list[tuple[str, list[tuple[str, dict[str, str] | None]]]]
+ClaimReply = tuple[str, list[tuple[str, dict[str, str] | None]], list[str]]
 
 PROMOTE_BATCH = 500
 OUTAGE_BACKOFF_MAX_S = 5.0
@@ -207,7 +211,7 @@ class Worker:
         except BaseException:
             self._give_slots(slots)
             raise
-        entries = [e for _, batch in reply for e in batch] if reply else []
+        entries = [e for _, batch in cast(ReadReply, reply or []) for e in batch]
         self._give_slots(slots - len(entries))
         for entry_id, fields in entries:
             work.start_soon(self._run_entry, entry_id, fields)
@@ -240,13 +244,16 @@ class Worker:
             try:
                 # Shielded for the same reason as the read: claimed entries become ours.
                 with anyio.CancelScope(shield=True):
-                    cursor, claimed, deleted = await self.redis.xautoclaim(
-                        self.keys.stream,
-                        self.keys.group,
-                        self.settings.consumer,
-                        min_idle_time=self.settings.visibility_timeout_ms,
-                        start_id=cursor,
-                        count=slots,
+                    cursor, claimed, deleted = cast(
+                        ClaimReply,
+                        await self.redis.xautoclaim(
+                            self.keys.stream,
+                            self.keys.group,
+                            self.settings.consumer,
+                            min_idle_time=self.settings.visibility_timeout_ms,
+                            start_id=cursor,
+                            count=slots,
+                        ),
                     )
             except BaseException:
                 self._give_slots(slots)

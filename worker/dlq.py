@@ -19,6 +19,7 @@ import anyio
 
 from worker.client import DialogClient
 from worker.errors import ValidationError
+from worker.streams import xrange
 
 SUMMARY_FIELDS = (
     "session_id",
@@ -38,12 +39,12 @@ def summary(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
 
 
 async def list_entries(client: DialogClient, limit: int) -> list[dict[str, Any]]:
-    rows = await client.redis.xrange(client.keys.dlq, count=limit)
+    rows = await xrange(client.redis, client.keys.dlq, count=limit)
     return [summary(i, f) for i, f in rows]
 
 
 async def show(client: DialogClient, entry_id: str) -> dict[str, Any] | None:
-    rows = await client.redis.xrange(client.keys.dlq, min=entry_id, max=entry_id)
+    rows = await xrange(client.redis, client.keys.dlq, entry_id, entry_id)
     return {"id": rows[0][0], **rows[0][1]} if rows else None
 
 
@@ -58,9 +59,9 @@ async def redrive(
     cursor = "-"
     while limit is None or done + skipped < limit:
         if only_id is not None:
-            rows = await client.redis.xrange(client.keys.dlq, min=only_id, max=only_id)
+            rows = await xrange(client.redis, client.keys.dlq, only_id, only_id)
         else:
-            rows = await client.redis.xrange(client.keys.dlq, min=cursor, max="+", count=100)
+            rows = await xrange(client.redis, client.keys.dlq, cursor, "+", 100)
         if not rows:
             break
         for entry_id, fields in rows:

@@ -72,7 +72,8 @@ class Metrics:
         self.dlq_length = Gauge("dialog_dlq_length", "XLEN of the dead-letter stream", registry=r)
         self.in_flight = Gauge("dialog_in_flight", "Messages being processed here", registry=r)
         self.ready = Gauge(
-            "dialog_ready", "1 while this worker reaches Redis and its group (as /readyz)",
+            "dialog_ready",
+            "1 while this worker reaches Redis and its group (as /readyz)",
             registry=r,
         )
         for outcome in ("applied", "duplicate", "dead_lettered"):

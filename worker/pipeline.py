@@ -240,7 +240,8 @@ class Pipeline:
                     return None
                 if job.attempts >= settings.max_attempts:
                     return await self._deadletter(job, "exhausted", _describe(exc))
-                return await self._retry(job, _describe(exc))
+                await self._retry(job, _describe(exc))
+                return None
             if job.lease.lost:
                 # The fenced commit would refuse it anyway; do not even try.
                 self.metrics.fencing_rejections.inc()

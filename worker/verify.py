@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 
 from worker.client import DialogClient
+from worker.streams import scan_all, xrevrange
 
 
 @dataclasses.dataclass
@@ -120,16 +121,10 @@ async def check(client: DialogClient, sent: list[Sent], replies_after: str = "0-
             problems.append(f"{sid}: history seqs not increasing: {seqs[:12]}")
     counts: Counter[tuple[str, str]] = Counter()
     wanted = {(s.session_id, str(s.seq)) for s in sent}
-    start = f"({replies_after}"
-    while True:
-        batch = await client.redis.xrange(client.keys.replies, min=start, max="+", count=5000)
-        for _, f in batch:
-            key = (f.get("session_id", ""), f.get("seq", ""))
-            if key in wanted:
-                counts[key] += 1
-        if len(batch) < 5000:
-            break
-        start = f"({batch[-1][0]}"
+    for _, f in await scan_all(client.redis, client.keys.replies, start=f"({replies_after}"):
+        key = (f.get("session_id", ""), f.get("seq", ""))
+        if key in wanted:
+            counts[key] += 1
     missing = [k for k in wanted if counts[k] == 0]
     extra = [k for k, n in counts.items() if n > 1]
     if missing:
@@ -145,7 +140,7 @@ SEED_TEXTS = ["nama saya Budi", "saya ada kendala billing"]
 async def verify(client: DialogClient, sessions: int, burst: int, timeout_s: float) -> Report:
     """The seed's check (two messages, one session) plus `sessions` x `burst` more."""
     run = uuid.uuid4().hex[:8]
-    last = await client.redis.xrevrange(client.keys.replies, count=1)
+    last = await xrevrange(client.redis, client.keys.replies, count=1)
     replies_after = last[0][0] if last else "0-0"
     started = time.monotonic()
     sent = await send_bursts(client, [f"verify-{run}-seed"], SEED_TEXTS)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from worker.keys import Keys
+from worker.streams import Entry, scan_all
 
 
 def entry_age_s(entry_id: str, now_ms: int) -> float:
@@ -62,14 +63,7 @@ async def _count_unread(redis: Redis, keys: Keys) -> int:
     for group in await redis.xinfo_groups(keys.stream):
         if group["name"] == keys.group:
             last = group["last-delivered-id"]
-    count = 0
-    start = f"({last}"
-    while True:
-        batch = await redis.xrange(keys.stream, min=start, max="+", count=1000)
-        count += len(batch)
-        if len(batch) < 1000:
-            return count
-        start = f"({batch[-1][0]}"
+    return len(await scan_all(redis, keys.stream, start=f"({last}"))
 
 
 # An operator tool scans at most this many entries of each stream / the delayed set.
@@ -101,10 +95,17 @@ async def session_view(redis: Redis, keys: Keys, session_id: str) -> dict[str, A
                 "deliveries": owner[1] if owner else 0,
             }
         )
-    due = dict(await redis.zrange(keys.delayed, 0, SCAN_LIMIT - 1, withscores=True))
+    due = dict(
+        cast(
+            list[tuple[str, float]],
+            await redis.zrange(keys.delayed, 0, SCAN_LIMIT - 1, withscores=True),
+        )
+    )
     cursor = 0
     while True:
-        cursor, batch = await redis.hscan(keys.delayed_data, cursor, count=1000)
+        cursor, batch = cast(
+            tuple[int, dict[str, str]], await redis.hscan(keys.delayed_data, cursor, count=1000)
+        )
         for delayed_id, payload in batch.items():
             flat = json.loads(payload)
             f = dict(zip(flat[0::2], flat[1::2], strict=False))
@@ -165,17 +166,12 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-async def _scan_stream(redis: Redis, stream: str, session_id: str) -> list[tuple[str, Any]]:
-    found: list[tuple[str, Any]] = []
-    start, seen = "-", 0
-    while seen < SCAN_LIMIT:
-        batch = await redis.xrange(stream, min=start, max="+", count=1000)
-        seen += len(batch)
-        found += [(i, f) for i, f in batch if f.get("session_id") == session_id]
-        if len(batch) < 1000:
-            break
-        start = f"({batch[-1][0]}"
-    return found
+async def _scan_stream(redis: Redis, stream: str, session_id: str) -> list[Entry]:
+    return [
+        e
+        for e in await scan_all(redis, stream, limit=SCAN_LIMIT)
+        if e[1].get("session_id") == session_id
+    ]
 
 
 async def _pending_index(redis: Redis, keys: Keys) -> dict[str, tuple[str, int]]:
@@ -183,4 +179,4 @@ async def _pending_index(redis: Redis, keys: Keys) -> dict[str, tuple[str, int]]
         rows = await redis.xpending_range(keys.stream, keys.group, "-", "+", SCAN_LIMIT)
     except ResponseError:
         return {}
-    return {r["message_id"]: (r["consumer"], int(r["times_delivered"])) for r in rows}
+    return {str(r["message_id"]): (str(r["consumer"]), int(r["times_delivered"])) for r in rows}
