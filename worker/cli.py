@@ -16,6 +16,7 @@ import redis.exceptions
 from worker.client import DialogClient
 from worker.config import Settings, load_settings
 from worker.errors import ConfigError, ValidationError
+from worker.keys import Keys
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -50,10 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     session.add_argument("--yes", action="store_true", help="confirm --release-lock")
 
-    stats = sub.add_parser("stats", help="queue statistics")
+    stats = sub.add_parser("stats", help="queue statistics (all shards, or --shard N)")
     stats.add_argument("--format", choices=["json", "table"], default="json")
+    stats.add_argument("--shard", type=int)
 
     dlq = sub.add_parser("dlq", help="dead-letter stream: list, show, redrive, purge")
+    dlq.add_argument("--shard", type=int, help="only this shard (default: all)")
     dsub = dlq.add_subparsers(dest="dlq_command", required=True)
     dlist = dsub.add_parser("list", help="one line per dead letter, oldest first")
     dlist.add_argument("--limit", type=int, default=100)
@@ -148,23 +151,25 @@ async def _session(settings: Settings, args: argparse.Namespace) -> int:
     if args.release_lock and not args.yes:
         raise ValidationError("--release-lock deletes another worker's lock: add --yes")
     async with DialogClient(settings=settings) as c:
-        view = await session_view(c.redis, c.keys, args.session)
+        keys = c.keys_for(args.session)
+        view = await session_view(c.redis, keys, args.session)
         if args.release_lock:
-            released = await c.redis.delete(c.keys.session(args.session).lock)
+            released = await c.redis.delete(keys.session(args.session).lock)
             view["lock_released"] = bool(released)
         _emit(view)
     return EXIT_OK
 
 
 async def _stats(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.views import queue_stats
+    from worker.views import aggregate_stats
 
     async with DialogClient(settings=settings) as c:
-        stats = await queue_stats(c.redis, c.keys)
+        stats = await aggregate_stats(c.redis, _shards(c, args))
     if args.format == "table":
         width = max(len(k) for k in stats)
         for key, value in stats.items():
-            print(f"{key:<{width}}  {value}")
+            if key != "shards":
+                print(f"{key:<{width}}  {value}")
     else:
         _emit(stats)
     return EXIT_OK
@@ -184,10 +189,10 @@ async def _dlq(settings: Settings, args: argparse.Namespace) -> int:
 
     async with DialogClient(settings=settings) as c:
         if args.dlq_command == "list":
-            for row in await dlq.list_entries(c, args.limit):
+            for row in await dlq.list_entries(_shards(c, args), c, args.limit):
                 _emit(row)
         elif args.dlq_command == "show":
-            entry = await dlq.show(c, args.id)
+            entry = await dlq.show(_shards(c, args), c, args.id)
             if entry is None:
                 print(f"dialog-worker: no dead letter {args.id}", file=sys.stderr)
                 return EXIT_FAILURE
@@ -195,10 +200,20 @@ async def _dlq(settings: Settings, args: argparse.Namespace) -> int:
         elif args.dlq_command == "redrive":
             if args.rate is not None and args.rate <= 0:
                 raise ValidationError("--rate must be positive")
-            _emit(await dlq.redrive(c, args.limit, args.rate, args.entry_id))
+            _emit(await dlq.redrive(_shards(c, args), c, args.limit, args.rate, args.entry_id))
         else:
-            _emit({"purged": await dlq.purge(c, args.entry_id)})
+            _emit({"purged": await dlq.purge(_shards(c, args), c, args.entry_id)})
     return EXIT_OK
+
+
+def _shards(client: DialogClient, args: argparse.Namespace) -> list[Keys]:
+    """Every shard, or the one named by --shard."""
+    if getattr(args, "shard", None) is None:
+        return list(client.topology.shards)
+    try:
+        return [client.topology.shard(args.shard)]
+    except IndexError as exc:
+        raise ValidationError(str(exc)) from None
 
 
 _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from worker.codec import check_id, check_text
 from worker.config import Settings, load_settings
-from worker.keys import Keys
+from worker.keys import Keys, Topology
 from worker.redis_conn import connect
 from worker.scripts import Scripts
 
@@ -49,7 +49,10 @@ class DialogClient:
         elif url or overrides:
             settings = settings.replace(**({"redis_url": url} if url else {}), **overrides)
         self.settings = settings
-        self.keys = Keys.from_settings(settings)
+        self.topology = Topology.from_settings(settings)
+        # The first (in the plain layout, the only) shard's names, for callers that do not
+        # shard; anything per session goes through `keys_for`.
+        self.keys: Keys = self.topology.shards[0]
         self.redis: Redis = connect(settings, max_connections)
         self._scripts = Scripts.register(self.redis)
 
@@ -74,14 +77,19 @@ class DialogClient:
         check_id("session_id", session_id)
         msg_id = check_id("msg_id", msg_id) if msg_id is not None else uuid.uuid4().hex
         check_text(text, self.settings.max_message_bytes)
-        sk = self.keys.session(session_id)
+        keys = self.keys_for(session_id)
+        sk = keys.session(session_id)
         raw = await self._scripts.send(
-            keys=[sk.state, sk.dedupe(msg_id), self.keys.stream],
+            keys=[sk.state, sk.dedupe(msg_id), keys.stream],
             args=[session_id, msg_id, text, self.settings.dedupe_ttl_s, self.settings.state_ttl_s],
         )
         return SendResult(session_id, msg_id, int(raw[0]), bool(int(raw[1])))
 
     async def state(self, session_id: str) -> dict[str, Any] | None:
         check_id("session_id", session_id)
-        doc = await self.redis.hget(self.keys.session(session_id).state, "d")
+        doc = await self.redis.hget(self.keys_for(session_id).session(session_id).state, "d")
         return None if doc is None else json.loads(doc)
+
+    def keys_for(self, session_id: str) -> Keys:
+        """The shard a session belongs to (the only one in the plain layout)."""
+        return self.topology.for_session(session_id)

@@ -14,10 +14,12 @@ exit 0. A second signal exits at once (whatever was in flight stays pending for 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, cast
 
 import anyio
@@ -29,7 +31,7 @@ from redis.asyncio import Redis
 
 from worker.config import Settings
 from worker.engine import Engine
-from worker.keys import Keys
+from worker.keys import Keys, Topology
 from worker.metrics import Metrics
 from worker.pipeline import Lease, Pipeline
 from worker.redis_conn import connect
@@ -46,17 +48,37 @@ PROMOTE_BATCH = 500
 OUTAGE_BACKOFF_MAX_S = 5.0
 
 
+@dataclasses.dataclass(eq=False)
+class Shard:
+    """One inbound stream and what reads it: its own share of the slots, so a reader blocked
+    on an idle shard never holds the capacity another shard's messages need."""
+
+    keys: Keys
+    slots: anyio.Semaphore
+    group_ready: bool = False
+
+    @property
+    def label(self) -> str:
+        return str(self.keys.shard)
+
+
 class Worker:
     def __init__(self, settings: Settings, engine: Engine, metrics: Metrics | None = None) -> None:
         self.settings = settings
-        self.keys = Keys.from_settings(settings)
+        self.topology = Topology.from_settings(settings)
+        per_shard = max(1, -(-settings.concurrency // len(self.topology.shards)))
+        self.shards = [Shard(k, anyio.Semaphore(per_shard)) for k in self.topology.shards]
         self.metrics = metrics or Metrics()
-        # Message tasks, side loops and a blocked XREADGROUP each hold a connection.
-        self.redis: Redis = connect(settings, max_connections=settings.concurrency + 8)
+        for shard in self.shards:  # so every gauge is exported from the start
+            for gauge in self.metrics.queue_gauges():
+                gauge.labels(shard.label)
+        # Message tasks, side loops and a blocked XREADGROUP per shard each hold a connection.
+        self.redis: Redis = connect(
+            settings, max_connections=settings.concurrency + 8 + 3 * len(self.shards)
+        )
         self.scripts = Scripts.register(self.redis)
         self.leases: dict[str, Lease] = {}
         self.pipeline = Pipeline(settings, self.scripts, engine, self.metrics, self.leases)
-        self.slots = anyio.Semaphore(settings.concurrency)
         self.stopping = anyio.Event()
         self._ready = False
         self._last_error_log = 0.0
@@ -69,16 +91,19 @@ class Worker:
     def ready(self, value: bool) -> None:
         self._ready = value
         self.metrics.ready.set(1 if value else 0)
+        if not value:
+            for shard in self.shards:
+                shard.group_ready = False
 
     # ------------------------------------------------------------------------------------
 
     async def run(self) -> None:
         log.info(
             "worker_starting",
-            consumer=self.settings.consumer,
             redis=self.settings.redacted_url(),
-            stream=self.keys.stream,
-            group=self.keys.group,
+            mode=self.settings.redis_mode,
+            streams=[s.keys.stream for s in self.shards],
+            group=self.settings.group,
             concurrency=self.settings.concurrency,
         )
         try:
@@ -86,13 +111,25 @@ class Worker:
                 side.start_soon(self._signals, side.cancel_scope)
                 if self.settings.metrics_port:
                     await side.start(self._http)
-                side.start_soon(self._loop, "promoter", self._promote_once)
+                for shard in self.shards:
+                    side.start_soon(
+                        self._loop, f"promoter-{shard.label}", partial(self._promote_once, shard)
+                    )
                 side.start_soon(self._loop, "heartbeat", self._heartbeat_once)
                 side.start_soon(self._loop, "sampler", self._sample_once)
                 async with anyio.create_task_group() as work:
                     async with anyio.create_task_group() as intake:
-                        intake.start_soon(self._loop, "reader", lambda: self._read_once(work))
-                        intake.start_soon(self._loop, "reclaimer", lambda: self._reclaim_once(work))
+                        for shard in self.shards:
+                            intake.start_soon(
+                                self._loop,
+                                f"reader-{shard.label}",
+                                partial(self._read_once, shard, work),
+                            )
+                            intake.start_soon(
+                                self._loop,
+                                f"reclaimer-{shard.label}",
+                                partial(self._reclaim_once, shard, work),
+                            )
                         await self.stopping.wait()
                         intake.cancel_scope.cancel()
                     # Intake has stopped; in-flight work gets the grace period, then is cancelled
@@ -105,7 +142,7 @@ class Worker:
         finally:
             with anyio.CancelScope(shield=True):
                 await self.redis.aclose()
-            log.info("worker_stopped", consumer=self.settings.consumer)
+            log.info("worker_stopped")
 
     def stop(self) -> None:
         self.stopping.set()
@@ -155,38 +192,43 @@ class Worker:
             log.warning("redis_unavailable", loop=loop, error=type(exc).__name__, failures=failures)
 
     # ------------------------------------------------------------------------------------
-    # intake
+    # intake (one reader and one reclaimer per shard)
 
-    async def _ensure_group(self) -> None:
+    async def _ensure_group(self, shard: Shard) -> None:
+        keys = shard.keys
         try:
-            await self.redis.xgroup_create(self.keys.stream, self.keys.group, id="0", mkstream=True)
-            log.info("group_created", stream=self.keys.stream, group=self.keys.group)
+            await self.redis.xgroup_create(keys.stream, keys.group, id="0", mkstream=True)
+            log.info("group_created", stream=keys.stream, group=keys.group)
         except redis.exceptions.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        shard.group_ready = True
+        if all(s.group_ready for s in self.shards):
+            self.ready = True
 
-    async def _take_slots(self) -> int:
+    @staticmethod
+    async def _take_slots(shard: Shard) -> int:
         """Wait for one free slot, then take every other free one: we read only what we can
         start now, so nothing sits unstarted in the pending list looking stuck."""
-        await self.slots.acquire()
+        await shard.slots.acquire()
         taken = 1
         while True:
             try:
-                self.slots.acquire_nowait()
+                shard.slots.acquire_nowait()
             except anyio.WouldBlock:
                 return taken
             taken += 1
 
-    def _give_slots(self, n: int) -> None:
+    @staticmethod
+    def _give_slots(shard: Shard, n: int) -> None:
         for _ in range(n):
-            self.slots.release()
+            shard.slots.release()
 
-    async def _read_once(self, work: anyio.abc.TaskGroup) -> float:
-        if not self.ready:
-            await self._ensure_group()
-            await self.redis.ping()
-            self.ready = True
-        slots = await self._take_slots()
+    async def _read_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
+        if not shard.group_ready:
+            await self._ensure_group(shard)
+        slots = await self._take_slots(shard)
+        keys = shard.keys
         try:
             # Shielded: a read Redis has served assigns its entries to us, so cancelling it
             # at shutdown would strand them unstarted in our pending list until another
@@ -194,61 +236,62 @@ class Worker:
             # are started below with no await in between, so they are finished or handed back.
             with anyio.CancelScope(shield=True):
                 reply = await self.redis.xreadgroup(
-                    self.keys.group,
+                    keys.group,
                     self.settings.consumer,
-                    {self.keys.stream: ">"},
+                    {keys.stream: ">"},
                     count=slots,
                     block=self.settings.read_block_ms,
                 )
         except redis.exceptions.ResponseError as exc:
-            self._give_slots(slots)
+            self._give_slots(shard, slots)
             if "NOGROUP" in str(exc):
                 # The stream or group vanished (a Redis restart without persistence, a
                 # deleted key): create them again rather than spin.
-                self.ready = False
+                shard.group_ready = False
                 return 0
             raise
         except BaseException:
-            self._give_slots(slots)
+            self._give_slots(shard, slots)
             raise
         entries = [e for _, batch in cast(ReadReply, reply or []) for e in batch]
-        self._give_slots(slots - len(entries))
+        self._give_slots(shard, slots - len(entries))
         for entry_id, fields in entries:
-            work.start_soon(self._run_entry, entry_id, fields)
+            work.start_soon(self._run_entry, shard, entry_id, fields)
         return 0
 
-    async def _run_entry(self, entry_id: str, fields: dict[str, str] | None) -> None:
+    async def _run_entry(self, shard: Shard, entry_id: str, fields: dict[str, str] | None) -> None:
         try:
             if fields is None:
                 # Deleted after it was delivered: nothing left to process.
                 with anyio.CancelScope(shield=True):
-                    await self.redis.xack(self.keys.stream, self.keys.group, entry_id)
+                    await self.redis.xack(shard.keys.stream, shard.keys.group, entry_id)
                 return
             self.metrics.in_flight.inc()
             try:
-                await self.pipeline.handle_entry(entry_id, fields)
+                await self.pipeline.handle_entry(shard.keys, entry_id, fields)
             finally:
                 self.metrics.in_flight.dec()
         finally:
-            self.slots.release()
+            shard.slots.release()
 
-    async def _reclaim_once(self, work: anyio.abc.TaskGroup) -> float:
+    async def _reclaim_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         """XAUTOCLAIM entries idle past the visibility timeout (their consumer died or hangs:
         live work is kept fresh by the heartbeat). Follows the cursor to 0-0; a page may be
         empty with a non-zero cursor, and IDs of entries deleted meanwhile come back apart."""
-        if not self.ready:
+        if not shard.group_ready:
             return self.settings.reclaim_interval_ms / 1000
+        keys = shard.keys
         cursor = "0-0"
         while True:
-            slots = await self._take_slots()
+            slots = await self._take_slots(shard)
             try:
                 # Shielded for the same reason as the read: claimed entries become ours.
                 with anyio.CancelScope(shield=True):
                     cursor, claimed, deleted = cast(
                         ClaimReply,
                         await self.redis.xautoclaim(
-                            self.keys.stream,
-                            self.keys.group,
+                            keys.stream,
+                            keys.group,
                             self.settings.consumer,
                             min_idle_time=self.settings.visibility_timeout_ms,
                             start_id=cursor,
@@ -256,24 +299,24 @@ class Worker:
                         ),
                     )
             except BaseException:
-                self._give_slots(slots)
+                self._give_slots(shard, slots)
                 raise
-            self._give_slots(slots - len(claimed))
+            self._give_slots(shard, slots - len(claimed))
             if deleted:
-                log.info("reclaim_deleted_entries", count=len(deleted))
+                log.info("reclaim_deleted_entries", count=len(deleted), shard=keys.shard)
             if claimed:
                 self.metrics.reclaimed.inc(len(claimed))
-                log.info("reclaimed", count=len(claimed))
+                log.info("reclaimed", count=len(claimed), shard=keys.shard)
             for entry_id, fields in claimed:
-                work.start_soon(self._run_entry, entry_id, fields)
+                work.start_soon(self._run_entry, shard, entry_id, fields)
             if cursor == "0-0":
                 break
-        await self._delete_idle_consumers()
+        await self._delete_idle_consumers(keys)
         return self.settings.reclaim_interval_ms / 1000
 
-    async def _delete_idle_consumers(self) -> None:
+    async def _delete_idle_consumers(self, keys: Keys) -> None:
         idle_ms = self.settings.consumer_idle_delete_s * 1000
-        for consumer in await self.redis.xinfo_consumers(self.keys.stream, self.keys.group):
+        for consumer in await self.redis.xinfo_consumers(keys.stream, keys.group):
             name = consumer["name"]
             if (
                 name != self.settings.consumer
@@ -281,17 +324,18 @@ class Worker:
                 and int(consumer["idle"]) >= idle_ms
             ):
                 deleted = await self.scripts.delconsumer(
-                    keys=[self.keys.stream], args=[self.keys.group, name, idle_ms]
+                    keys=[keys.stream], args=[keys.group, name, idle_ms]
                 )
                 if int(deleted):
-                    log.info("consumer_deleted", deleted_consumer=name)
+                    log.info("consumer_deleted", deleted_consumer=name, shard=keys.shard)
 
     # ------------------------------------------------------------------------------------
     # side loops
 
-    async def _promote_once(self) -> float:
+    async def _promote_once(self, shard: Shard) -> float:
+        keys = shard.keys
         moved, wait_ms = await self.scripts.promote(
-            keys=[self.keys.delayed, self.keys.delayed_data, self.keys.stream],
+            keys=[keys.delayed, keys.delayed_data, keys.stream],
             args=[PROMOTE_BATCH],
         )
         if int(moved) >= PROMOTE_BATCH:
@@ -307,11 +351,11 @@ class Worker:
             if lease.lost:
                 continue
             ok = await self.scripts.renew(
-                keys=[lease.keys.lock, self.keys.stream, self.keys.delayed],
+                keys=[lease.keys.lock, lease.shard.stream, lease.shard.delayed],
                 args=[
                     lease.token,
                     ttl,
-                    self.keys.group,
+                    lease.shard.group,
                     self.settings.consumer,
                     lease.source,
                     lease.source_id,
@@ -328,14 +372,16 @@ class Worker:
         return ttl / 4000
 
     async def _sample_once(self) -> float:
-        stats = await queue_stats(self.redis, self.keys)
         m = self.metrics
-        m.stream_length.set(stats["stream_length"])
-        m.group_lag.set(stats["lag"] or 0)
-        m.pending.set(stats["pending"])
-        m.oldest_pending_age.set(stats["oldest_pending_age_s"])
-        m.delayed.set(stats["delayed"])
-        m.dlq_length.set(stats["dlq_length"])
+        for shard in self.shards:
+            stats = await queue_stats(self.redis, shard.keys)
+            label = shard.label
+            m.stream_length.labels(label).set(stats["stream_length"])
+            m.group_lag.labels(label).set(stats["lag"] or 0)
+            m.pending.labels(label).set(stats["pending"])
+            m.oldest_pending_age.labels(label).set(stats["oldest_pending_age_s"])
+            m.delayed.labels(label).set(stats["delayed"])
+            m.dlq_length.labels(label).set(stats["dlq_length"])
         return self.settings.metrics_sample_interval_s
 
     # ------------------------------------------------------------------------------------

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 
 from worker.client import DialogClient
 from worker.errors import ValidationError
+from worker.keys import Keys
 from worker.streams import xrange
 
 SUMMARY_FIELDS = (
@@ -38,63 +40,95 @@ def summary(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
     return {"id": entry_id, **{k: fields.get(k) for k in SUMMARY_FIELDS}}
 
 
-async def list_entries(client: DialogClient, limit: int) -> list[dict[str, Any]]:
-    rows = await xrange(client.redis, client.keys.dlq, count=limit)
-    return [summary(i, f) for i, f in rows]
+async def list_entries(
+    shards: Sequence[Keys], client: DialogClient, limit: int
+) -> list[dict[str, Any]]:
+    rows = []
+    for keys in shards:
+        rows += [
+            {**summary(i, f), "shard": keys.shard}
+            for i, f in await xrange(client.redis, keys.dlq, count=limit)
+        ]
+    return sorted(rows, key=lambda r: _id_key(r["id"]))[:limit]
 
 
-async def show(client: DialogClient, entry_id: str) -> dict[str, Any] | None:
-    rows = await xrange(client.redis, client.keys.dlq, entry_id, entry_id)
-    return {"id": rows[0][0], **rows[0][1]} if rows else None
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, n = entry_id.partition("-")
+    return int(ms), int(n or 0)
+
+
+async def find(
+    shards: Sequence[Keys], client: DialogClient, entry_id: str
+) -> tuple[Keys, dict[str, str]] | None:
+    for keys in shards:
+        rows = await xrange(client.redis, keys.dlq, entry_id, entry_id)
+        if rows:
+            return keys, rows[0][1]
+    return None
+
+
+async def show(
+    shards: Sequence[Keys], client: DialogClient, entry_id: str
+) -> dict[str, Any] | None:
+    found = await find(shards, client, entry_id)
+    return None if found is None else {"id": entry_id, "shard": found[0].shard, **found[1]}
 
 
 async def redrive(
-    client: DialogClient, limit: int | None, rate_per_s: float | None, only_id: str | None
+    shards: Sequence[Keys],
+    client: DialogClient,
+    limit: int | None,
+    rate_per_s: float | None,
+    only_id: str | None,
 ) -> dict[str, int]:
-    """Re-send dead letters (oldest first), at most `rate_per_s` per second."""
+    """Re-send dead letters (oldest first per shard), at most `rate_per_s` per second."""
     done = skipped = 0
     interval = 1 / rate_per_s if rate_per_s else 0.0
-    total = await client.redis.xlen(client.keys.dlq)
+    total = sum([int(await client.redis.xlen(k.dlq)) for k in shards])
     last_progress = time.monotonic()
-    cursor = "-"
-    while limit is None or done + skipped < limit:
-        if only_id is not None:
-            rows = await xrange(client.redis, client.keys.dlq, only_id, only_id)
-        else:
-            rows = await xrange(client.redis, client.keys.dlq, cursor, "+", 100)
-        if not rows:
-            break
-        for entry_id, fields in rows:
-            if limit is not None and done + skipped >= limit:
+    for keys in shards:
+        cursor = "-"
+        while limit is None or done + skipped < limit:
+            if only_id is not None:
+                rows = await xrange(client.redis, keys.dlq, only_id, only_id)
+            else:
+                rows = await xrange(client.redis, keys.dlq, cursor, "+", 100)
+            if not rows:
                 break
-            started = time.monotonic()
-            try:
-                await client.send(
-                    fields.get("session_id", ""),
-                    fields.get("text", ""),
-                    msg_id=f"redrive:{entry_id}",
-                )
-            except ValidationError as exc:
-                # Cannot be re-sent as it is (no session, oversized): it stays for a human.
-                skipped += 1
-                print(f"dialog-worker: dlq {entry_id} not redriven: {exc}", file=sys.stderr)
-                continue
-            await client.redis.xdel(client.keys.dlq, entry_id)
-            done += 1
-            if time.monotonic() - last_progress >= 1:
-                last_progress = time.monotonic()
-                print(f"redrive: {done} re-sent, {skipped} skipped of {total}", file=sys.stderr)
-            if interval:
-                await anyio.sleep(max(0.0, interval - (time.monotonic() - started)))
-        if only_id is not None:
-            break
-        cursor = f"({rows[-1][0]}"
+            for entry_id, fields in rows:
+                if limit is not None and done + skipped >= limit:
+                    break
+                started = time.monotonic()
+                try:
+                    await client.send(
+                        fields.get("session_id", ""),
+                        fields.get("text", ""),
+                        msg_id=f"redrive:{entry_id}",
+                    )
+                except ValidationError as exc:
+                    # Cannot be re-sent as it is (no session, oversized): it stays for a human.
+                    skipped += 1
+                    print(f"dialog-worker: dlq {entry_id} not redriven: {exc}", file=sys.stderr)
+                    continue
+                await client.redis.xdel(keys.dlq, entry_id)
+                done += 1
+                if time.monotonic() - last_progress >= 1:
+                    last_progress = time.monotonic()
+                    print(f"redrive: {done} re-sent, {skipped} skipped of {total}", file=sys.stderr)
+                if interval:
+                    await anyio.sleep(max(0.0, interval - (time.monotonic() - started)))
+            if only_id is not None:
+                break
+            cursor = f"({rows[-1][0]}"
     return {"redriven": done, "skipped": skipped}
 
 
-async def purge(client: DialogClient, only_id: str | None) -> int:
-    if only_id is not None:
-        return int(await client.redis.xdel(client.keys.dlq, only_id))
-    count = int(await client.redis.xlen(client.keys.dlq))
-    await client.redis.delete(client.keys.dlq)
+async def purge(shards: Sequence[Keys], client: DialogClient, only_id: str | None) -> int:
+    count = 0
+    for keys in shards:
+        if only_id is not None:
+            count += int(await client.redis.xdel(keys.dlq, only_id))
+        else:
+            count += int(await client.redis.xlen(keys.dlq))
+            await client.redis.delete(keys.dlq)
     return count

@@ -62,14 +62,27 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.stream_length = Gauge("dialog_stream_length", "XLEN of the inbound stream", registry=r)
-        self.group_lag = Gauge("dialog_group_lag", "Entries not yet read by the group", registry=r)
-        self.pending = Gauge("dialog_pending", "Entries read but not acked", registry=r)
-        self.oldest_pending_age = Gauge(
-            "dialog_oldest_pending_age_seconds", "Idle time of the oldest pending entry", registry=r
+        # Queue-level gauges, per inbound stream shard (shard="0" with one stream).
+        shard = ["shard"]
+        self.stream_length = Gauge(
+            "dialog_stream_length", "XLEN of the inbound stream", shard, registry=r
         )
-        self.delayed = Gauge("dialog_delayed", "Messages waiting in the delayed set", registry=r)
-        self.dlq_length = Gauge("dialog_dlq_length", "XLEN of the dead-letter stream", registry=r)
+        self.group_lag = Gauge(
+            "dialog_group_lag", "Entries not yet read by the group", shard, registry=r
+        )
+        self.pending = Gauge("dialog_pending", "Entries read but not acked", shard, registry=r)
+        self.oldest_pending_age = Gauge(
+            "dialog_oldest_pending_age_seconds",
+            "Age of the oldest pending entry (since it entered the stream)",
+            shard,
+            registry=r,
+        )
+        self.delayed = Gauge(
+            "dialog_delayed", "Messages waiting in the delayed set", shard, registry=r
+        )
+        self.dlq_length = Gauge(
+            "dialog_dlq_length", "XLEN of the dead-letter stream", shard, registry=r
+        )
         self.in_flight = Gauge("dialog_in_flight", "Messages being processed here", registry=r)
         self.ready = Gauge(
             "dialog_ready",
@@ -80,3 +93,13 @@ class Metrics:
             self.messages.labels(outcome)
         for reason in ("contended", "out_of_order", "error"):
             self.retries.labels(reason)
+
+    def queue_gauges(self) -> tuple[Gauge, ...]:
+        return (
+            self.stream_length,
+            self.group_lag,
+            self.pending,
+            self.oldest_pending_age,
+            self.delayed,
+            self.dlq_length,
+        )

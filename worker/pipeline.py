@@ -29,7 +29,7 @@ from worker.codec import MalformedEntry, Message, decode_entry, decode_parked, p
 from worker.config import Settings
 from worker.engine import Engine, initial_state, run_step
 from worker.errors import PermanentError
-from worker.keys import Keys, SessionKeys
+from worker.keys import Keys, SessionKeys, shard_of
 from worker.metrics import Metrics
 from worker.scripts import Code, LockReply, Scripts
 
@@ -55,6 +55,7 @@ class Lease:
     """A lock we hold while a step runs; the heartbeat loop renews it (see daemon.py)."""
 
     keys: SessionKeys
+    shard: Keys  # the stream, delayed set and streams of the session's shard
     token: str
     source: str  # "s": a stream entry we own in the PEL, "d": a handed-off delayed message
     source_id: str
@@ -84,7 +85,7 @@ class Pipeline:
         leases: dict[str, Lease],
     ) -> None:
         self.settings = settings
-        self.keys = Keys.from_settings(settings)
+        self.shards = settings.shards
         self.scripts = scripts
         self.engine = engine
         self.metrics = metrics
@@ -96,17 +97,26 @@ class Pipeline:
     # ------------------------------------------------------------------------------------
     # Entry point
 
-    async def handle_entry(self, entry_id: str, fields: dict[str, str]) -> None:
-        """Process one stream entry and whatever the commit hands on. Never raises: a Redis
-        failure leaves the entry pending (reclaim delivers it again), anything else is logged."""
+    async def handle_entry(self, keys: Keys, entry_id: str, fields: dict[str, str]) -> None:
+        """Process one entry of shard `keys` and whatever the commit hands on. Never raises: a
+        Redis failure leaves the entry pending (reclaim delivers it again), anything else is
+        logged."""
         structlog.contextvars.bind_contextvars(entry_id=entry_id)
         try:
             try:
                 msg = decode_entry(fields, self.settings.max_message_bytes)
+                if shard_of(msg.session_id, self.shards) != keys.shard:
+                    # Only a producer that bypasses `send` can do this; its session's keys live
+                    # in another slot, so no script here could take its lock.
+                    raise MalformedEntry(
+                        f"session belongs to shard {shard_of(msg.session_id, self.shards)}, "
+                        f"not {keys.shard}",
+                        None,
+                    )
             except MalformedEntry as exc:
-                await self._deadletter_malformed(entry_id, fields, exc)
+                await self._deadletter_malformed(keys, entry_id, fields, exc)
                 return
-            job = await self._acquire(entry_id, msg)
+            job = await self._acquire(keys, entry_id, msg)
             while job is not None:
                 job = await self._process(job)
         except redis.exceptions.RedisError as exc:
@@ -119,11 +129,11 @@ class Pipeline:
     # ------------------------------------------------------------------------------------
     # 1. acquire and load, or park
 
-    async def _acquire(self, entry_id: str, msg: Message) -> Job | None:
+    async def _acquire(self, keys: Keys, entry_id: str, msg: Message) -> Job | None:
         structlog.contextvars.bind_contextvars(
             session_id=msg.session_id, msg_id=msg.msg_id, seq=msg.seq
         )
-        sk = self.keys.session(msg.session_id)
+        sk = keys.session(msg.session_id)
         token = secrets.token_hex(16)
         # A parked message is normally handed on by its predecessor's commit the moment that
         # lands; its own due time is only the safety net (for a lost hand-off or a stale copy),
@@ -138,14 +148,14 @@ class Pipeline:
                     sk.lock,
                     sk.state,
                     sk.parked,
-                    self.keys.delayed,
-                    self.keys.delayed_data,
-                    self.keys.stream,
+                    keys.delayed,
+                    keys.delayed_data,
+                    keys.stream,
                 ],
                 args=[
                     token,
                     self.settings.lock_ttl_ms,
-                    self.keys.group,
+                    keys.group,
                     entry_id,
                     msg.seq,
                     park_delay,
@@ -171,7 +181,7 @@ class Pipeline:
             # Our entry parked (out of order); the lock came with its predecessor instead.
             self.metrics.retries.labels("out_of_order").inc()
         state = json.loads(reply.state_json) if reply.state_json else initial_state(msg.session_id)
-        return self._job_from(reply, msg, state, sk, token, entry_id)
+        return self._job_from(reply, msg, state, sk, keys, token, entry_id)
 
     def _job_from(
         self,
@@ -179,6 +189,7 @@ class Pipeline:
         msg: Message,
         state: dict[str, Any],
         sk: SessionKeys,
+        shard: Keys,
         token: str,
         entry_id: str,
     ) -> Job:
@@ -187,7 +198,7 @@ class Pipeline:
             self.metrics.handoffs.inc()
             msg = decode_parked(reply.handoff_fields, self.settings.max_message_bytes)
             source, source_id = "d", reply.handoff_id
-        lease = Lease(sk, token, source, source_id)
+        lease = Lease(sk, shard, token, source, source_id)
         self.leases[token] = lease
         structlog.contextvars.bind_contextvars(
             msg_id=msg.msg_id, seq=msg.seq, attempt=reply.attempts, entry_id=source_id
@@ -293,11 +304,11 @@ class Pipeline:
                     sk.lock,
                     sk.state,
                     sk.parked,
-                    self.keys.delayed,
-                    self.keys.delayed_data,
-                    self.keys.stream,
-                    self.keys.replies,
-                    self.keys.dlq,
+                    lease.shard.delayed,
+                    lease.shard.delayed_data,
+                    lease.shard.stream,
+                    lease.shard.replies,
+                    lease.shard.dlq,
                 ],
                 args=[
                     lease.token,
@@ -307,7 +318,7 @@ class Pipeline:
                     settings.state_ttl_s,
                     lease.source,
                     lease.source_id,
-                    self.keys.group,
+                    lease.shard.group,
                     msg.session_id,
                     msg.msg_id,
                     reply,
@@ -333,7 +344,9 @@ class Pipeline:
             duration_ms=round((time.perf_counter() - started) * 1000, 3),
         )
         if result.code is Code.HANDOFF:
-            return self._job_from(result, msg, new_state, sk, lease.token, lease.source_id)
+            return self._job_from(
+                result, msg, new_state, sk, lease.shard, lease.token, lease.source_id
+            )
         return None
 
     # ------------------------------------------------------------------------------------
@@ -362,15 +375,15 @@ class Pipeline:
                 keys=[
                     sk.lock,
                     sk.state,
-                    self.keys.delayed,
-                    self.keys.delayed_data,
-                    self.keys.stream,
+                    lease.shard.delayed,
+                    lease.shard.delayed_data,
+                    lease.shard.stream,
                 ],
                 args=[
                     lease.token,
                     lease.source,
                     lease.source_id,
-                    self.keys.group,
+                    lease.shard.group,
                     delay_ms,
                     error,
                     "1" if counts else "0",
@@ -406,7 +419,7 @@ class Pipeline:
         )
 
     async def _deadletter_malformed(
-        self, entry_id: str, fields: dict[str, str], exc: MalformedEntry
+        self, keys: Keys, entry_id: str, fields: dict[str, str], exc: MalformedEntry
     ) -> None:
         failed_at = str(now_ms())
         letter = {
@@ -432,8 +445,8 @@ class Pipeline:
             )
         done = await _shielded(
             self.scripts.deadletter(
-                keys=[self.keys.stream, self.keys.dlq, self.keys.replies],
-                args=[self.keys.group, entry_id, pairs(letter), reply, self.settings.reply_maxlen],
+                keys=[keys.stream, keys.dlq, keys.replies],
+                args=[keys.group, entry_id, pairs(letter), reply, self.settings.reply_maxlen],
             )
         )
         if int(done):

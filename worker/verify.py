@@ -9,6 +9,7 @@ import dataclasses
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -78,7 +79,7 @@ async def wait_applied(
     deadline = time.monotonic() + timeout_s
     waiting = dict(last)
     while waiting and time.monotonic() < deadline:
-        keys = [client.keys.session(sid).state for sid in waiting]
+        keys = [client.keys_for(sid).session(sid).state for sid in waiting]
         async with client.redis.pipeline(transaction=False) as pipe:
             for k in keys:
                 pipe.hget(k, "a")
@@ -91,8 +92,20 @@ async def wait_applied(
     return not waiting
 
 
-async def check(client: DialogClient, sent: list[Sent], replies_after: str = "0-0") -> list[str]:
-    """Exactly once, in order, one reply each. `replies_after`: reply stream ID before sending."""
+async def reply_marks(client: DialogClient) -> dict[int, str]:
+    """The last entry ID of each shard's reply stream, to check only replies that come after."""
+    marks = {}
+    for keys in client.topology.shards:
+        last = await xrevrange(client.redis, keys.replies, count=1)
+        marks[keys.shard] = last[0][0] if last else "0-0"
+    return marks
+
+
+async def check(
+    client: DialogClient, sent: list[Sent], replies_after: str | Mapping[int, str] = "0-0"
+) -> list[str]:
+    """Exactly once, in order, one reply each. `replies_after`: the reply stream ID before
+    sending (one for all shards, or per shard as `reply_marks` returns)."""
     problems: list[str] = []
     by_session: dict[str, list[Sent]] = defaultdict(list)
     for s in sent:
@@ -121,10 +134,12 @@ async def check(client: DialogClient, sent: list[Sent], replies_after: str = "0-
             problems.append(f"{sid}: history seqs not increasing: {seqs[:12]}")
     counts: Counter[tuple[str, str]] = Counter()
     wanted = {(s.session_id, str(s.seq)) for s in sent}
-    for _, f in await scan_all(client.redis, client.keys.replies, start=f"({replies_after}"):
-        key = (f.get("session_id", ""), f.get("seq", ""))
-        if key in wanted:
-            counts[key] += 1
+    for keys in client.topology.shards:
+        after = replies_after if isinstance(replies_after, str) else replies_after[keys.shard]
+        for _, f in await scan_all(client.redis, keys.replies, start=f"({after}"):
+            key = (f.get("session_id", ""), f.get("seq", ""))
+            if key in wanted:
+                counts[key] += 1
     missing = [k for k in wanted if counts[k] == 0]
     extra = [k for k, n in counts.items() if n > 1]
     if missing:
@@ -140,8 +155,7 @@ SEED_TEXTS = ["nama saya Budi", "saya ada kendala billing"]
 async def verify(client: DialogClient, sessions: int, burst: int, timeout_s: float) -> Report:
     """The seed's check (two messages, one session) plus `sessions` x `burst` more."""
     run = uuid.uuid4().hex[:8]
-    last = await xrevrange(client.redis, client.keys.replies, count=1)
-    replies_after = last[0][0] if last else "0-0"
+    replies_after = await reply_marks(client)
     started = time.monotonic()
     sent = await send_bursts(client, [f"verify-{run}-seed"], SEED_TEXTS)
     texts = [f"pesan {i}" for i in range(1, burst)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any, cast
 
 from redis.asyncio import Redis
@@ -56,6 +57,21 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
         "dlq_length": dlq_length,
         "consumers": consumers,
     }
+
+
+async def aggregate_stats(redis: Redis, shards: Sequence[Keys]) -> dict[str, Any]:
+    """`queue_stats` summed over shards (ages and consumers: the maximum); with more than one
+    shard, the per-shard figures follow under "shards"."""
+    per_shard = [await queue_stats(redis, keys) for keys in shards]
+    if len(per_shard) == 1:
+        return per_shard[0]
+    total: dict[str, Any] = {"stream": [s["stream"] for s in per_shard], "group": shards[0].group}
+    for key in ("stream_length", "lag", "pending", "delayed", "dlq_length"):
+        total[key] = sum(s[key] or 0 for s in per_shard)
+    total["oldest_pending_age_s"] = max(s["oldest_pending_age_s"] for s in per_shard)
+    total["consumers"] = max(s["consumers"] for s in per_shard)
+    total["shards"] = [{"shard": k.shard, **s} for k, s in zip(shards, per_shard, strict=True)]
+    return total
 
 
 async def _count_unread(redis: Redis, keys: Keys) -> int:

@@ -18,7 +18,10 @@ pytestmark = pytest.mark.integration
 def cli(env: dict[str, str], *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "worker", *args],
-        env={**env, **extra_env}, capture_output=True, text=True, timeout=120,
+        env={**env, **extra_env},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -28,8 +31,12 @@ async def acli(env, *args, **extra_env):
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("DIALOG_CONCURRENCY", "many"), ("DIALOG_LOCK_TTL_MS", "-5"), ("DIALOG_LOG_FORMAT", "xml"),
-     ("REDIS_URL", "http://user:s3cret@host")],
+    [
+        ("DIALOG_CONCURRENCY", "many"),
+        ("DIALOG_LOCK_TTL_MS", "-5"),
+        ("DIALOG_LOG_FORMAT", "xml"),
+        ("REDIS_URL", "http://user:s3cret@host"),
+    ],
 )
 def test_invalid_setting_fails_with_one_line_naming_it_and_exit_2(env, name, value):
     result = cli(env, "stats", **{name: value})
@@ -71,8 +78,15 @@ async def test_stats_and_session_show_queue_and_a_held_lock(env, client):
     await client.send("held", "nama saya Budi")
     await client.redis.set(client.keys.session("held").lock, "someone-else", px=30_000)
     stats = json.loads((await acli(env, "stats")).stdout)
-    for key in ("stream_length", "lag", "pending", "oldest_pending_age_s", "delayed",
-                "dlq_length", "consumers"):
+    for key in (
+        "stream_length",
+        "lag",
+        "pending",
+        "oldest_pending_age_s",
+        "delayed",
+        "dlq_length",
+        "consumers",
+    ):
         assert key in stats
     assert stats["stream_length"] == 1
     view = json.loads((await acli(env, "session", "held")).stdout)
@@ -98,8 +112,13 @@ async def test_idle_consumers_are_deleted_only_when_they_own_nothing(client, wor
     await client.redis.xgroup_createconsumer(k.stream, k.group, "ghost")
     sent = await send_bursts(client, ["orphan"], ["nama saya Budi"])
     await client.redis.xreadgroup(k.group, "crashed", {k.stream: ">"}, count=1)
-    workers.start(1, DIALOG_CONSUMER_IDLE_DELETE_S="1", DIALOG_RECLAIM_INTERVAL_MS="100",
-                  DIALOG_VISIBILITY_TIMEOUT_MS="1500", DIALOG_LOCK_TTL_MS="1000")
+    workers.start(
+        1,
+        DIALOG_CONSUMER_IDLE_DELETE_S="1",
+        DIALOG_RECLAIM_INTERVAL_MS="100",
+        DIALOG_VISIBILITY_TIMEOUT_MS="1500",
+        DIALOG_LOCK_TTL_MS="1000",
+    )
     # "crashed" still owns an entry: it is reclaimed first, then the consumer may go.
     assert await wait_applied(client, sent, timeout_s=20)
     assert await check(client, sent) == []
