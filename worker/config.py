@@ -260,6 +260,10 @@ def _read_config_file(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _check_relations(s: Settings) -> None:
+    if s.redis_ca_path and s.redis_url.startswith("rediss://"):
+        # Fail at start, not with a TLS error at every connection attempt.
+        if not Path(s.redis_ca_path).is_file():
+            raise ConfigError(env_name("redis_ca_path"), f"file not found: {s.redis_ca_path}")
     if s.backoff_max_ms < s.backoff_base_ms:
         raise ConfigError(env_name("backoff_max_ms"), "must be >= DIALOG_BACKOFF_BASE_MS")
     if s.visibility_timeout_ms < s.lock_ttl_ms:
@@ -268,7 +272,3 @@ def _check_relations(s: Settings) -> None:
     if s.read_block_ms >= 4000:
         # redis-py's socket timeout is 5 s: a longer BLOCK raises a timeout (redis-py #2807).
         raise ConfigError(env_name("read_block_ms"), "must be below 4000")
-    if s.redis_mode == "cluster":
-        raise ConfigError(env_name("redis_mode"), "cluster mode is not available in this version")
-    if s.shards != 1:
-        raise ConfigError(env_name("shards"), "shards > 1 needs cluster mode")

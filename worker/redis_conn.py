@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -17,8 +20,16 @@ def connect(settings: Settings, max_connections: int) -> Redis:
     re-sent XADD is a second message. Every caller here decides itself what a failure means.
     """
     kwargs: dict[str, object] = {}
-    if settings.redis_ca_path and settings.redis_url.startswith("rediss://"):
-        kwargs["ssl_ca_certs"] = settings.redis_ca_path
+    if settings.redis_url.startswith("rediss://"):
+        # Verify the server certificate and its hostname, whatever the installed redis-py's
+        # defaults are (before 6.0 it did not check the hostname). Without a CA path the
+        # system trust store is used.
+        kwargs["ssl_cert_reqs"] = "required"
+        kwargs["ssl_check_hostname"] = True
+        if settings.redis_ca_path:
+            kwargs["ssl_ca_certs"] = settings.redis_ca_path
+    if settings.redis_mode == "cluster":
+        return _connect_cluster(settings, max_connections, kwargs)
     pool = BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=max_connections,
@@ -30,3 +41,27 @@ def connect(settings: Settings, max_connections: int) -> Redis:
         **kwargs,
     )
     return Redis(connection_pool=pool)
+
+
+# Per node; connections are opened lazily, so this is a ceiling, not a cost. The cluster
+# client raises instead of waiting when it is reached, so it sits well above any caller's
+# concurrency.
+CLUSTER_MAX_CONNECTIONS_PER_NODE = 1000
+
+
+def _connect_cluster(settings: Settings, max_connections: int, kwargs: dict[str, object]) -> Redis:
+    """redis-py's RedisCluster: it follows MOVED/ASK and, on connection errors, refreshes the
+    slot map and retries, which is how a worker rides through a master failover. Those
+    retries can re-send a script whose reply was lost; every script here is safe to run
+    twice (send dedupes on msg_id; acquire is re-entrant for the same token; a second commit,
+    retry, dead-letter or promote finds its work done and changes nothing). It offers the same
+    command API for everything the worker uses, hence the cast."""
+    cluster = RedisCluster.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        max_connections=max(max_connections, CLUSTER_MAX_CONNECTIONS_PER_NODE),
+        socket_timeout=5,
+        socket_connect_timeout=5,
+        **kwargs,
+    )
+    return cast(Redis, cluster)
