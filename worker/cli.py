@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import redis.exceptions
 
+from worker import bench
 from worker.client import DialogClient
 from worker.config import Settings, load_settings
 from worker.errors import ConfigError, ValidationError
@@ -73,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--sessions", type=int, default=50)
     verify.add_argument("--burst", type=int, default=10)
     verify.add_argument("--timeout", type=float, default=120.0)
+    bench.add_parser(sub)
     return p
 
 
@@ -223,4 +225,5 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] =
     "stats": _stats,
     "verify": _verify,
     "dlq": _dlq,
+    "bench": bench.bench_command,
 }

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from worker.codec import check_id, check_text
 from worker.config import Settings, load_settings
 from worker.keys import Keys, Topology
-from worker.redis_conn import connect
+from worker.redis_conn import connect, prepare
 from worker.scripts import Scripts
 
 
@@ -55,8 +55,10 @@ class DialogClient:
         self.keys: Keys = self.topology.shards[0]
         self.redis: Redis = connect(settings, max_connections)
         self._scripts = Scripts.register(self.redis)
+        self._prepared = False
 
     async def __aenter__(self) -> DialogClient:
+        await self._prepare()
         return self
 
     async def __aexit__(
@@ -79,6 +81,7 @@ class DialogClient:
         check_text(text, self.settings.max_message_bytes)
         keys = self.keys_for(session_id)
         sk = keys.session(session_id)
+        await self._prepare()
         raw = await self._scripts.send(
             keys=[sk.state, sk.dedupe(msg_id), keys.stream],
             args=[session_id, msg_id, text, self.settings.dedupe_ttl_s, self.settings.state_ttl_s],
@@ -87,8 +90,14 @@ class DialogClient:
 
     async def state(self, session_id: str) -> dict[str, Any] | None:
         check_id("session_id", session_id)
+        await self._prepare()
         doc = await self.redis.hget(self.keys_for(session_id).session(session_id).state, "d")
         return None if doc is None else json.loads(doc)
+
+    async def _prepare(self) -> None:
+        if not self._prepared:
+            await prepare(self.redis)
+            self._prepared = True
 
     def keys_for(self, session_id: str) -> Keys:
         """The shard a session belongs to (the only one in the plain layout)."""

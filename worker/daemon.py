@@ -34,7 +34,7 @@ from worker.engine import Engine
 from worker.keys import Keys, Topology
 from worker.metrics import Metrics
 from worker.pipeline import Lease, Pipeline
-from worker.redis_conn import connect
+from worker.redis_conn import connect, prepare
 from worker.scripts import Scripts
 from worker.views import queue_stats
 
@@ -107,6 +107,7 @@ class Worker:
             concurrency=self.settings.concurrency,
         )
         try:
+            await self._prepare()
             async with anyio.create_task_group() as side:
                 side.start_soon(self._signals, side.cancel_scope)
                 if self.settings.metrics_port:
@@ -146,6 +147,19 @@ class Worker:
 
     def stop(self) -> None:
         self.stopping.set()
+
+    async def _prepare(self) -> None:
+        """Cluster mode: learn the slot map before the loops start (see redis_conn.prepare).
+        Retried with backoff, so a worker can start before Redis does."""
+        failures = 0
+        while not self.stopping.is_set():
+            try:
+                await prepare(self.redis)
+                return
+            except redis.exceptions.RedisError as exc:
+                failures += 1
+                self._log_outage("prepare", exc, failures)
+                await anyio.sleep(min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures))
 
     async def _signals(self, side_scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

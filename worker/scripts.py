@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import anyio
 from redis.asyncio import Redis
-from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 
 class Code(enum.IntEnum):
@@ -69,20 +71,50 @@ def source(name: str) -> str:
     return matches[0].read_text(encoding="utf-8")
 
 
+class Script:
+    """A script called by SHA, loaded again when the server has lost it (a restart, a failover
+    to a replica: replicas do not receive SCRIPT LOAD).
+
+    Like redis-py's AsyncScript, but the reload is single-flight: after a failover hundreds of
+    coroutines meet NOSCRIPT at once, and redis-py's cluster client, asked for SCRIPT LOAD on
+    every primary by all of them together, broke a connection mid-handshake (AttributeError
+    on a closed writer, redis-py 8.1, seen with 200 concurrent callers)."""
+
+    def __init__(self, redis: Redis, source: str) -> None:
+        self.redis = redis
+        self.source = source
+        self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
+        self._lock = anyio.Lock()
+        self._loads = 0
+
+    async def __call__(self, keys: list[str], args: list[str | int | float]) -> Any:
+        try:
+            return await self.redis.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await self._reload(self._loads)
+            return await self.redis.evalsha(self.sha, len(keys), *keys, *args)
+
+    async def _reload(self, seen: int) -> None:
+        async with self._lock:
+            if self._loads == seen:  # nobody reloaded while we waited
+                await self.redis.script_load(self.source)
+                self._loads += 1
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Scripts:
-    """Registered once per client; redis-py calls them by SHA and reloads on NOSCRIPT."""
+    """One Script per lua/ file, built once per client."""
 
-    send: AsyncScript
-    acquire: AsyncScript
-    commit: AsyncScript
-    retry: AsyncScript
-    renew: AsyncScript
-    promote: AsyncScript
-    deadletter: AsyncScript
-    delconsumer: AsyncScript
+    send: Script
+    acquire: Script
+    commit: Script
+    retry: Script
+    renew: Script
+    promote: Script
+    deadletter: Script
+    delconsumer: Script
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:
         names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{n: redis.register_script(source(n)) for n in names})
+        return cls(**{n: Script(redis, source(n)) for n in names})
