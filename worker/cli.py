@@ -70,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     dpurge = dsub.add_parser("purge", help="delete dead letters (all, or --id)")
     dpurge.add_argument("--id", dest="entry_id")
 
+    reshard = sub.add_parser(
+        "reshard", help="offline: move a drained deployment from DIALOG_SHARDS to --to N shards"
+    )
+    reshard.add_argument("--to", type=int, required=True, dest="to_shards")
+    reshard.add_argument("--dry-run", action="store_true")
+
     verify = sub.add_parser("verify", help="concurrency verification against running workers")
     verify.add_argument("--sessions", type=int, default=50)
     verify.add_argument("--burst", type=int, default=10)
@@ -218,6 +224,26 @@ def _shards(client: DialogClient, args: argparse.Namespace) -> list[Keys]:
         raise ValidationError(str(exc)) from None
 
 
+async def _reshard(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.reshard import NotDrained, reshard
+
+    try:
+        target = settings.replace(shards=args.to_shards)
+    except ConfigError as exc:
+        raise ValidationError(f"--to: {exc.problem}") from None
+    async with DialogClient(settings=settings) as c:
+        try:
+            report = await reshard(c.redis, settings, target, dry_run=args.dry_run)
+        except NotDrained as exc:
+            print(
+                f"dialog-worker: {exc}; stop producers and let the workers drain first",
+                file=sys.stderr,
+            )
+            return EXIT_FAILURE
+    _emit({"from_shards": settings.shards, "to_shards": target.shards, **report.as_dict()})
+    return EXIT_OK
+
+
 _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
     "send": _send,
     "state": _state,
@@ -225,5 +251,6 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] =
     "stats": _stats,
     "verify": _verify,
     "dlq": _dlq,
+    "reshard": _reshard,
     "bench": bench.bench_command,
 }

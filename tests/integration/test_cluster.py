@@ -194,3 +194,35 @@ async def survivors(c: DialogClient, accepted: list[Sent]) -> tuple[int, int, in
         disorder += sum(1 for a, b in itertools.pairwise(positions) if b <= a)
         lost += len(set(order) - set(got))
     return lost, twice, disorder, pending
+
+
+async def test_reshard_3_to_2_on_the_cluster_keeps_sessions_going(cluster, cluster_env, tmp_path):
+    sessions = [f"c{i}" for i in range(30)] + ["a{b}c"]
+    for shards, text in (("3", "nama saya Budi"), ("2", "keluhan")):
+        env = {**cluster_env, "DIALOG_SHARDS": shards}
+        if shards == "2":
+            moved = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-m", "worker", "reshard", "--to", "2"],
+                env={**cluster_env, "DIALOG_SHARDS": "3"},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert moved.returncode == 0, moved.stderr
+            assert json.loads(moved.stdout)["sessions"] == len(sessions)
+        pool = WorkerPool(env, tmp_path)
+        try:
+            pool.start(1)
+            async with DialogClient(settings=load_settings(environ=env)) as c:
+                sent = await send_bursts(c, sessions, [text])
+                assert await wait_applied(c, sent, timeout_s=60)
+                assert await check(c, sent) == []
+        finally:
+            pool.stop_all()
+    async with DialogClient(
+        settings=load_settings(environ={**cluster_env, "DIALOG_SHARDS": "2"})
+    ) as c:
+        state = await c.state("a{b}c")
+        assert [t["seq"] for t in state["history"]] == [1, 2]
+        assert state["step"] == "COMPLETED"
