@@ -147,6 +147,7 @@ class Worker:
 
     def stop(self) -> None:
         self.stopping.set()
+        self.metrics.ready.set(0)  # as /readyz: a stopping worker takes no new work
 
     async def _prepare(self) -> None:
         """Cluster mode: learn the slot map before the loops start (see redis_conn.prepare).
