@@ -21,7 +21,7 @@ import anyio
 from worker.client import DialogClient
 from worker.errors import ValidationError
 from worker.keys import Keys
-from worker.streams import xrange
+from worker.streams import xrange, xrevrange
 
 SUMMARY_FIELDS = (
     "session_id",
@@ -87,12 +87,18 @@ async def redrive(
     total = sum([int(await client.redis.xlen(k.dlq)) for k in shards])
     last_progress = time.monotonic()
     for keys in shards:
+        # Only what is there now: a redriven message that fails again while we run comes back
+        # as a new dead letter, which this run must not redrive again.
+        newest = await xrevrange(client.redis, keys.dlq, count=1)
+        if not newest:
+            continue
+        end = newest[0][0]
         cursor = "-"
         while limit is None or done + skipped < limit:
             if only_id is not None:
                 rows = await xrange(client.redis, keys.dlq, only_id, only_id)
             else:
-                rows = await xrange(client.redis, keys.dlq, cursor, "+", 100)
+                rows = await xrange(client.redis, keys.dlq, cursor, end, 100)
             if not rows:
                 break
             for entry_id, fields in rows:
