@@ -72,9 +72,13 @@ class Worker:
         for shard in self.shards:  # so every gauge is exported from the start
             for gauge in self.metrics.queue_gauges():
                 gauge.labels(shard.label)
-        # Message tasks, side loops and a blocked XREADGROUP per shard each hold a connection.
+        # The callers are bounded: a message task holds one connection at a time (at most
+        # `concurrency` of them), each shard's reader, reclaimer and promoter one each, the
+        # heartbeat and the sampler one each; the margin is for safety, not for need.
         self.redis: Redis = connect(
-            settings, max_connections=settings.concurrency + 8 + 3 * len(self.shards)
+            settings,
+            max_connections=settings.concurrency + 8 + 3 * len(self.shards),
+            bounded_callers=True,
         )
         self.scripts = Scripts.register(self.redis)
         self.leases: dict[str, Lease] = {}
