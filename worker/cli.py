@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"dialog-worker: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except redis.exceptions.RedisError as exc:
+    except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
         print(
             f"dialog-worker: redis error at {settings.redacted_url()}: {type(exc).__name__}: {exc}",
             file=sys.stderr,

@@ -9,6 +9,8 @@ from types import TracebackType
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 
 from worker.codec import check_id, check_text
 from worker.config import Settings, load_settings
@@ -81,11 +83,26 @@ class DialogClient:
         check_text(text, self.settings.max_message_bytes)
         keys = self.keys_for(session_id)
         sk = keys.session(session_id)
-        await self._prepare()
-        raw = await self._scripts.send(
-            keys=[sk.state, sk.dedupe(msg_id), keys.stream],
-            args=[session_id, msg_id, text, self.settings.dedupe_ttl_s, self.settings.state_ttl_s],
-        )
+        try:
+            await self._prepare()
+            raw = await self._scripts.send(
+                keys=[sk.state, sk.dedupe(msg_id), keys.stream],
+                args=[
+                    session_id,
+                    msg_id,
+                    text,
+                    self.settings.dedupe_ttl_s,
+                    self.settings.state_ttl_s,
+                ],
+            )
+        except (RedisClusterException, AttributeError) as exc:
+            if self.settings.redis_mode != "cluster":
+                raise
+            # During a failover redis-py's cluster client raises RedisClusterException (not a
+            # RedisError) while no node it knows answers, and, in 8.1, sometimes an
+            # AttributeError from a connection torn down mid-write. Both mean "not sent, try
+            # again": callers get the one error type that says so. Retry with the same msg_id.
+            raise RedisConnectionError(f"cluster unavailable during send: {exc}") from exc
         return SendResult(session_id, msg_id, int(raw[0]), bool(int(raw[1])))
 
     async def state(self, session_id: str) -> dict[str, Any] | None:

@@ -111,11 +111,15 @@ class Worker:
             concurrency=self.settings.concurrency,
         )
         try:
-            await self._prepare()
             async with anyio.create_task_group() as side:
                 side.start_soon(self._signals, side.cancel_scope)
                 if self.settings.metrics_port:
+                    # Up before Redis is: /healthz answers and /readyz says 503 meanwhile.
                     await side.start(self._http)
+                await self._prepare()
+                if self.stopping.is_set():  # told to stop before Redis was ever reachable
+                    side.cancel_scope.cancel()
+                    return
                 for shard in self.shards:
                     side.start_soon(
                         self._loop, f"promoter-{shard.label}", partial(self._promote_once, shard)
@@ -161,7 +165,9 @@ class Worker:
             try:
                 await prepare(self.redis)
                 return
-            except redis.exceptions.RedisError as exc:
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+                # RedisClusterException ("cannot be connected") is not a RedisError: a worker
+                # started while its startup node is down must wait, not exit.
                 failures += 1
                 self._log_outage("prepare", exc, failures)
                 await anyio.sleep(min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures))
@@ -188,7 +194,11 @@ class Worker:
             try:
                 wait_s = await once()
                 failures = 0
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            except (
+                redis.exceptions.ConnectionError,
+                redis.exceptions.TimeoutError,
+                redis.exceptions.RedisClusterException,
+            ) as exc:
                 failures += 1
                 self.ready = False
                 wait_s = min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures)

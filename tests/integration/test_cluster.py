@@ -15,6 +15,7 @@ import pytest_asyncio
 import redis.exceptions
 from conftest import worker_env
 from redis_cluster import RedisCluster
+from redis_server import free_port, wait_until
 from worker_procs import WorkerPool
 
 from worker.client import DialogClient
@@ -118,7 +119,11 @@ async def test_master_killed_mid_burst_replica_takes_over_and_workers_continue(t
             DIALOG_RECLAIM_INTERVAL_MS="200",
         )
         pool = WorkerPool(env, tmp_path)
-        procs = pool.start(2)
+        procs = pool.start(2, metrics=True)
+        # Ready means the worker has learnt the slot map: the kill below must not meet a
+        # worker still bootstrapping from the node about to die (that case: next test).
+        for w in procs:
+            wait_until(lambda w=w: (w._get("/readyz") or (0,))[0] == 200, 30, what="ready")
         settings = load_settings(environ=env)
         accepted: list[Sent] = []
         errors = 0
@@ -175,6 +180,25 @@ async def test_master_killed_mid_burst_replica_takes_over_and_workers_continue(t
         pool.stop_all()
     finally:
         cluster.stop()
+
+
+def test_worker_started_while_its_startup_node_is_down_waits_instead_of_exiting(tmp_path):
+    env = worker_env(
+        f"redis://127.0.0.1:{free_port()}/0",
+        DIALOG_REDIS_MODE="cluster",
+        DIALOG_SHARDS=SHARDS,
+        DIALOG_LOG_LEVEL="info",
+    )
+    pool = WorkerPool(env, tmp_path)
+    try:
+        [w] = pool.start(1, metrics=True)
+        wait_until(lambda: "redis_unavailable" in w.log_text(), 20, what="an outage log line")
+        assert w.alive()
+        assert (w._get("/healthz") or (0,))[0] == 200
+        assert (w._get("/readyz") or (0,))[0] == 503
+        assert w.terminate(20) == 0
+    finally:
+        pool.stop_all()
 
 
 async def survivors(c: DialogClient, accepted: list[Sent]) -> tuple[int, int, int, int]:
