@@ -62,6 +62,7 @@ from worker.errors import ValidationError
 from worker.keys import Keys
 from worker.redis_conn import connect
 from worker.scripts import source
+from worker.verify import Sent as VSent
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 SYSTEMS = ("ours", "naive", "seed", "peer", "bare")
@@ -407,11 +408,9 @@ def scrape_metrics(url: str) -> dict[str, float]:
 
 
 @dataclasses.dataclass
-class Sent:
-    session_id: str
-    seq: int
-    msg_id: str
-    text: str
+class Sent(VSent):
+    """A sent message as worker.verify checks it, plus when the bench sent it."""
+
     t_send: float
     enq_ms: int
 
@@ -1028,10 +1027,9 @@ class Run:
     async def _verify_check(self, reader: ReplyReader) -> list[str]:
         """dialog-worker's own checker (worker.verify.check) over this run."""
         from worker.client import DialogClient
-        from worker.verify import Sent as VSent
         from worker.verify import check
 
-        sent = [VSent(s.session_id, s.seq, s.msg_id, s.text) for s in self.sent]
+        sent: list[VSent] = list(self.sent)
         async with DialogClient(settings=self.target.settings, max_connections=8) as client:
             problems = await check(client, sent, reader.after)
         return problems[:20]
