@@ -15,11 +15,15 @@
   ARGV[7] source id   ARGV[8] group   ARGV[9] session_id   ARGV[10] msg_id   ARGV[11] reply
   ARGV[12] lock ttl (ms)   ARGV[13] reply stream MAXLEN (~, 0 = no trim)
   ARGV[14] dead-letter fields as a JSON array of name/value pairs, or "" for a normal commit
+  ARGV[15] (optional) id of a stream entry this worker already holds whose seq is seq+1
+           (the next message of the session, read in the same batch), or ""
 
   Returns {code, attempts, version, applied_seq, "", first_failed_at, last_error,
            handoff id, handoff fields JSON}
     code 6  COMMITTED       written, lock released
     code 2  HANDOFF         written; the lock is extended and the parked seq+1 is returned
+    code 1  ACQUIRED        written; no parked seq+1, but the caller's own next entry
+                            (ARGV[15]) is seq+1: the lock is extended for it, its start counted
     code -1 FENCED_TOKEN    the lock is not ours any more: nothing written
     code -2 FENCED_VERSION  the state moved on since we read it: nothing written
 ]]
@@ -77,6 +81,14 @@ if next_id then
     rcall('HSET', state, 'ia_seq', next_seq, 'ia_n', 1)
     return {2, 1, version, seq, '', '', '', next_id, payload}
   end
+end
+-- The caller's own next entry: it holds it already (same batch), so it goes on with the state
+-- it has, and the entry's acquire round trip is saved. The entry stays in the caller's
+-- pending list until its own commit; if the caller dies, reclaim delivers it as usual.
+if ARGV[15] and ARGV[15] ~= '' then
+  rcall('PEXPIRE', lock, ARGV[12])
+  rcall('HSET', state, 'ia_seq', next_seq, 'ia_n', 1)
+  return {1, 1, version, seq, '', '', '', '', ''}
 end
 rcall('DEL', lock)
 return {6, 0, version, seq, '', '', '', '', ''}

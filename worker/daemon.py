@@ -284,24 +284,43 @@ class Worker:
             raise
         entries = [e for _, batch in cast(ReadReply, reply or []) for e in batch]
         self._give_slots(shard, slots - len(entries))
-        for entry_id, fields in entries:
-            work.start_soon(self._run_entry, shard, entry_id, fields)
+        self._start(shard, work, entries)
         return 0
 
-    async def _run_entry(self, shard: Shard, entry_id: str, fields: dict[str, str] | None) -> None:
-        try:
+    def _start(
+        self,
+        shard: Shard,
+        work: anyio.abc.TaskGroup,
+        entries: list[tuple[str, dict[str, str] | None]],
+    ) -> None:
+        """One task per session in the batch (a user's burst usually arrives together): its
+        entries run one after another, each commit carrying the lock to the next, instead of
+        racing each other for the lock. Synchronous: nothing may come between a read and
+        the start of what it delivered (see _read_once)."""
+        by_session: dict[str, list[tuple[str, dict[str, str]]]] = {}
+        for entry_id, fields in entries:
             if fields is None:
-                # Deleted after it was delivered: nothing left to process.
-                with anyio.CancelScope(shield=True):
-                    await self.redis.xack(shard.keys.stream, shard.keys.group, entry_id)
-                return
-            self.metrics.in_flight.inc()
-            try:
-                await self.pipeline.handle_entry(shard.keys, entry_id, fields)
-            finally:
-                self.metrics.in_flight.dec()
+                work.start_soon(self._ack_deleted, shard, entry_id)
+            else:
+                by_session.setdefault(fields.get("session_id", ""), []).append((entry_id, fields))
+        for group in by_session.values():
+            work.start_soon(self._run_group, shard, group)
+
+    async def _ack_deleted(self, shard: Shard, entry_id: str) -> None:
+        """Deleted after it was delivered: nothing left to process."""
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.redis.xack(shard.keys.stream, shard.keys.group, entry_id)
         finally:
             shard.slots.release()
+
+    async def _run_group(self, shard: Shard, group: list[tuple[str, dict[str, str]]]) -> None:
+        self.metrics.in_flight.inc(len(group))
+        try:
+            await self.pipeline.handle_entries(shard.keys, group)
+        finally:
+            self.metrics.in_flight.dec(len(group))
+            self._give_slots(shard, len(group))
 
     async def _reclaim_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         """XAUTOCLAIM entries idle past the visibility timeout (their consumer died or hangs:
@@ -336,8 +355,7 @@ class Worker:
             if claimed:
                 self.metrics.reclaimed.inc(len(claimed))
                 log.info("reclaimed", count=len(claimed), shard=keys.shard)
-            for entry_id, fields in claimed:
-                work.start_soon(self._run_entry, shard, entry_id, fields)
+            self._start(shard, work, claimed)
             if cursor == "0-0":
                 break
         await self._delete_idle_consumers(keys)

@@ -73,6 +73,9 @@ class Job:
     attempts: int
     first_failed_at: str
     last_error: str
+    # Not-yet-started entries of the same session from the same read, by seq: a commit can
+    # carry the lock straight to the next one (see commit-8.lua, ARGV[15]).
+    upcoming: dict[int, tuple[str, Message]] = dataclasses.field(default_factory=dict)
 
 
 class Pipeline:
@@ -98,27 +101,33 @@ class Pipeline:
     # Entry point
 
     async def handle_entry(self, keys: Keys, entry_id: str, fields: dict[str, str]) -> None:
-        """Process one entry of shard `keys` and whatever the commit hands on. Never raises: a
-        Redis failure leaves the entry pending (reclaim delivers it again), anything else is
-        logged."""
-        structlog.contextvars.bind_contextvars(entry_id=entry_id)
+        await self.handle_entries(keys, [(entry_id, fields)])
+
+    async def handle_entries(self, keys: Keys, entries: list[tuple[str, dict[str, str]]]) -> None:
+        """Process entries of shard `keys` (one session's entries from one read, in stream
+        order) and whatever the commits hand on. A commit whose next seq is among these
+        entries keeps the lock for it, which saves that entry's acquire round trip.
+
+        Never raises: a Redis failure leaves the rest pending (reclaim delivers them again),
+        anything else is logged."""
         try:
-            try:
-                msg = decode_entry(fields, self.settings.max_message_bytes)
-                if shard_of(msg.session_id, self.shards) != keys.shard:
-                    # Only a producer that bypasses `send` can do this; its session's keys live
-                    # in another slot, so no script here could take its lock.
-                    raise MalformedEntry(
-                        f"session belongs to shard {shard_of(msg.session_id, self.shards)}, "
-                        f"not {keys.shard}",
-                        None,
-                    )
-            except MalformedEntry as exc:
-                await self._deadletter_malformed(keys, entry_id, fields, exc)
-                return
-            job = await self._acquire(keys, entry_id, msg)
-            while job is not None:
-                job = await self._process(job)
+            upcoming: dict[int, tuple[str, Message]] = {}
+            ready: list[tuple[str, Message]] = []
+            for entry_id, fields in entries:
+                msg = await self._decode(keys, entry_id, fields)
+                if msg is not None:
+                    ready.append((entry_id, msg))
+                    upcoming.setdefault(msg.seq, (entry_id, msg))
+            for entry_id, msg in ready:
+                current = upcoming.get(msg.seq)
+                if current is None or current[0] != entry_id:
+                    continue  # already processed through a commit's chain, or a copy
+                del upcoming[msg.seq]
+                structlog.contextvars.bind_contextvars(entry_id=entry_id)
+                job = await self._acquire(keys, entry_id, msg, upcoming)
+                while job is not None:
+                    job = await self._process(job)
+                structlog.contextvars.clear_contextvars()
         except redis.exceptions.RedisError as exc:
             log.warning("redis_error", error=repr(exc), note="left pending; delivered again")
         except Exception:
@@ -126,10 +135,35 @@ class Pipeline:
         finally:
             structlog.contextvars.clear_contextvars()
 
+    async def _decode(self, keys: Keys, entry_id: str, fields: dict[str, str]) -> Message | None:
+        """The message, or None after dead-lettering an entry no session order can take."""
+        try:
+            msg = decode_entry(fields, self.settings.max_message_bytes)
+            if shard_of(msg.session_id, self.shards) != keys.shard:
+                # Only a producer that bypasses `send` can do this; its session's keys live
+                # in another slot, so no script here could take its lock.
+                raise MalformedEntry(
+                    f"session belongs to shard {shard_of(msg.session_id, self.shards)}, "
+                    f"not {keys.shard}",
+                    None,
+                )
+        except MalformedEntry as exc:
+            structlog.contextvars.bind_contextvars(entry_id=entry_id)
+            await self._deadletter_malformed(keys, entry_id, fields, exc)
+            structlog.contextvars.clear_contextvars()
+            return None
+        return msg
+
     # ------------------------------------------------------------------------------------
     # 1. acquire and load, or park
 
-    async def _acquire(self, keys: Keys, entry_id: str, msg: Message) -> Job | None:
+    async def _acquire(
+        self,
+        keys: Keys,
+        entry_id: str,
+        msg: Message,
+        upcoming: dict[int, tuple[str, Message]],
+    ) -> Job | None:
         structlog.contextvars.bind_contextvars(
             session_id=msg.session_id, msg_id=msg.msg_id, seq=msg.seq
         )
@@ -181,7 +215,7 @@ class Pipeline:
             # Our entry parked (out of order); the lock came with its predecessor instead.
             self.metrics.retries.labels("out_of_order").inc()
         state = json.loads(reply.state_json) if reply.state_json else initial_state(msg.session_id)
-        return self._job_from(reply, msg, state, sk, keys, token, entry_id)
+        return self._job_from(reply, msg, state, sk, keys, token, entry_id, upcoming)
 
     def _job_from(
         self,
@@ -192,6 +226,7 @@ class Pipeline:
         shard: Keys,
         token: str,
         entry_id: str,
+        upcoming: dict[int, tuple[str, Message]],
     ) -> Job:
         source, source_id = "s", entry_id
         if reply.code is Code.HANDOFF:
@@ -211,6 +246,7 @@ class Pipeline:
             reply.attempts,
             reply.first_failed_at,
             reply.last_error,
+            upcoming,
         )
 
     # ------------------------------------------------------------------------------------
@@ -298,6 +334,7 @@ class Pipeline:
         except (TypeError, ValueError) as exc:
             return await self._deadletter(job, "permanent", f"engine state is not JSON: {exc}")
         sk = lease.keys
+        chained = job.upcoming.get(msg.seq + 1)
         raw = await _shielded(
             self.scripts.commit(
                 keys=[
@@ -325,6 +362,7 @@ class Pipeline:
                     settings.lock_ttl_ms,
                     settings.reply_maxlen,
                     pairs(dead_letter) if dead_letter is not None else "",
+                    chained[0] if chained is not None else "",
                 ],
             )
         )
@@ -345,7 +383,28 @@ class Pipeline:
         )
         if result.code is Code.HANDOFF:
             return self._job_from(
-                result, msg, new_state, sk, lease.shard, lease.token, lease.source_id
+                result,
+                msg,
+                new_state,
+                sk,
+                lease.shard,
+                lease.token,
+                lease.source_id,
+                job.upcoming,
+            )
+        if result.code is Code.ACQUIRED and chained is not None:
+            # The lock stayed with us for our own next entry: no acquire round trip.
+            del job.upcoming[msg.seq + 1]
+            entry_id, next_msg = chained
+            return self._job_from(
+                result,
+                next_msg,
+                new_state,
+                sk,
+                lease.shard,
+                lease.token,
+                entry_id,
+                job.upcoming,
             )
         return None
 

@@ -32,7 +32,9 @@ async def acquire(client, scripts, session, token, entry_id, seq) -> LockReply:
     return LockReply.parse(raw)
 
 
-async def commit(client, scripts, session, token, version, seq, entry_id, doc) -> LockReply:
+async def commit(
+    client, scripts, session, token, version, seq, entry_id, doc, next_entry=""
+) -> LockReply:
     sk, k = client.keys.session(session), client.keys
     raw = await scripts.commit(
         keys=[sk.lock, sk.state, sk.parked, k.delayed, k.delayed_data, k.stream, k.replies, k.dlq],
@@ -51,6 +53,7 @@ async def commit(client, scripts, session, token, version, seq, entry_id, doc) -
             TTL_MS,
             0,
             "",
+            next_entry,
         ],
     )
     return LockReply.parse(raw)
@@ -152,3 +155,26 @@ async def test_restarted_step_counts_attempts_across_deliveries(client):
         got = await acquire(client, scripts, "a", f"t{expected}", entry_id, 1)
         assert got.code is Code.ACQUIRED and got.attempts == expected
         await client.redis.delete(client.keys.session("a").lock)  # the worker "died"
+
+
+async def test_commit_carries_the_lock_to_the_callers_own_next_entry(client):
+    """A worker that read seq 1 and 2 together: committing 1 keeps the lock for 2, counts
+    its start, and 2's own commit needs no acquire first."""
+    scripts = Scripts.register(client.redis)
+    k = client.keys
+    await client.send("c", "one")
+    await client.send("c", "two")
+    await client.redis.xgroup_create(k.stream, k.group, id="0", mkstream=True)
+    [(_, entries)] = await client.redis.xreadgroup(k.group, "c1", {k.stream: ">"}, count=2)
+    (id1, _), (id2, _) = entries
+    assert (await acquire(client, scripts, "c", "tok", id1, 1)).code is Code.ACQUIRED
+    got = await commit(client, scripts, "c", "tok", 0, 1, id1, {"n": 1}, next_entry=id2)
+    assert (got.code, got.version, got.attempts) == (Code.ACQUIRED, 1, 1)
+    sk = k.session("c")
+    assert await client.redis.get(sk.lock) == "tok"
+    assert await client.redis.hget(sk.state, "ia_seq") == "2"
+    done = await commit(client, scripts, "c", "tok", 1, 2, id2, {"n": 2})
+    assert done.code is Code.COMMITTED
+    assert await client.redis.get(sk.lock) is None
+    assert await client.redis.xlen(k.stream) == 0
+    assert await client.state("c") == {"n": 2}
