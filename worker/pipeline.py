@@ -113,16 +113,20 @@ class Pipeline:
         try:
             upcoming: dict[int, tuple[str, Message]] = {}
             ready: list[tuple[str, Message]] = []
+            copies: set[str] = set()  # a second entry with a seq already seen: never chained
             for entry_id, fields in entries:
                 msg = await self._decode(keys, entry_id, fields)
                 if msg is not None:
                     ready.append((entry_id, msg))
-                    upcoming.setdefault(msg.seq, (entry_id, msg))
+                    if msg.seq in upcoming:
+                        copies.add(entry_id)
+                    else:
+                        upcoming[msg.seq] = (entry_id, msg)
             for entry_id, msg in ready:
-                current = upcoming.get(msg.seq)
-                if current is None or current[0] != entry_id:
-                    continue  # already processed through a commit's chain, or a copy
-                del upcoming[msg.seq]
+                if entry_id not in copies:
+                    if upcoming.get(msg.seq, ("",))[0] != entry_id:
+                        continue  # already processed: a commit carried the lock to it
+                    del upcoming[msg.seq]
                 structlog.contextvars.bind_contextvars(entry_id=entry_id)
                 job = await self._acquire(keys, entry_id, msg, upcoming)
                 while job is not None:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from worker.client import DialogClient
-from worker.verify import check, send_bursts, wait_applied
+from worker.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 
@@ -113,3 +113,20 @@ async def test_tricky_session_ids_stay_separate(client, workers, ids):
         assert state["session_id"] == sid
         assert state["memory"]["userName"] == f"N{i}"
         assert [t["seq"] for t in state["history"]] == [1, 2]
+
+
+async def test_copies_of_one_message_in_one_read_apply_once_and_leave_nothing_pending(
+    client, workers
+):
+    # Two entries with the same seq (a producer that re-sent past `send`, or a promoted copy)
+    # and the next message, all read in one batch by one worker.
+    k = client.keys
+    first = await client.send("copy", "nama saya Budi", msg_id="m1")
+    entry = (await client.redis.xrange(k.stream))[0][1]
+    await client.redis.xadd(k.stream, entry)
+    second = await client.send("copy", "keluhan", msg_id="m2")
+    workers.start(1)
+    sent = [Sent("copy", first.seq, "m1", "nama saya Budi"), Sent("copy", second.seq, "m2", "x")]
+    assert await wait_applied(client, sent, timeout_s=20)
+    assert await check(client, sent) == []
+    await assert_drained(client)
