@@ -411,6 +411,16 @@ class Worker:
             if int(ok):
                 lease.renewed_at = time.monotonic()
                 self.metrics.lease_renewals.inc()
+                waiting: list[Any] = [entry_id for entry_id, _ in lease.waiting.values()]
+                if waiting:  # reset their idle time; JUSTID does not count a delivery
+                    await self.redis.xclaim(
+                        lease.shard.stream,
+                        lease.shard.group,
+                        self.settings.consumer,
+                        0,
+                        waiting,
+                        justid=True,
+                    )
             else:
                 lease.lost = True
                 if lease.scope is not None:

@@ -62,6 +62,9 @@ class Lease:
     renewed_at: float = dataclasses.field(default_factory=time.monotonic)
     lost: bool = False
     scope: anyio.CancelScope | None = None
+    # Entries of the same session read with this one and waiting their turn behind it: the
+    # heartbeat keeps them fresh too, so a long step does not get them reclaimed meanwhile.
+    waiting: dict[int, tuple[str, Message]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)
@@ -237,7 +240,7 @@ class Pipeline:
             self.metrics.handoffs.inc()
             msg = decode_parked(reply.handoff_fields, self.settings.max_message_bytes)
             source, source_id = "d", reply.handoff_id
-        lease = Lease(sk, shard, token, source, source_id)
+        lease = Lease(sk, shard, token, source, source_id, waiting=upcoming)
         self.leases[token] = lease
         structlog.contextvars.bind_contextvars(
             msg_id=msg.msg_id, seq=msg.seq, attempt=reply.attempts, entry_id=source_id

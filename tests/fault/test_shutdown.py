@@ -46,3 +46,26 @@ async def test_second_signal_exits_at_once_and_the_message_is_finished_elsewhere
     workers.start(1, **fast)
     assert await wait_applied(client, sent, timeout_s=60)
     assert await check(client, sent) == []
+
+
+async def test_messages_waiting_behind_a_long_step_are_not_reclaimed_meanwhile(client, workers):
+    """One read holds a session's burst; the first step outlasts the visibility timeout. The
+    heartbeat keeps the waiting entries fresh, so no other worker reclaims them meanwhile."""
+    fast = {
+        "DIALOG_ENGINE": "fault_engine:make",
+        "DIALOG_LOCK_TTL_MS": "600",
+        "DIALOG_VISIBILITY_TIMEOUT_MS": "800",
+        "DIALOG_RECLAIM_INTERVAL_MS": "100",
+        "DIALOG_METRICS_SAMPLE_INTERVAL_S": "0.1",
+    }
+    sent = await send_bursts(client, ["long"], ["sleep 2.5 nama saya Budi", "dua", "tiga"])
+    procs = workers.start(2, metrics=True, **fast)
+    assert await wait_applied(client, sent, timeout_s=30)
+    assert await check(client, sent) == []
+    reclaimed = sum(
+        float(line.rsplit(" ", 1)[1])
+        for w in procs
+        for line in w.metrics_text().splitlines()
+        if line.startswith("dialog_reclaimed_total ")
+    )
+    assert reclaimed == 0
