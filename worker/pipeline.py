@@ -103,9 +103,6 @@ class Pipeline:
     # ------------------------------------------------------------------------------------
     # Entry point
 
-    async def handle_entry(self, keys: Keys, entry_id: str, fields: dict[str, str]) -> None:
-        await self.handle_entries(keys, [(entry_id, fields)])
-
     async def handle_entries(self, keys: Keys, entries: list[tuple[str, dict[str, str]]]) -> None:
         """Process entries of shard `keys` (one session's entries from one read, in stream
         order) and whatever the commits hand on. A commit whose next seq is among these
