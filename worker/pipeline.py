@@ -1,8 +1,10 @@
 """The life of one message, top to bottom.
 
     decode -> acquire and load (one script: lock + state, or park) -> order check (in the
-    script) -> engine step -> fenced commit (one script: state, reply, ack, hand-off or
-    release) -> next handed-off message, if the commit returned one.
+    script) -> engine step -> fenced commit (one script: state, reply, ack, then the lock
+    goes on to the session's next message or is released) -> that next message, if the
+    commit kept the lock for it: a parked one it handed off, or the worker's own next entry
+    of the session from the same read (no acquire needed).
 
 Failures branch off: a refused entry is dead-lettered; an engine error is retried with
 backoff until the attempt limit, then dead-lettered in order; a lost lease gives the result
