@@ -28,6 +28,17 @@ from worker.keys import Keys
 
 Handler = Callable[[str, dict[str, str]], Awaitable[None]]
 
+# The seed design's lock, as both locking comparison workers use it: SET NX PX to take it, this
+# compare-and-delete to release it (seeds/000, verbatim), and the seed's 5 s lease.
+RELEASE_LOCK_LUA = """
+if redis.call("get", KEYS[1]) == ARGV[1] then
+  return redis.call("del", KEYS[1])
+else
+  return 0
+end
+"""
+LOCK_TTL_MS = 5000
+
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000

@@ -27,17 +27,9 @@ from taskiq.kicker import AsyncKicker
 from taskiq.middlewares import SmartRetryMiddleware
 from taskiq_redis import RedisStreamBroker
 
-from bench.common import Base, main
+from bench.common import LOCK_TTL_MS, RELEASE_LOCK_LUA, Base, main
 from worker.config import Settings
 
-RELEASE_LOCK_LUA = """
-if redis.call("get", KEYS[1]) == ARGV[1] then
-  return redis.call("del", KEYS[1])
-else
-  return 0
-end
-"""
-LOCK_TTL_MS = 5000
 TASK_NAME = "bench.apply"
 
 

@@ -32,16 +32,7 @@ import asyncio
 import os
 import uuid
 
-from bench.common import Base, main
-
-RELEASE_LOCK_LUA = """
-if redis.call("get", KEYS[1]) == ARGV[1] then
-  return redis.call("del", KEYS[1])
-else
-  return 0
-end
-"""
-LOCK_TTL_MS = 5000
+from bench.common import LOCK_TTL_MS, RELEASE_LOCK_LUA, Base, main
 
 
 class Seed(Base):
