@@ -9,13 +9,13 @@ import asyncio
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.exceptions
 from redis_server import RedisServer
+from redis_server import wait_until_async as poll
 from worker_procs import WorkerPool, WorkerProc
 
 from worker.client import DialogClient
@@ -34,20 +34,6 @@ FAST = {
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-async def poll(
-    predicate: Callable[[], Awaitable[Any]], timeout_s: float, what: str, interval_s: float = 0.05
-) -> Any:
-    """Await `predicate` until it returns something truthy, or fail at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(interval_s)
 
 
 def metric(text: str, name: str, label: str = "") -> float:

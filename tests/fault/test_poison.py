@@ -9,6 +9,7 @@ import time
 
 import anyio
 import pytest
+from redis_server import wait_until_async as wait_for
 
 from worker.verify import check, send_bursts, wait_applied
 
@@ -42,17 +43,6 @@ DLQ_FIELDS = {
 
 async def dead_letters(client) -> list[dict[str, str]]:
     return [f for _, f in await client.redis.xrange(client.keys.dlq)]
-
-
-async def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await anyio.sleep(0.05)
 
 
 async def assert_nothing_left(client) -> None:

@@ -9,7 +9,11 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
+
+import anyio
 
 
 def free_port() -> int:
@@ -28,6 +32,24 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.02, what: str 
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
+
+
+async def wait_until_async(
+    predicate: Callable[[], Awaitable[Any]],
+    timeout_s: float,
+    what: str = "condition",
+    interval_s: float = 0.05,
+) -> Any:
+    """`wait_until` for an async predicate: await it until it returns something truthy, or
+    fail at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await anyio.sleep(interval_s)
 
 
 class RedisServer:
