@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import uuid
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -83,7 +85,7 @@ class DialogClient:
         check_text(text, self.settings.max_message_bytes)
         keys = self.keys_for(session_id)
         sk = keys.session(session_id)
-        try:
+        with self._cluster_errors("send"):
             await self._prepare()
             raw = await self._scripts.send(
                 keys=[sk.state, sk.dedupe(msg_id), keys.stream],
@@ -95,21 +97,27 @@ class DialogClient:
                     self.settings.state_ttl_s,
                 ],
             )
-        except (RedisClusterException, AttributeError) as exc:
-            if self.settings.redis_mode != "cluster":
-                raise
-            # During a failover redis-py's cluster client raises RedisClusterException (not a
-            # RedisError) while no node it knows answers, and, in 8.1, sometimes an
-            # AttributeError from a connection torn down mid-write. Both mean "not sent, try
-            # again": callers get the one error type that says so. Retry with the same msg_id.
-            raise RedisConnectionError(f"cluster unavailable during send: {exc}") from exc
         return SendResult(session_id, msg_id, int(raw[0]), bool(int(raw[1])))
 
     async def state(self, session_id: str) -> dict[str, Any] | None:
         check_id("session_id", session_id)
-        await self._prepare()
-        doc = await self.redis.hget(self.keys_for(session_id).session(session_id).state, "d")
+        with self._cluster_errors("state"):
+            await self._prepare()
+            doc = await self.redis.hget(self.keys_for(session_id).session(session_id).state, "d")
         return None if doc is None else json.loads(doc)
+
+    @contextlib.contextmanager
+    def _cluster_errors(self, operation: str) -> Iterator[None]:
+        """During a failover redis-py's cluster client raises RedisClusterException (not a
+        RedisError) while no node it knows answers, and, in 8.1, sometimes an AttributeError
+        from a connection torn down mid-write. Both mean "not done, try again": callers get
+        the one error type that says so (a send is retried with the same msg_id)."""
+        try:
+            yield
+        except (RedisClusterException, AttributeError) as exc:
+            if self.settings.redis_mode != "cluster":
+                raise
+            raise RedisConnectionError(f"cluster unavailable during {operation}: {exc}") from exc
 
     async def _prepare(self) -> None:
         if not self._prepared:
