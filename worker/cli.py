@@ -131,6 +131,9 @@ def _run(settings: Settings) -> int:
             return EXIT_FAILURE
     try:
         run_worker(settings, engine)
+    except ConfigError as exc:
+        print(f"dialog-worker: invalid setting {exc}", file=sys.stderr)
+        return EXIT_USAGE
     finally:
         if embedded is not None:
             embedded.terminate()

@@ -1,12 +1,11 @@
-"""The producer side: ``DialogClient.send`` and ``DialogClient.state``."""
+"""The application's side: ``DialogClient.send`` (one plain XADD) and ``DialogClient.state``."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
-import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -14,19 +13,18 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
-from worker.codec import check_id, check_text
+from worker.codec import MAX_EXTRA_FIELDS, RESERVED_FIELDS, check_id, check_meta, check_text
 from worker.config import Settings, load_settings
+from worker.errors import ValidationError
 from worker.keys import Keys, Topology
-from worker.redis_conn import connect, prepare
-from worker.scripts import Scripts
+from worker.redis_conn import check_topology, connect, prepare
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SendResult:
     session_id: str
-    msg_id: str
-    seq: int
-    duplicate: bool
+    msg_id: str  # the given one, or the entry id when none was given
+    entry_id: str
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -58,7 +56,6 @@ class DialogClient:
         # shard; anything per session goes through `keys_for`.
         self.keys: Keys = self.topology.shards[0]
         self.redis: Redis = connect(settings, max_connections)
-        self._scripts = Scripts.register(self.redis)
         self._prepared = False
 
     async def __aenter__(self) -> DialogClient:
@@ -76,28 +73,41 @@ class DialogClient:
     async def aclose(self) -> None:
         await self.redis.aclose()
 
-    async def send(self, session_id: str, text: str, msg_id: str | None = None) -> SendResult:
-        """Enqueue one message. Raises ``ValidationError`` before touching Redis if the
-        session id, message id or text is refused. A ``msg_id`` seen inside the dedupe window
-        enqueues nothing and returns the original seq with ``duplicate=True``."""
+    async def send(
+        self,
+        session_id: str,
+        text: str,
+        msg_id: str | None = None,
+        meta: Mapping[str, str] | None = None,
+    ) -> SendResult:
+        """Enqueue one message: one plain XADD to the session's stream (its shard's in a
+        sharded deployment), what any producer in any language does. Raises
+        ``ValidationError`` before touching Redis if the session id, message id, text or
+        extra fields are refused. A ``msg_id`` already seen inside the dedupe window is
+        answered by the workers with a ``duplicate`` reply event."""
         check_id("session_id", session_id)
-        msg_id = check_id("msg_id", msg_id) if msg_id is not None else uuid.uuid4().hex
+        if msg_id is not None:
+            check_id("msg_id", msg_id)
         check_text(text, self.settings.max_message_bytes)
-        keys = self.keys_for(session_id)
-        sk = keys.session(session_id)
+        fields: dict[str, str] = {"session_id": session_id, "text": text}
+        if msg_id is not None:
+            fields["msg_id"] = msg_id
+        for name, value in (meta or {}).items():
+            if name in RESERVED_FIELDS:
+                raise ValidationError(f"meta field {name!r} is reserved")
+            fields[name] = check_meta(name, value)
+        if len(fields) - 2 - (msg_id is not None) > MAX_EXTRA_FIELDS:
+            raise ValidationError(f"at most {MAX_EXTRA_FIELDS} meta fields are allowed")
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in fields.items())
+        if size > self.settings.max_message_bytes:
+            raise ValidationError(
+                f"message is {size} bytes; at most {self.settings.max_message_bytes} are allowed"
+            )
         with self._cluster_errors("send"):
             await self._prepare()
-            raw = await self._scripts.send(
-                keys=[sk.state, sk.dedupe(msg_id), keys.stream],
-                args=[
-                    session_id,
-                    msg_id,
-                    text,
-                    self.settings.dedupe_ttl_s,
-                    self.settings.state_ttl_s,
-                ],
-            )
-        return SendResult(session_id, msg_id, int(raw[0]), bool(int(raw[1])))
+            entry_id = await self.redis.xadd(self.keys_for(session_id).stream, fields)  # type: ignore[arg-type]
+        entry = str(entry_id)
+        return SendResult(session_id, msg_id if msg_id is not None else entry, entry)
 
     async def state(self, session_id: str) -> dict[str, Any] | None:
         check_id("session_id", session_id)
@@ -122,6 +132,7 @@ class DialogClient:
     async def _prepare(self) -> None:
         if not self._prepared:
             await prepare(self.redis)
+            await check_topology(self.redis, self.settings, record=False)
             self._prepared = True
 
     def keys_for(self, session_id: str) -> Keys:

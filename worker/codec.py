@@ -1,19 +1,28 @@
 """Validation of ids and texts, and decoding of inbound stream entries.
 
-Validation runs before any key is built: an id that is refused here never reaches Redis.
+Entries are read as bytes and decoded one by one: one entry that is not UTF-8 is that entry's
+problem, never its batch-mates'. The intake script has already refused what it can check
+cheaply (see lua/intake-5.lua); what is left here is the content: text and extra fields must
+be UTF-8.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 from worker.errors import ValidationError
 
 MAX_ID_BYTES = 256
+# Fields a producer may add besides session_id, text and msg_id (they reach the engine as
+# message["meta"]).
+MAX_EXTRA_FIELDS = 32
+# Names the worker gives meaning to: a producer-written value is ignored (not passed on).
+RESERVED_FIELDS = frozenset(
+    {"session_id", "text", "msg_id", "seq", "requeues", "attempts", "enqueued_at", "entry_id"}
+)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -22,6 +31,8 @@ def check_id(kind: str, value: object) -> str:
         raise ValidationError(f"{kind} must be a string, got {type(value).__name__}")
     if not value:
         raise ValidationError(f"{kind} must not be empty")
+    if not value.strip():
+        raise ValidationError(f"{kind} must not be blank")
     size = len(value.encode("utf-8", "surrogatepass"))
     if size > MAX_ID_BYTES:
         raise ValidationError(f"{kind} is {size} bytes; at most {MAX_ID_BYTES} are allowed")
@@ -48,13 +59,24 @@ def check_text(text: object, max_bytes: int) -> str:
     return text
 
 
-class MalformedEntry(Exception):
-    """The entry cannot be placed in any session's order: it is dead-lettered on its own."""
+def check_meta(name: str, value: object) -> str:
+    """An extra field of a message (reaches the engine as message["meta"][name])."""
+    check_id("meta field name", name)
+    if not isinstance(value, str):
+        raise ValidationError(f"meta field {name!r} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError(f"meta field {name!r} is not valid unicode text") from None
+    return value
 
-    def __init__(self, reason: str, session_id: str | None) -> None:
+
+class MalformedEntry(Exception):
+    """The entry's content cannot be given to the engine: it is dead-lettered in its turn."""
+
+    def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.session_id = session_id
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,12 +85,10 @@ class Message:
     msg_id: str
     seq: int
     text: str
+    entry_id: str
     enqueued_at_ms: int
-    requeues: int
-    fields: dict[str, str]
-    # Set when the entry is well placed (session and seq are fine) but its content is refused:
-    # it is dead-lettered as permanent in its turn, so the session's later messages proceed.
-    problem: str | None = None
+    attempt: int
+    meta: dict[str, str]
 
     def as_engine_input(self) -> dict[str, Any]:
         return {
@@ -76,60 +96,57 @@ class Message:
             "msg_id": self.msg_id,
             "seq": self.seq,
             "text": self.text,
+            "entry_id": self.entry_id,
             "enqueued_at": self.enqueued_at_ms,
+            "attempt": self.attempt,
+            "meta": dict(self.meta),
         }
 
 
-def decode_entry(fields: Mapping[str, str], max_message_bytes: int) -> Message:
-    fields = dict(fields)
-    raw_session = fields.get("session_id")
-    try:
-        session_id = check_id("session_id", raw_session)
-    except ValidationError as exc:
-        raise MalformedEntry(str(exc), None) from None
-    try:
-        seq = int(fields.get("seq", ""))
-        if seq < 1:
-            raise ValueError
-    except ValueError:
-        raise MalformedEntry(
-            f"seq must be a positive integer, got {fields.get('seq')!r}", session_id
-        ) from None
+def entry_time_ms(entry_id: str) -> int:
+    """The time part of a stream entry id (when it was appended, Redis clock)."""
+    head = entry_id.split("-", 1)[0]
+    return int(head) if head.isdigit() else 0
 
-    problem = None
-    msg_id = fields.get("msg_id") or ""
+
+def fields_dict(flat: Sequence[bytes]) -> dict[bytes, bytes]:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
+
+
+def decode_message(
+    session_id: str, seq: int, entry_id: str, attempt: int, fields: dict[bytes, bytes]
+) -> Message:
+    """The engine's view of a sequenced entry, or MalformedEntry naming what is wrong."""
     try:
-        check_id("msg_id", msg_id)
-        check_text(fields.get("text"), max_message_bytes)
-    except ValidationError as exc:
-        problem = str(exc)
-    try:
-        enqueued_at_ms = int(fields.get("enqueued_at", "0"))
-        requeues = int(fields.get("requeues", "0"))
-    except ValueError:
-        enqueued_at_ms, requeues = 0, 0
-        problem = problem or "enqueued_at and requeues must be integers"
+        text = fields.get(b"text", b"").decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedEntry(
+            f"text is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
+    raw_msg_id = fields.get(b"msg_id")
+    msg_id = raw_msg_id.decode("utf-8") if raw_msg_id is not None else entry_id
+    meta: dict[str, str] = {}
+    for raw_name, raw_value in fields.items():
+        try:
+            name = raw_name.decode("utf-8")
+            if name in RESERVED_FIELDS:
+                continue
+            meta[name] = raw_value.decode("utf-8")
+        except UnicodeDecodeError:
+            shown = raw_name.decode("utf-8", "replace")
+            raise MalformedEntry(f"field {shown!r} is not valid UTF-8") from None
     return Message(
         session_id=session_id,
         msg_id=msg_id,
         seq=seq,
-        text=fields.get("text") or "",
-        enqueued_at_ms=enqueued_at_ms,
-        requeues=requeues,
-        fields=fields,
-        problem=problem,
+        text=text,
+        entry_id=entry_id,
+        enqueued_at_ms=entry_time_ms(entry_id),
+        attempt=attempt,
+        meta=meta,
     )
 
 
-def decode_parked(payload: str, max_message_bytes: int) -> Message:
-    """A handed-off message: its fields as the JSON array of pairs the scripts store."""
-    flat = json.loads(payload)
-    return decode_entry(dict(zip(flat[0::2], flat[1::2], strict=True)), max_message_bytes)
-
-
-def pairs(fields: Mapping[str, object]) -> str:
-    """Fields as the JSON array of name/value pairs the scripts unpack into XADD."""
-    flat: list[str] = []
-    for name, value in fields.items():
-        flat += [name, str(value)]
-    return json.dumps(flat, ensure_ascii=False)
+def text(value: bytes | str) -> str:
+    """A value from Redis as text (ids and numbers the scripts wrote or validated)."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value

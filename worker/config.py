@@ -43,6 +43,9 @@ class Settings:
     history_limit: int = 50
     dedupe_ttl_s: int = 86400
     max_message_bytes: int = 65536
+    max_state_bytes: int = 1_048_576
+    step_timeout_s: float = 60.0
+    gap_timeout_s: float = 30.0
     reply_maxlen: int = 1_000_000
     fallback_reply: str = "Maaf, pesan Anda tidak dapat diproses. Silakan coba lagi nanti."
     engine: str = ""
@@ -182,6 +185,9 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "history_limit": _int(0),
     "dedupe_ttl_s": _int(1),
     "max_message_bytes": _int(1, 512 * 1024 * 1024),
+    "max_state_bytes": _int(1024, 512 * 1024 * 1024),
+    "step_timeout_s": _float(0.001),
+    "gap_timeout_s": _float(0.0),
     "reply_maxlen": _int(0),
     "fallback_reply": _text,
     "engine": _text,

@@ -1,10 +1,14 @@
 """The worker process: message tasks plus named side loops.
 
-    intake   reader (XREADGROUP, only as many entries as there are free slots)
-             reclaimer (XAUTOCLAIM of entries idle past the visibility timeout; consumer hygiene)
-    work     one task per message, at most DIALOG_CONCURRENCY at once (pipeline.py)
-    side     promoter (delayed set -> stream), heartbeat (lease renewal), sampler (gauges,
-             readiness), HTTP (/metrics, /healthz, /readyz), signals
+    intake   reader (intake script: deliver, sequence, lock; only as many entries as there
+             are free slots; when idle, XREAD BLOCK from the last delivered id)
+             resumer (sessions of the ready set that are due: a crashed holder's lease ran
+             out, a retry's backoff is over)
+             reclaimer (entries left pending by anything else; consumer hygiene)
+    work     one task per session being worked, at most DIALOG_CONCURRENCY at once
+             (pipeline.py), and one committer per shard (group commit)
+    side     heartbeat (lease renewal), sampler (gauges, readiness), HTTP (/metrics,
+             /healthz, /readyz), signals
 
 Shutdown (SIGTERM/SIGINT): intake stops at once; in-flight work gets DIALOG_SHUTDOWN_GRACE_S;
 what is still running then is cancelled and handed back to the queue; locks are released;
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import secrets
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -29,23 +34,26 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
 
+from worker import __version__
+from worker.codec import MAX_EXTRA_FIELDS, fields_dict, text
 from worker.config import Settings
 from worker.engine import Engine
+from worker.errors import ConfigError
 from worker.keys import Keys, Topology
 from worker.metrics import Metrics
-from worker.pipeline import Lease, Pipeline
-from worker.redis_conn import connect, prepare
+from worker.pipeline import Committer, Job, Pipeline
+from worker.redis_conn import check_topology, connect, prepare
 from worker.scripts import Scripts
 from worker.views import queue_stats
 
 log = structlog.get_logger("dialog_worker.daemon")
 
-# XREADGROUP / XAUTOCLAIM replies with decode_responses=True (redis-py cannot type these).
-ReadReply = list[tuple[str, list[tuple[str, dict[str, str] | None]]]]
-ClaimReply = tuple[str, list[tuple[str, dict[str, str] | None]], list[str]]
-
-PROMOTE_BATCH = 500
 OUTAGE_BACKOFF_MAX_S = 5.0
+# Most entries one intake call reads (the script refuses more).
+INTAKE_BATCH = 1000
+# How long the resumer sleeps when no session waits in the ready set: anything added later is
+# due a lock lease or a backoff from then, except a hand-back at shutdown.
+RESUME_IDLE_S = 1.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,14 +83,31 @@ class Worker:
         # The callers are bounded: a message task holds one connection at a time (at most
         # `concurrency` of them), each shard's reader, reclaimer and promoter one each, the
         # heartbeat and the sampler one each; the margin is for safety, not for need.
-        self.redis: Redis = connect(
+        # Two clients: one reads replies as bytes (scripts and streams: nothing read from Redis
+        # is trusted to be UTF-8, and one bad entry must not fail its batch), one decodes (the
+        # sampler and housekeeping). Callers are bounded: a session task holds at most one
+        # connection at a time, each shard's reader, resumer, reclaimer and committer one each.
+        self.raw: Redis = connect(
             settings,
-            max_connections=settings.concurrency + 8 + 3 * len(self.shards),
+            max_connections=settings.concurrency + 8 + 4 * len(self.shards),
             bounded_callers=True,
+            decode=False,
         )
-        self.scripts = Scripts.register(self.redis)
-        self.leases: dict[str, Lease] = {}
-        self.pipeline = Pipeline(settings, self.scripts, engine, self.metrics, self.leases)
+        self.redis: Redis = connect(settings, max_connections=4, bounded_callers=False)
+        self.scripts = Scripts.register(self.raw)
+        self.housekeeping = Scripts.register(self.redis)
+        self.leases: dict[str, Job] = {}
+        self.committers = {
+            s.keys.shard: Committer(self.scripts, s.keys, settings) for s in self.shards
+        }
+        self.pipeline = Pipeline(
+            settings, self.scripts, engine, self.metrics, self.leases, self.committers
+        )
+        self._token_counter = 0
+        # A restarted process may reuse its consumer name and pid (pid 1 in a container):
+        # the nonce keeps its tokens apart from the locks its previous life still holds.
+        self._token_nonce = f"{settings.consumer}:{secrets.token_hex(6)}"
+        self.refused: ConfigError | None = None  # set when Redis says this config is wrong
         self.stopping = anyio.Event()
         self._ready = False
         self._last_error_log = 0.0
@@ -120,10 +145,8 @@ class Worker:
                 if self.stopping.is_set():  # told to stop before Redis was ever reachable
                     side.cancel_scope.cancel()
                     return
-                for shard in self.shards:
-                    side.start_soon(
-                        self._loop, f"promoter-{shard.label}", partial(self._promote_once, shard)
-                    )
+                for committer in self.committers.values():
+                    side.start_soon(committer.run)
                 side.start_soon(self._loop, "heartbeat", self._heartbeat_once)
                 side.start_soon(self._loop, "sampler", self._sample_once)
                 async with anyio.create_task_group() as work:
@@ -133,6 +156,11 @@ class Worker:
                                 self._loop,
                                 f"reader-{shard.label}",
                                 partial(self._read_once, shard, work),
+                            )
+                            intake.start_soon(
+                                self._loop,
+                                f"resumer-{shard.label}",
+                                partial(self._resume_once, shard, work),
                             )
                             intake.start_soon(
                                 self._loop,
@@ -150,8 +178,11 @@ class Worker:
                 side.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
+                await self.raw.aclose()
                 await self.redis.aclose()
             log.info("worker_stopped")
+        if self.refused is not None:
+            raise self.refused
 
     def stop(self) -> None:
         self.stopping.set()
@@ -164,6 +195,12 @@ class Worker:
         while not self.stopping.is_set():
             try:
                 await prepare(self.redis)
+                await prepare(self.raw)
+                await check_topology(self.redis, self.settings, record=True)
+                return
+            except ConfigError as exc:
+                self.refused = exc
+                self.stop()
                 return
             except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
                 # RedisClusterException ("cannot be connected") is not a RedisError: a worker
@@ -236,11 +273,17 @@ class Worker:
             self.ready = True
 
     @staticmethod
-    async def _take_slots(shard: Shard) -> int:
-        """Wait for one free slot, then take every other free one: we read only what we can
-        start now, so nothing sits unstarted in the pending list looking stuck."""
-        await shard.slots.acquire()
-        taken = 1
+    def _give_slots(shard: Shard, n: int) -> None:
+        for _ in range(n):
+            shard.slots.release()
+
+    def _token_base(self) -> str:
+        """Unique per script call: the scripts number the tokens they hand out after it."""
+        self._token_counter += 1
+        return f"{self._token_nonce}:{self._token_counter}"
+
+    def _take_free_slots(self, shard: Shard) -> int:
+        taken = 0
         while True:
             try:
                 shard.slots.acquire_nowait()
@@ -248,29 +291,40 @@ class Worker:
                 return taken
             taken += 1
 
-    @staticmethod
-    def _give_slots(shard: Shard, n: int) -> None:
-        for _ in range(n):
-            shard.slots.release()
+    async def _intake(self, shard: Shard, count: int, claim_idle_ms: int = 0) -> list[Any]:
+        k, s = shard.keys, self.settings
+        # Shielded: entries the script delivered are ours (locked or queued), so the reply
+        # must be seen and its jobs started, whatever is cancelled meanwhile.
+        with anyio.CancelScope(shield=True):
+            reply = cast(
+                list[Any],
+                await self.scripts.intake(
+                    keys=[k.stream, k.ready, k.session_prefix, k.dlq, k.replies],
+                    args=[
+                        k.group,
+                        s.consumer,
+                        min(count, INTAKE_BATCH),
+                        self._token_base(),
+                        s.lock_ttl_ms,
+                        s.dedupe_ttl_s,
+                        s.max_message_bytes,
+                        MAX_EXTRA_FIELDS,
+                        s.reply_maxlen,
+                        __version__,
+                        claim_idle_ms,
+                        s.fallback_reply,
+                    ],
+                ),
+            )
+        return reply
 
     async def _read_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         if not shard.group_ready:
             await self._ensure_group(shard)
-        slots = await self._take_slots(shard)
-        keys = shard.keys
+        await shard.slots.acquire()
+        slots = 1 + self._take_free_slots(shard)
         try:
-            # Shielded: a read Redis has served assigns its entries to us, so cancelling it
-            # at shutdown would strand them unstarted in our pending list until another
-            # worker's visibility timeout. The read ends within read_block_ms, and the entries
-            # are started below with no await in between, so they are finished or handed back.
-            with anyio.CancelScope(shield=True):
-                reply = await self.redis.xreadgroup(
-                    keys.group,
-                    self.settings.consumer,
-                    {keys.stream: ">"},
-                    count=slots,
-                    block=self.settings.read_block_ms,
-                )
+            reply = await self._intake(shard, slots)
         except redis.exceptions.ResponseError as exc:
             self._give_slots(shard, slots)
             if "NOGROUP" in str(exc):
@@ -282,83 +336,98 @@ class Worker:
         except BaseException:
             self._give_slots(shard, slots)
             raise
-        entries = [e for _, batch in cast(ReadReply, reply or []) for e in batch]
-        self._give_slots(shard, slots - len(entries))
-        self._start(shard, work, entries)
+        last_id, read = reply[0], int(reply[1])
+        self._start(shard, work, reply, slots)
+        if read == 0:
+            # Idle: wait for an entry after the last delivered one (not "$": an entry appended
+            # between the empty intake and this call would be missed until the next timeout).
+            await self.raw.xread(
+                {shard.keys.stream: last_id}, count=1, block=self.settings.read_block_ms
+            )
         return 0
 
-    def _start(
-        self,
-        shard: Shard,
-        work: anyio.abc.TaskGroup,
-        entries: list[tuple[str, dict[str, str] | None]],
-    ) -> None:
-        """One task per session in the batch (a user's burst usually arrives together): its
-        entries run one after another, each commit carrying the lock to the next, instead of
-        racing each other for the lock. Synchronous: nothing may come between a read and
-        the start of what it delivered (see _read_once)."""
-        by_session: dict[str, list[tuple[str, dict[str, str]]]] = {}
-        for entry_id, fields in entries:
-            if fields is None:
-                work.start_soon(self._ack_deleted, shard, entry_id)
-            else:
-                by_session.setdefault(fields.get("session_id", ""), []).append((entry_id, fields))
-        for group in by_session.values():
-            work.start_soon(self._run_group, shard, group)
+    def _start(self, shard: Shard, work: anyio.abc.TaskGroup, reply: list[Any], slots: int) -> None:
+        """One task per session whose lock the intake took; its held entries go with it.
+        Synchronous: nothing may come between a script's reply and the start of its jobs."""
+        _, _, rows, held_rows, counts = reply
+        dups, refused, contended = (int(c) for c in counts)
+        if dups:
+            self.metrics.messages.labels("duplicate").inc(dups)
+        if refused:
+            self.metrics.messages.labels("dead_lettered").inc(refused)
+        if contended:
+            self.metrics.lock_contended.inc(contended)
+            self.metrics.retries.labels("contended").inc(contended)
+        jobs = {}
+        for row in rows:
+            job = Job.from_script(shard.keys, row)
+            jobs[job.session_id] = job
+        for sid, _, entry_id, flat in held_rows:
+            jobs[sid.decode("utf-8")].held[text(entry_id)] = fields_dict(flat)
+        self._give_slots(shard, slots - len(jobs))
+        for job in jobs.values():
+            work.start_soon(self._run_session, shard, job)
 
-    async def _ack_deleted(self, shard: Shard, entry_id: str) -> None:
-        """Deleted after it was delivered: nothing left to process."""
+    async def _run_session(self, shard: Shard, job: Job) -> None:
+        self.metrics.in_flight.inc()
+        try:
+            await self.pipeline.run_session(job)
+        finally:
+            self.metrics.in_flight.dec()
+            self._give_slots(shard, 1)
+
+    async def _resume_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
+        """Take up due sessions of the ready set, as many as there are free slots."""
+        if not shard.group_ready:
+            return self.settings.promote_interval_ms / 1000
+        slots = self._take_free_slots(shard)
+        if not slots:
+            return self.settings.promote_interval_ms / 1000
+        k, s = shard.keys, self.settings
         try:
             with anyio.CancelScope(shield=True):
-                await self.redis.xack(shard.keys.stream, shard.keys.group, entry_id)
-        finally:
-            shard.slots.release()
-
-    async def _run_group(self, shard: Shard, group: list[tuple[str, dict[str, str]]]) -> None:
-        self.metrics.in_flight.inc(len(group))
-        try:
-            await self.pipeline.handle_entries(shard.keys, group)
-        finally:
-            self.metrics.in_flight.dec(len(group))
-            self._give_slots(shard, len(group))
+                rows, wait_ms = await self.scripts.resume(
+                    keys=[k.stream, k.ready, k.session_prefix],
+                    args=[
+                        min(slots, INTAKE_BATCH),
+                        self._token_base(),
+                        s.lock_ttl_ms,
+                        int(s.gap_timeout_s * 1000),
+                    ],
+                )
+                jobs = [Job.from_script(k, row[1:], gap=row[0] == b"g") for row in rows]
+        except BaseException:
+            self._give_slots(shard, slots)
+            raise
+        self._give_slots(shard, slots - len(jobs))
+        for job in jobs:
+            if not job.last_error:
+                self.metrics.reclaimed.inc()
+            work.start_soon(self._run_session, shard, job)
+        if jobs and len(jobs) == slots:
+            return 0
+        if int(wait_ms) < 0:
+            return RESUME_IDLE_S
+        return min(s.promote_interval_ms, max(int(wait_ms), 5)) / 1000
 
     async def _reclaim_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
-        """XAUTOCLAIM entries idle past the visibility timeout (their consumer died or hangs:
-        live work is kept fresh by the heartbeat). Follows the cursor to 0-0; a page may be
-        empty with a non-zero cursor, and IDs of entries deleted meanwhile come back apart."""
+        """Entries pending in the group past the visibility timeout. The intake acks what it
+        delivers in the same step, so only something else leaves entries pending (another
+        reader of the group, an older version): they are sequenced like new ones."""
         if not shard.group_ready:
             return self.settings.reclaim_interval_ms / 1000
-        keys = shard.keys
-        cursor = "0-0"
-        while True:
-            slots = await self._take_slots(shard)
+        slots = self._take_free_slots(shard)
+        if slots:
             try:
-                # Shielded for the same reason as the read: claimed entries become ours.
-                with anyio.CancelScope(shield=True):
-                    cursor, claimed, deleted = cast(
-                        ClaimReply,
-                        await self.redis.xautoclaim(
-                            keys.stream,
-                            keys.group,
-                            self.settings.consumer,
-                            min_idle_time=self.settings.visibility_timeout_ms,
-                            start_id=cursor,
-                            count=slots,
-                        ),
-                    )
+                reply = await self._intake(shard, slots, self.settings.visibility_timeout_ms)
             except BaseException:
                 self._give_slots(shard, slots)
                 raise
-            self._give_slots(shard, slots - len(claimed))
-            if deleted:
-                log.info("reclaim_deleted_entries", count=len(deleted), shard=keys.shard)
-            if claimed:
-                self.metrics.reclaimed.inc(len(claimed))
-                log.info("reclaimed", count=len(claimed), shard=keys.shard)
-            self._start(shard, work, claimed)
-            if cursor == "0-0":
-                break
-        await self._delete_idle_consumers(keys)
+            if int(reply[1]):
+                self.metrics.reclaimed.inc(int(reply[1]))
+                log.info("reclaimed", count=int(reply[1]), shard=shard.keys.shard)
+            self._start(shard, work, reply, slots)
+        await self._delete_idle_consumers(shard.keys)
         return self.settings.reclaim_interval_ms / 1000
 
     async def _delete_idle_consumers(self, keys: Keys) -> None:
@@ -370,7 +439,7 @@ class Worker:
                 and int(consumer["pending"]) == 0
                 and int(consumer["idle"]) >= idle_ms
             ):
-                deleted = await self.scripts.delconsumer(
+                deleted = await self.housekeeping.delconsumer(
                     keys=[keys.stream], args=[keys.group, name, idle_ms]
                 )
                 if int(deleted):
@@ -379,53 +448,30 @@ class Worker:
     # ------------------------------------------------------------------------------------
     # side loops
 
-    async def _promote_once(self, shard: Shard) -> float:
-        keys = shard.keys
-        moved, wait_ms = await self.scripts.promote(
-            keys=[keys.delayed, keys.delayed_data, keys.stream],
-            args=[PROMOTE_BATCH],
-        )
-        if int(moved) >= PROMOTE_BATCH:
-            return 0
-        interval = self.settings.promote_interval_ms
-        wait = interval if int(wait_ms) < 0 else min(interval, max(int(wait_ms), 5))
-        return wait / 1000
-
     async def _heartbeat_once(self) -> float:
+        """Renew the leases of steps still running, one call per shard."""
         ttl = self.settings.lock_ttl_ms
         due = time.monotonic() - ttl / 3000
-        for lease in [lease for lease in self.leases.values() if lease.renewed_at < due]:
-            if lease.lost:
-                continue
-            ok = await self.scripts.renew(
-                keys=[lease.keys.lock, lease.shard.stream, lease.shard.delayed],
-                args=[
-                    lease.token,
-                    ttl,
-                    lease.shard.group,
-                    self.settings.consumer,
-                    lease.source,
-                    lease.source_id,
-                ],
-            )
-            if int(ok):
-                lease.renewed_at = time.monotonic()
-                self.metrics.lease_renewals.inc()
-                waiting: list[Any] = [entry_id for entry_id, _ in lease.waiting.values()]
-                if waiting:  # reset their idle time; JUSTID does not count a delivery
-                    await self.redis.xclaim(
-                        lease.shard.stream,
-                        lease.shard.group,
-                        self.settings.consumer,
-                        0,
-                        waiting,
-                        justid=True,
-                    )
-            else:
-                lease.lost = True
-                if lease.scope is not None:
-                    lease.scope.cancel()
-                log.warning("lease_lost", entry_id=lease.source_id)
+        by_shard: dict[int, list[Job]] = {}
+        for job in self.leases.values():
+            if job.renewed_at < due and not job.lost:
+                by_shard.setdefault(job.keys.shard, []).append(job)
+        for jobs in by_shard.values():
+            keys = jobs[0].keys
+            args: list[Any] = [ttl]
+            for job in jobs:
+                args += [job.token, job.session_id]
+            results = await self.scripts.renew(keys=[keys.ready, keys.session_prefix], args=args)
+            now = time.monotonic()
+            for job, ok in zip(jobs, results, strict=True):
+                if int(ok):
+                    job.renewed_at = now
+                    self.metrics.lease_renewals.inc()
+                else:
+                    job.lost = True
+                    if job.scope is not None:
+                        job.scope.cancel()
+                    log.warning("lease_lost", session_id=job.session_id, seq=job.seq)
         return ttl / 4000
 
     async def _sample_once(self) -> float:

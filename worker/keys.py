@@ -1,20 +1,26 @@
 """Every Redis key name, built in one place.
 
-Plain layout (standalone Redis, one shard: the contract's names): the stream is ``dialog``
-and every per-session key carries the session id inside a Redis Cluster hash tag,
-``dialog:s:{<id>}:state``.
+Each shard of a deployment has one hash tag, and every key of the shard carries it, so every
+script touches one Redis Cluster slot:
 
-Sharded layout (``DIALOG_REDIS_MODE=cluster`` or ``DIALOG_SHARDS`` > 1): shard ``i`` has its
-own hash tag ``T_i`` and every key of the shard carries it first: the inbound stream
-``dialog:{T_i}``, its reply and dead-letter streams, its delayed set, and the keys of every
-session that hashes to it (``dialog:{T_i}:s:{<id>}:state``; the second brace pair is not a
-hash tag, it only delimits the id). So each script touches one slot. The tags are chosen so
-that shard ``i`` lands in the ``i``-th equal range of the 16384 slots, which ``redis-cli
---cluster create`` assigns to different masters.
+- Plain layout (standalone Redis, one shard): the inbound stream is the contract's plain name
+  (``dialog``) and the tag is that name, so ``dialog:{dialog}:ready`` and the session keys
+  ``dialog:{dialog}:s:{<id>}:state`` hash like the stream itself.
+- Sharded layout (``DIALOG_REDIS_MODE=cluster`` or ``DIALOG_SHARDS`` > 1): shard ``i`` has its
+  own tag ``T_i``: the stream ``dialog:{T_i}``, its reply and dead-letter streams, its ready
+  set and the keys of every session that hashes to it. The tags are chosen so that shard ``i``
+  lands in the ``i``-th equal range of the 16384 slots, which ``redis-cli --cluster create``
+  assigns to different masters.
 
-In both layouts the id is escaped (``%`` ``{`` ``}`` percent-encoded: injective, and no brace
-is left inside), and the key's role follows the closing brace, so no two sessions' keys can
-collide (``a:lock`` vs ``a``, ``a}b`` vs ``a``, msg ids ending in ``:state``).
+Session keys are ``<session prefix>{<escaped id>}:<role>``; the scripts derive them from the
+prefix the same way (lua/_common.lua). The id is escaped (``%`` ``{`` ``}`` percent-encoded:
+injective, and no brace is left inside), so the brace pair after the tag delimits the id and
+no two sessions' keys can collide (``a:lock`` vs ``a``, msg ids ending in ``:state``).
+
+Per session: ``state`` (hash: ``d`` state JSON, ``v`` version, ``a`` applied seq, ``s`` last
+assigned seq, ``q<seq>`` stream entry of each sequenced, unapplied message, ``n``/``f``/``e``
+attempts of the next message, ``g`` when a gap was first seen), ``lock`` (holder token, PX
+lease) and ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id).
 """
 
 from __future__ import annotations
@@ -71,10 +77,9 @@ def shard_of(session_id: str, shards: int) -> int:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SessionKeys:
-    state: str  # hash: d (state JSON), v (version), a (applied_seq), s (last seq), ia_* attempts
-    lock: str  # string: holder token, PX lease
-    parked: str  # hash: seq -> delayed id of a message waiting for its predecessor
-    dedupe_prefix: str  # + msg_id: string holding the seq assigned to that msg_id
+    state: str
+    lock: str
+    dedupe_prefix: str
 
     def dedupe(self, msg_id: str) -> str:
         return self.dedupe_prefix + msg_id
@@ -88,24 +93,26 @@ class Keys:
     group: str
     replies: str
     dlq: str
-    delayed: str  # zset: delayed id -> due time (ms, Redis clock)
-    delayed_data: str  # hash: delayed id -> message fields (JSON array of name, value pairs)
+    ready: str  # zset: session id -> ms when to look at it (see lua/resume-3.lua)
+    session_prefix: str  # "<prefix>:{<tag>}:s:", declared to scripts that derive session keys
     prefix: str
     shard: int = 0
-    tag: str = ""  # "" in the plain layout
+    tag: str = ""
 
     @classmethod
     def from_settings(cls, settings: Settings, shard: int = 0) -> Keys:
         p = settings.prefix
         if not sharded(settings):
+            tag = stream_tag(settings.stream)
             return cls(
                 stream=settings.stream,
                 group=settings.group,
                 replies=settings.reply_stream,
                 dlq=settings.dlq_stream,
-                delayed=f"{p}:delayed",
-                delayed_data=f"{p}:delayed:data",
+                ready=f"{p}:{{{tag}}}:ready",
+                session_prefix=f"{p}:{{{tag}}}:s:",
                 prefix=p,
+                tag=tag,
             )
         tag = shard_tag(shard, settings.shards)
         return cls(
@@ -113,22 +120,32 @@ class Keys:
             group=settings.group,
             replies=f"{settings.reply_stream}:{{{tag}}}",
             dlq=f"{settings.dlq_stream}:{{{tag}}}",
-            delayed=f"{p}:{{{tag}}}:delayed",
-            delayed_data=f"{p}:{{{tag}}}:delayed:data",
+            ready=f"{p}:{{{tag}}}:ready",
+            session_prefix=f"{p}:{{{tag}}}:s:",
             prefix=p,
             shard=shard,
             tag=tag,
         )
 
     def session(self, session_id: str) -> SessionKeys:
-        tag = f":{{{self.tag}}}" if self.tag else ""
-        base = f"{self.prefix}{tag}:s:{{{escape_tag(session_id)}}}"
-        return SessionKeys(
-            state=f"{base}:state",
-            lock=f"{base}:lock",
-            parked=f"{base}:parked",
-            dedupe_prefix=f"{base}:msg:",
-        )
+        base = f"{self.session_prefix}{{{escape_tag(session_id)}}}"
+        return SessionKeys(state=f"{base}:state", lock=f"{base}:lock", dedupe_prefix=f"{base}:msg:")
+
+
+def stream_tag(stream: str) -> str:
+    """What Redis hashes of a key named `stream`: its own hash tag if it has one, else all of
+    it. Keys tagged with this share the stream's slot."""
+    start = stream.find("{")
+    if start >= 0:
+        end = stream.find("}", start + 1)
+        if end > start + 1:
+            return stream[start + 1 : end]
+    return stream
+
+
+def shards_key(settings: Settings) -> str:
+    """Where the deployment's shard count is recorded (a plain string key)."""
+    return f"{settings.prefix}:shards"
 
 
 def sharded(settings: Settings) -> bool:

@@ -37,7 +37,9 @@ class Metrics:
             "dialog_lock_contended", "Acquisitions that found the session locked", registry=r
         )
         self.reclaimed = Counter(
-            "dialog_reclaimed", "Entries taken over from idle consumers by XAUTOCLAIM", registry=r
+            "dialog_reclaimed",
+            "Sessions taken over after their holder's lease ran out, and entries left pending",
+            registry=r,
         )
         self.fencing_rejections = Counter(
             "dialog_fencing_rejections",
@@ -48,7 +50,9 @@ class Metrics:
             "dialog_lease_renewals", "Lock lease extensions of long steps", registry=r
         )
         self.handoffs = Counter(
-            "dialog_handoffs", "Parked messages handed straight to the lock holder", registry=r
+            "dialog_handoffs",
+            "Messages handed straight to the lock holder by its previous commit",
+            registry=r,
         )
         self.processing = Histogram(
             "dialog_processing_seconds",
@@ -78,7 +82,10 @@ class Metrics:
             registry=r,
         )
         self.delayed = Gauge(
-            "dialog_delayed", "Messages waiting in the delayed set", shard, registry=r
+            "dialog_delayed",
+            "Sessions with messages outstanding (the ready set)",
+            shard,
+            registry=r,
         )
         self.dlq_length = Gauge(
             "dialog_dlq_length", "XLEN of the dead-letter stream", shard, registry=r

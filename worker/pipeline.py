@@ -1,25 +1,25 @@
 """The life of one message, top to bottom.
 
-    decode -> acquire and load (one script: lock + state, or park) -> order check (in the
-    script) -> engine step -> fenced commit (one script: state, reply, ack, then the lock
-    goes on to the session's next message or is released) -> that next message, if the
-    commit kept the lock for it: a parked one it handed off, or the worker's own next entry
-    of the session from the same read (no acquire needed).
+    intake (one script per read: deliver, give each entry its seq, lock the session or leave
+    the entry queued) -> decode -> engine step -> fenced commit (group commit: state, reply
+    event, entry deleted; the lock goes on to the session's next message, or is released)
+    -> that next message, if the commit handed it on.
 
-Failures branch off: a refused entry is dead-lettered; an engine error is retried with
-backoff until the attempt limit, then dead-lettered in order; a lost lease gives the result
-up. Everything that may run twice after a crash (acquire, step, commit) is safe to run twice.
+A session is worked by one task at a time: the one that holds its lock. Failures branch off:
+content the engine cannot take is dead-lettered in its turn (malformed); an engine error is
+retried with backoff (the session is released and comes back through the ready set) until the
+attempt limit, then dead-lettered in order; a lost lease gives the result up. Everything that
+may run twice after a crash (step, commit) is safe to run twice: the commit is fenced by the
+lock token and the state version.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import random
-import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import anyio
@@ -27,60 +27,147 @@ import redis.exceptions
 import structlog
 
 from worker import __version__
-from worker.codec import MalformedEntry, Message, decode_entry, decode_parked, pairs
+from worker.codec import MalformedEntry, Message, decode_message, fields_dict, text
 from worker.config import Settings
 from worker.engine import Engine, initial_state, run_step
-from worker.errors import PermanentError
-from worker.keys import Keys, SessionKeys, shard_of
+from worker.errors import PermanentError, TransientError
+from worker.keys import Keys
 from worker.metrics import Metrics
-from worker.scripts import Code, LockReply, Scripts
+from worker.scripts import Code, Scripts
 
 log = structlog.get_logger("dialog_worker.pipeline")
 
-# How much of a refused text is kept in the session history (the dead letter keeps it whole).
+# How much of a message's text a history turn keeps (the dead letter keeps it whole).
 HISTORY_TEXT_LIMIT = 1024
+# Most commits sent in one script call.
+COMMIT_BATCH = 256
 
 
-def backoff_ms(attempt: int, base_ms: int, max_ms: int, rng: random.Random | None = None) -> int:
+def backoff_ms(
+    attempt: int,
+    base_ms: int,
+    max_ms: int,
+    rng: random.Random | None = None,
+    retry_after_s: float | None = None,
+) -> int:
     """Capped exponential backoff with equal jitter: half fixed, half random, so retries of a
-    burst spread out but never come back sooner than half the step."""
-    ceiling = min(max_ms, base_ms * 2 ** max(0, attempt - 1))
-    return int(ceiling / 2 + (rng or random).uniform(0, ceiling / 2))
+    burst spread out but never come back sooner than half the step. A `retry_after_s` the
+    engine was given (an HTTP 429's Retry-After) is waited at least, up to one hour."""
+    ceiling = min(max_ms, base_ms * 2 ** min(max(0, attempt - 1), 40))
+    delay = int(ceiling / 2 + (rng or random).uniform(0, ceiling / 2))
+    if retry_after_s is not None and retry_after_s > 0:
+        delay = max(delay, int(min(retry_after_s, 3600.0) * 1000))
+    return delay
 
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-@dataclasses.dataclass(slots=True)
-class Lease:
-    """A lock we hold while a step runs; the heartbeat loop renews it (see daemon.py)."""
-
-    keys: SessionKeys
-    shard: Keys  # the stream, delayed set and streams of the session's shard
-    token: str
-    source: str  # "s": a stream entry we own in the PEL, "d": a handed-off delayed message
-    source_id: str
-    renewed_at: float = dataclasses.field(default_factory=time.monotonic)
-    lost: bool = False
-    scope: anyio.CancelScope | None = None
-    # Entries of the same session read with this one and waiting their turn behind it: the
-    # heartbeat keeps them fresh too, so a long step does not get them reclaimed meanwhile.
-    waiting: dict[int, tuple[str, Message]] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class Job:
-    msg: Message
-    lease: Lease
-    state: dict[str, Any]
+    """One message of one session whose lock we hold (a lease the heartbeat renews)."""
+
+    keys: Keys
+    session_id: str
+    token: str
+    seq: int
+    entry_id: str  # "" for a gap
+    fields: dict[bytes, bytes]
+    doc: bytes  # the state JSON as stored ("" for a new session)
     version: int
     attempts: int
     first_failed_at: str
     last_error: str
-    # Not-yet-started entries of the same session from the same read, by seq: a commit can
-    # carry the lock straight to the next one (see commit-8.lua, ARGV[15]).
-    upcoming: dict[int, tuple[str, Message]] = dataclasses.field(default_factory=dict)
+    gap: bool = False
+    state: dict[str, Any] | None = None  # parsed `doc`, when we already have it
+    # Later entries of the session from the same read, by entry id in seq order: the commit
+    # that reaches one need not send it back (shared by the jobs of one chain).
+    held: dict[str, dict[bytes, bytes]] = dataclasses.field(default_factory=dict)
+    renewed_at: float = dataclasses.field(default_factory=time.monotonic)
+    lost: bool = False
+    scope: anyio.CancelScope | None = None
+
+    @classmethod
+    def from_script(cls, keys: Keys, row: Sequence[Any], gap: bool = False) -> Job:
+        """A job row of intake-5.lua or resume-3.lua (without resume's leading kind)."""
+        sid, token, seq, entry_id, flat, doc, version, attempts, first, error = row
+        return cls(
+            keys=keys,
+            session_id=sid.decode("utf-8"),
+            token=text(token),
+            seq=int(seq),
+            entry_id=text(entry_id),
+            fields=fields_dict(flat),
+            doc=doc,
+            version=int(version),
+            attempts=int(attempts),
+            first_failed_at=text(first),
+            last_error=text(error),
+            gap=gap,
+        )
+
+    def load_state(self) -> dict[str, Any]:
+        if self.state is None:
+            self.state = json.loads(self.doc) if self.doc else initial_state(self.session_id)
+        return self.state
+
+
+class Committer:
+    """Group commit for one shard: every commit submitted while a call is in flight goes in
+    the next call, with no added wait. One task (`run`) sends; submitters wait shielded, since
+    a commit once sent must be seen to its end."""
+
+    def __init__(self, scripts: Scripts, keys: Keys, settings: Settings) -> None:
+        self.scripts = scripts
+        self.keys = keys
+        self.settings = settings
+        self._queue: list[tuple[list[Any], _Slot]] = []
+        self._wakeup = anyio.Event()
+
+    async def commit(self, args: list[Any]) -> list[Any]:
+        slot = _Slot()
+        self._queue.append((args, slot))
+        self._wakeup.set()
+        with anyio.CancelScope(shield=True):
+            await slot.done.wait()
+        if slot.error is not None:
+            raise slot.error
+        return slot.result
+
+    async def run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup = anyio.Event()
+            while self._queue:
+                batch, self._queue = self._queue[:COMMIT_BATCH], self._queue[COMMIT_BATCH:]
+                await self._send(batch)
+
+    async def _send(self, batch: list[tuple[list[Any], _Slot]]) -> None:
+        k, s = self.keys, self.settings
+        args: list[Any] = [s.lock_ttl_ms, s.state_ttl_s, s.reply_maxlen, len(batch)]
+        for commit_args, _ in batch:
+            args += commit_args
+        try:
+            with anyio.CancelScope(shield=True):
+                results = await self.scripts.commit(
+                    keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args
+                )
+        except Exception as exc:  # every waiter gets the failure; none is left hanging
+            for _, slot in batch:
+                slot.error = exc
+                slot.done.set()
+            return
+        for (_, slot), result in zip(batch, results, strict=True):
+            slot.result = result
+            slot.done.set()
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Slot:
+    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    result: list[Any] = dataclasses.field(default_factory=list)
+    error: Exception | None = None
 
 
 class Pipeline:
@@ -90,381 +177,280 @@ class Pipeline:
         scripts: Scripts,
         engine: Engine,
         metrics: Metrics,
-        leases: dict[str, Lease],
+        leases: dict[str, Job],
+        committers: dict[int, Committer],
     ) -> None:
         self.settings = settings
-        self.shards = settings.shards
         self.scripts = scripts
         self.engine = engine
         self.metrics = metrics
         self.leases = leases
-        # Set at shutdown: a message handed on by a commit is returned to the queue at once
-        # instead of being started.
+        self.committers = committers
+        # Set at shutdown: a message handed on by a commit goes back at once, unstarted.
         self.stopping = False
 
     # ------------------------------------------------------------------------------------
     # Entry point
 
-    async def handle_entries(self, keys: Keys, entries: list[tuple[str, dict[str, str]]]) -> None:
-        """Process entries of shard `keys` (one session's entries from one read, in stream
-        order) and whatever the commits hand on. A commit whose next seq is among these
-        entries keeps the lock for it, which saves that entry's acquire round trip.
-
-        Never raises: a Redis failure leaves the rest pending (reclaim delivers them again),
-        anything else is logged."""
+    async def run_session(self, job: Job | None) -> None:
+        """Work one session while we hold its lock: this job, then whatever its commits hand
+        on. Never raises: after a Redis failure the lock runs out and the session
+        comes back through the ready set; anything else is logged."""
         try:
-            upcoming: dict[int, tuple[str, Message]] = {}
-            ready: list[tuple[str, Message]] = []
-            copies: set[str] = set()  # a second entry with a seq already seen: never chained
-            for entry_id, fields in entries:
-                msg = await self._decode(keys, entry_id, fields)
-                if msg is not None:
-                    ready.append((entry_id, msg))
-                    if msg.seq in upcoming:
-                        copies.add(entry_id)
-                    else:
-                        upcoming[msg.seq] = (entry_id, msg)
-            for entry_id, msg in ready:
-                if entry_id not in copies:
-                    if upcoming.get(msg.seq, ("",))[0] != entry_id:
-                        continue  # already processed: a commit carried the lock to it
-                    del upcoming[msg.seq]
-                structlog.contextvars.bind_contextvars(entry_id=entry_id)
-                job = await self._acquire(keys, entry_id, msg, upcoming)
-                while job is not None:
-                    job = await self._process(job)
-                structlog.contextvars.clear_contextvars()
+            while job is not None:
+                structlog.contextvars.bind_contextvars(
+                    session_id=job.session_id,
+                    seq=job.seq,
+                    entry_id=job.entry_id,
+                    attempt=job.attempts,
+                )
+                job = await self._process(job)
         except redis.exceptions.RedisError as exc:
-            log.warning("redis_error", error=repr(exc), note="left pending; delivered again")
+            log.warning("redis_error", error=repr(exc), note="session resumes after its lease")
         except Exception:
-            log.exception("unexpected_error", note="left pending; delivered again")
+            log.exception("unexpected_error", note="session resumes after its lease")
         finally:
             structlog.contextvars.clear_contextvars()
 
-    async def _decode(self, keys: Keys, entry_id: str, fields: dict[str, str]) -> Message | None:
-        """The message, or None after dead-lettering an entry no session order can take."""
-        try:
-            msg = decode_entry(fields, self.settings.max_message_bytes)
-            if shard_of(msg.session_id, self.shards) != keys.shard:
-                # Only a producer that bypasses `send` can do this; its session's keys live
-                # in another slot, so no script here could take its lock.
-                raise MalformedEntry(
-                    f"session belongs to shard {shard_of(msg.session_id, self.shards)}, "
-                    f"not {keys.shard}",
-                    None,
-                )
-        except MalformedEntry as exc:
-            structlog.contextvars.bind_contextvars(entry_id=entry_id)
-            await self._deadletter_malformed(keys, entry_id, fields, exc)
-            structlog.contextvars.clear_contextvars()
-            return None
-        return msg
-
-    # ------------------------------------------------------------------------------------
-    # 1. acquire and load, or park
-
-    async def _acquire(
-        self,
-        keys: Keys,
-        entry_id: str,
-        msg: Message,
-        upcoming: dict[int, tuple[str, Message]],
-    ) -> Job | None:
-        structlog.contextvars.bind_contextvars(
-            session_id=msg.session_id, msg_id=msg.msg_id, seq=msg.seq
-        )
-        sk = keys.session(msg.session_id)
-        token = secrets.token_hex(16)
-        # A parked message is normally handed on by its predecessor's commit the moment that
-        # lands; its own due time is only the safety net (for a lost hand-off or a stale copy),
-        # so it waits at least one lock lease: a shorter timer would only cycle it through the
-        # stream and park it again, costing round trips and nothing gained.
-        park_delay = self.settings.lock_ttl_ms + backoff_ms(
-            msg.requeues + 1, self.settings.backoff_base_ms, self.settings.backoff_max_ms
-        )
-        raw = await _shielded(
-            self.scripts.acquire(
-                keys=[
-                    sk.lock,
-                    sk.state,
-                    sk.parked,
-                    keys.delayed,
-                    keys.delayed_data,
-                    keys.stream,
-                ],
-                args=[
-                    token,
-                    self.settings.lock_ttl_ms,
-                    keys.group,
-                    entry_id,
-                    msg.seq,
-                    park_delay,
-                    self.settings.state_ttl_s,
-                ],
-            )
-        )
-        reply = LockReply.parse(raw)
-        if reply.code is Code.DUPLICATE:
-            self.metrics.messages.labels("duplicate").inc()
-            log.info("duplicate", outcome="duplicate", applied_seq=reply.applied_seq)
-            return None
-        if reply.code is Code.CONTENDED:
-            self.metrics.lock_contended.inc()
-            self.metrics.retries.labels("contended").inc()
-            log.debug("parked", outcome="contended", delay_ms=park_delay)
-            return None
-        if reply.code is Code.OUT_OF_ORDER:
-            self.metrics.retries.labels("out_of_order").inc()
-            log.debug("parked", outcome="out_of_order", applied_seq=reply.applied_seq)
-            return None
-        if reply.code is Code.HANDOFF:
-            # Our entry parked (out of order); the lock came with its predecessor instead.
-            self.metrics.retries.labels("out_of_order").inc()
-        state = json.loads(reply.state_json) if reply.state_json else initial_state(msg.session_id)
-        return self._job_from(reply, msg, state, sk, keys, token, entry_id, upcoming)
-
-    def _job_from(
-        self,
-        reply: LockReply,
-        msg: Message,
-        state: dict[str, Any],
-        sk: SessionKeys,
-        shard: Keys,
-        token: str,
-        entry_id: str,
-        upcoming: dict[int, tuple[str, Message]],
-    ) -> Job:
-        source, source_id = "s", entry_id
-        if reply.code is Code.HANDOFF:
-            self.metrics.handoffs.inc()
-            msg = decode_parked(reply.handoff_fields, self.settings.max_message_bytes)
-            source, source_id = "d", reply.handoff_id
-        lease = Lease(sk, shard, token, source, source_id, waiting=upcoming)
-        self.leases[token] = lease
-        structlog.contextvars.bind_contextvars(
-            msg_id=msg.msg_id, seq=msg.seq, attempt=reply.attempts, entry_id=source_id
-        )
-        return Job(
-            msg,
-            lease,
-            state,
-            reply.version,
-            reply.attempts,
-            reply.first_failed_at,
-            reply.last_error,
-            upcoming,
-        )
-
-    # ------------------------------------------------------------------------------------
-    # 2. step, then commit or fail
-
     async def _process(self, job: Job) -> Job | None:
         started = time.perf_counter()
-        msg, settings = job.msg, self.settings
+        settings = self.settings
+        self.leases[job.token] = job
         try:
-            if self.stopping and job.lease.source == "d":
-                await self.hand_back(job.lease)
+            if self.stopping:
+                await self.hand_back(job)
                 return None
-            if msg.problem is not None:
-                return await self._deadletter(job, "permanent", msg.problem)
+            if job.gap:
+                return await self._deadletter(
+                    job,
+                    None,
+                    "gap",
+                    f"message {job.seq} of the session is missing from the stream "
+                    f"(deleted or lost); skipped after {settings.gap_timeout_s:g} s",
+                )
+            try:
+                msg = decode_message(
+                    job.session_id, job.seq, job.entry_id, job.attempts, job.fields
+                )
+            except MalformedEntry as exc:
+                return await self._deadletter(job, None, "malformed", exc.reason)
+            structlog.contextvars.bind_contextvars(msg_id=msg.msg_id)
             if job.attempts > settings.max_attempts:
                 error = job.last_error or (
                     f"delivered {job.attempts - 1} times without finishing "
                     "(worker killed or lease lost during the step)"
                 )
                 # This delivery is not an attempt: the step is not run again.
-                return await self._deadletter(job, "exhausted", error, job.attempts - 1)
+                return await self._deadletter(job, msg, "exhausted", error, job.attempts - 1)
             try:
-                new_state, reply = await self._step(job)
+                new_state, reply = await self._step(job, msg)
             except anyio.get_cancelled_exc_class():
                 # Shutdown grace is over: give the message back (not a failed attempt).
                 with anyio.CancelScope(shield=True):
-                    await self.hand_back(job.lease)
+                    await self.hand_back(job)
                 log.info("handed_back", outcome="handed_back")
                 raise
             except PermanentError as exc:
-                return await self._deadletter(job, "permanent", _describe(exc))
-            except Exception as exc:
-                if job.lease.lost:
-                    # The heartbeat found the lock taken over and cancelled the step: the
-                    # result is given up, as the fenced commit would refuse it.
-                    self.metrics.fencing_rejections.inc()
-                    log.warning("lease_lost", outcome="abandoned")
-                    return None
-                if job.attempts >= settings.max_attempts:
-                    return await self._deadletter(job, "exhausted", _describe(exc))
-                await self._retry(job, _describe(exc))
-                return None
-            if job.lease.lost:
-                # The fenced commit would refuse it anyway; do not even try.
+                return await self._deadletter(job, msg, "permanent", _describe(exc))
+            except LeaseLost:
                 self.metrics.fencing_rejections.inc()
                 log.warning("lease_lost", outcome="abandoned")
                 return None
-            return await self._commit(job, new_state, reply, started)
+            except Exception as exc:
+                if job.lost:
+                    self.metrics.fencing_rejections.inc()
+                    log.warning("lease_lost", outcome="abandoned")
+                    return None
+                log.warning("step_failed", error=_describe(exc), exc_info=exc)
+                if job.attempts >= settings.max_attempts:
+                    return await self._deadletter(job, msg, "exhausted", _describe(exc))
+                retry_after = (
+                    getattr(exc, "retry_after", None) if isinstance(exc, TransientError) else None
+                )
+                await self._retry(job, _describe(exc), retry_after)
+                return None
+            if job.lost:
+                self.metrics.fencing_rejections.inc()
+                log.warning("lease_lost", outcome="abandoned")
+                return None
+            return await self._commit(job, msg, new_state, reply, started)
         finally:
-            if self.leases.get(job.lease.token) is job.lease:
-                del self.leases[job.lease.token]
+            if self.leases.get(job.token) is job:
+                del self.leases[job.token]
 
-    async def _step(self, job: Job) -> tuple[dict[str, Any], str]:
+    async def _step(self, job: Job, msg: Message) -> tuple[dict[str, Any], str]:
         with anyio.CancelScope() as scope:
-            job.lease.scope = scope
-            new_state, reply = await run_step(self.engine, job.state, job.msg.as_engine_input())
-            return new_state, reply
+            job.scope = scope
+            with anyio.fail_after(self.settings.step_timeout_s):
+                try:
+                    return await run_step(self.engine, job.load_state(), msg.as_engine_input())
+                except TimeoutError:
+                    raise StepTimeout(
+                        f"step did not finish within {self.settings.step_timeout_s:g} s"
+                    ) from None
         # Only a lost lease cancels this scope (the heartbeat does it).
         raise LeaseLost()
+
+    # ------------------------------------------------------------------------------------
+    # commit
 
     async def _commit(
         self,
         job: Job,
+        msg: Message | None,
         new_state: dict[str, Any],
         reply: str,
         started: float,
         dead_letter: dict[str, str] | None = None,
     ) -> Job | None:
-        msg, lease, settings = job.msg, job.lease, self.settings
-        turn = {"seq": msg.seq, "msg_id": msg.msg_id, "user": msg.text, "bot": reply}
-        if dead_letter is not None and len(msg.text) > HISTORY_TEXT_LIMIT:
-            turn["user"] = msg.text[:HISTORY_TEXT_LIMIT] + "…"
-        history = [*job.state.get("history", []), turn][-settings.history_limit :]
+        settings = self.settings
+        held = job.held
+        msg_id = (
+            msg.msg_id
+            if msg is not None
+            else job.fields.get(b"msg_id", job.entry_id.encode()).decode("utf-8", "replace")
+        )
+        turn = {
+            "seq": job.seq,
+            "msg_id": msg_id,
+            "user": _clip(msg.text if msg is not None else ""),
+            "bot": reply,
+        }
+        old = job.load_state()
+        history = [*old.get("history", []), turn][-settings.history_limit :]
         if not settings.history_limit:
             history = []
         new_state = {
             **new_state,
-            "session_id": msg.session_id,
+            "session_id": job.session_id,
             "history": history,
-            "applied_seq": msg.seq,
+            "applied_seq": job.seq,
             "version": job.version + 1,
         }
         try:
-            state_json = json.dumps(new_state, ensure_ascii=False)
-        except (TypeError, ValueError) as exc:
-            return await self._deadletter(job, "permanent", f"engine state is not JSON: {exc}")
-        sk = lease.keys
-        chained = job.upcoming.get(msg.seq + 1)
-        raw = await _shielded(
-            self.scripts.commit(
-                keys=[
-                    sk.lock,
-                    sk.state,
-                    sk.parked,
-                    lease.shard.delayed,
-                    lease.shard.delayed_data,
-                    lease.shard.stream,
-                    lease.shard.replies,
-                    lease.shard.dlq,
-                ],
-                args=[
-                    lease.token,
-                    job.version,
-                    msg.seq,
-                    state_json,
-                    settings.state_ttl_s,
-                    lease.source,
-                    lease.source_id,
-                    lease.shard.group,
-                    msg.session_id,
-                    msg.msg_id,
-                    reply,
-                    settings.lock_ttl_ms,
-                    settings.reply_maxlen,
-                    pairs(dead_letter) if dead_letter is not None else "",
-                    chained[0] if chained is not None else "",
-                ],
+            doc = json.dumps(new_state, ensure_ascii=False).encode("utf-8")
+            reply_bytes = reply.encode("utf-8")
+        except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+            if dead_letter is not None:
+                raise
+            return await self._deadletter(
+                job, msg, "permanent", f"engine state is not JSON text: {exc}"
             )
-        )
-        result = LockReply.parse(raw)
-        if result.code in (Code.FENCED_TOKEN, Code.FENCED_VERSION):
+        if dead_letter is None and len(doc) > settings.max_state_bytes:
+            return await self._deadletter(
+                job,
+                msg,
+                "permanent",
+                f"engine state is {len(doc)} bytes; at most {settings.max_state_bytes} "
+                "(DIALOG_MAX_STATE_BYTES) are allowed",
+            )
+        # The next entry of the session, if this read gave it to us already.
+        known_next = next(iter(held), "") if held else ""
+        args = [
+            job.token,
+            job.session_id,
+            job.seq,
+            job.version,
+            doc,
+            msg_id,
+            reply_bytes,
+            "applied" if dead_letter is None else "dead_lettered",
+            job.entry_id,
+            json.dumps(_flat(dead_letter)) if dead_letter is not None else "",
+            known_next,
+        ]
+        result = await self.committers[job.keys.shard].commit(args)
+        code = Code(int(result[0]))
+        if code in (Code.FENCED_TOKEN, Code.FENCED_VERSION):
             self.metrics.fencing_rejections.inc()
-            log.warning("commit_fenced", outcome="fenced", reason=result.code.name.lower())
+            log.warning("commit_fenced", outcome="fenced", reason=code.name.lower())
             return None
         outcome = "dead_lettered" if dead_letter is not None else "applied"
         self.metrics.messages.labels(outcome).inc()
         self.metrics.processing.observe(time.perf_counter() - started)
-        if msg.enqueued_at_ms:
+        if msg is not None and msg.enqueued_at_ms:
             self.metrics.end_to_end.observe(max(0.0, (now_ms() - msg.enqueued_at_ms) / 1000))
         log.info(
             "committed",
             outcome=outcome,
             duration_ms=round((time.perf_counter() - started) * 1000, 3),
         )
-        if result.code is Code.HANDOFF:
-            return self._job_from(
-                result,
-                msg,
-                new_state,
-                sk,
-                lease.shard,
-                lease.token,
-                lease.source_id,
-                job.upcoming,
-            )
-        if result.code is Code.ACQUIRED and chained is not None:
-            # The lock stayed with us for our own next entry: no acquire round trip.
-            del job.upcoming[msg.seq + 1]
-            entry_id, next_msg = chained
-            return self._job_from(
-                result,
-                next_msg,
-                new_state,
-                sk,
-                lease.shard,
-                lease.token,
-                entry_id,
-                job.upcoming,
-            )
-        return None
+        if code is not Code.HANDOFF:
+            return None
+        self.metrics.handoffs.inc()
+        version, next_seq, next_id, flat = (
+            int(result[1]),
+            int(result[2]),
+            text(result[3]),
+            result[4],
+        )
+        fields = held.pop(next_id, None)
+        if fields is None:
+            fields = fields_dict(flat)
+        if known_next and known_next != next_id:
+            held.pop(known_next, None)
+        return Job(
+            keys=job.keys,
+            session_id=job.session_id,
+            token=job.token,
+            seq=next_seq,
+            entry_id=next_id,
+            fields=fields,
+            doc=doc,
+            version=version,
+            attempts=1,
+            first_failed_at="",
+            last_error="",
+            state=new_state,
+            held=held,
+        )
 
     # ------------------------------------------------------------------------------------
-    # 3. failure paths
+    # failure paths
 
-    async def _retry(self, job: Job, error: str) -> None:
-        lease, settings = job.lease, self.settings
-        delay = backoff_ms(job.attempts, settings.backoff_base_ms, settings.backoff_max_ms)
-        code = await self._requeue(lease, delay, error, counts=True)
-        if code is Code.REQUEUED:
+    async def _retry(self, job: Job, error: str, retry_after_s: float | None) -> None:
+        settings = self.settings
+        delay = backoff_ms(
+            job.attempts,
+            settings.backoff_base_ms,
+            settings.backoff_max_ms,
+            retry_after_s=retry_after_s,
+        )
+        code = await self._release(job, delay, error, counts=True)
+        if code is Code.RELEASED:
             self.metrics.retries.labels("error").inc()
             log.warning("retry", outcome="retry", error=error, delay_ms=delay)
         else:
             self.metrics.fencing_rejections.inc()
             log.warning("retry_fenced", outcome="fenced", error=error)
-        return None
 
-    async def hand_back(self, lease: Lease) -> None:
-        """Shutdown: return a message we hold to the queue at once, attempt not counted."""
-        await self._requeue(lease, 0, "", counts=False)
+    async def hand_back(self, job: Job) -> None:
+        """Shutdown: give a message we hold back at once, its attempt not counted."""
+        await self._release(job, 0, "", counts=False)
 
-    async def _requeue(self, lease: Lease, delay_ms: int, error: str, counts: bool) -> Code:
-        sk = lease.keys
+    async def _release(self, job: Job, delay_ms: int, error: str, counts: bool) -> Code:
+        keys = job.keys
         raw = await _shielded(
-            self.scripts.retry(
-                keys=[
-                    sk.lock,
-                    sk.state,
-                    lease.shard.delayed,
-                    lease.shard.delayed_data,
-                    lease.shard.stream,
-                ],
-                args=[
-                    lease.token,
-                    lease.source,
-                    lease.source_id,
-                    lease.shard.group,
-                    delay_ms,
-                    error,
-                    "1" if counts else "0",
-                ],
+            self.scripts.release(
+                keys=[keys.ready, keys.session_prefix],
+                args=[job.token, job.session_id, job.seq, delay_ms, error, "1" if counts else "0"],
             )
         )
         return Code(int(raw))
 
     async def _deadletter(
-        self, job: Job, kind: str, error: str, attempts: int | None = None
+        self,
+        job: Job,
+        msg: Message | None,
+        kind: str,
+        error: str,
+        attempts: int | None = None,
     ) -> Job | None:
-        """Dead-letter in the session's order: a fallback reply, a history turn and the
+        """Dead-letter in the session's order: the dead letter (the original fields are
+        copied by the commit script, byte for byte), a fallback reply, a history turn and the
         applied_seq advance, so the session's later messages go on."""
         failed_at = str(now_ms())
         letter = {
-            **job.msg.fields,
             "error": error,
             "error_kind": kind,
             "attempts": str(max(job.attempts if attempts is None else attempts, 1)),
@@ -472,62 +458,44 @@ class Pipeline:
             "last_failed_at": failed_at,
             "consumer": self.settings.consumer,
             "worker_version": __version__,
-            "source_entry_id": job.lease.source_id,
         }
+        if job.gap:
+            letter = {"seq": str(job.seq), **letter}
         log.warning("dead_letter", outcome="dead_lettered", error=error, error_kind=kind)
+        state = job.load_state()
+        kept = {k: v for k, v in state.items() if k not in ("history",)}
         return await self._commit(
             job,
-            copy.deepcopy(job.state),
+            msg,
+            kept,
             self.settings.fallback_reply,
             time.perf_counter(),
             dead_letter=letter,
         )
-
-    async def _deadletter_malformed(
-        self, keys: Keys, entry_id: str, fields: dict[str, str], exc: MalformedEntry
-    ) -> None:
-        failed_at = str(now_ms())
-        letter = {
-            **fields,
-            "error": exc.reason,
-            "error_kind": "permanent",
-            "attempts": "1",
-            "first_failed_at": failed_at,
-            "last_failed_at": failed_at,
-            "consumer": self.settings.consumer,
-            "worker_version": __version__,
-            "source_entry_id": entry_id,
-        }
-        reply = ""
-        if exc.session_id is not None:
-            reply = pairs(
-                {
-                    "session_id": exc.session_id,
-                    "msg_id": fields.get("msg_id", ""),
-                    "seq": fields.get("seq", ""),
-                    "reply": self.settings.fallback_reply,
-                }
-            )
-        done = await _shielded(
-            self.scripts.deadletter(
-                keys=[keys.stream, keys.dlq, keys.replies],
-                args=[keys.group, entry_id, pairs(letter), reply, self.settings.reply_maxlen],
-            )
-        )
-        if int(done):
-            self.metrics.messages.labels("dead_lettered").inc()
-            log.warning(
-                "dead_letter", outcome="dead_lettered", error=exc.reason, error_kind="permanent"
-            )
 
 
 class LeaseLost(Exception):
     """The heartbeat found the lock taken over while the step ran."""
 
 
+class StepTimeout(Exception):
+    """The step ran past DIALOG_STEP_TIMEOUT_S: a failed attempt."""
+
+
 def _describe(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= 2000 else text[:2000] + "…"
+
+
+def _clip(value: str) -> str:
+    return value if len(value) <= HISTORY_TEXT_LIMIT else value[:HISTORY_TEXT_LIMIT] + "…"
+
+
+def _flat(fields: dict[str, str]) -> list[str]:
+    flat: list[str] = []
+    for name, value in fields.items():
+        flat += [name, value]
+    return flat
 
 
 async def _shielded(call: Awaitable[Any]) -> Any:

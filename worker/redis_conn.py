@@ -10,9 +10,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from worker.config import Settings
+from worker.errors import ConfigError
+from worker.keys import shards_key
 
 
-def connect(settings: Settings, max_connections: int, bounded_callers: bool = False) -> Redis:
+def connect(
+    settings: Settings, max_connections: int, bounded_callers: bool = False, decode: bool = True
+) -> Redis:
     """A client for `max_connections` concurrent callers.
 
     By default its pool waits for a free connection instead of raising "Too many
@@ -35,10 +39,10 @@ def connect(settings: Settings, max_connections: int, bounded_callers: bool = Fa
         if settings.redis_ca_path:
             kwargs["ssl_ca_certs"] = settings.redis_ca_path
     if settings.redis_mode == "cluster":
-        return _connect_cluster(settings, max_connections, kwargs)
+        return _connect_cluster(settings, max_connections, kwargs, decode)
     options: dict[str, Any] = {
         "max_connections": max_connections,
-        "decode_responses": True,
+        "decode_responses": decode,
         "socket_timeout": 5,
         "socket_connect_timeout": 5,
         "retry": Retry(NoBackoff(), 0),
@@ -58,7 +62,9 @@ def connect(settings: Settings, max_connections: int, bounded_callers: bool = Fa
 CLUSTER_MAX_CONNECTIONS_PER_NODE = 1000
 
 
-def _connect_cluster(settings: Settings, max_connections: int, kwargs: dict[str, object]) -> Redis:
+def _connect_cluster(
+    settings: Settings, max_connections: int, kwargs: dict[str, object], decode: bool = True
+) -> Redis:
     """redis-py's RedisCluster: it follows MOVED/ASK and, on connection errors, refreshes the
     slot map and retries, which is how a worker rides through a master failover. Those
     retries can re-send a script whose reply was lost; every script here is safe to run
@@ -67,7 +73,7 @@ def _connect_cluster(settings: Settings, max_connections: int, kwargs: dict[str,
     command API for everything the worker uses, hence the cast."""
     cluster = RedisCluster.from_url(
         settings.redis_url,
-        decode_responses=True,
+        decode_responses=decode,
         max_connections=max(max_connections, CLUSTER_MAX_CONNECTIONS_PER_NODE),
         socket_timeout=5,
         socket_connect_timeout=5,
@@ -84,3 +90,22 @@ async def prepare(redis: Redis) -> None:
     standalone client."""
     if isinstance(redis, RedisCluster):
         await redis.initialize()
+
+
+async def check_topology(redis: Redis, settings: Settings, record: bool) -> None:
+    """The deployment's shard count lives in Redis (keys.shards_key). A worker records it when
+    none is (`record`); any process configured otherwise refuses with one line, having written
+    nothing (a mismatch would send sessions to the wrong streams)."""
+    key = shards_key(settings)
+    if record:
+        await redis.set(key, settings.shards, nx=True)
+    stored = await redis.get(key)
+    if stored is None:
+        return
+    value = stored.decode() if isinstance(stored, bytes) else str(stored)
+    if value != str(settings.shards):
+        raise ConfigError(
+            "DIALOG_SHARDS",
+            f"this deployment has {value} shard(s) (recorded in Redis key {key!r}), "
+            f"configured {settings.shards}; use `dialog-worker reshard --to N` to change it",
+        )

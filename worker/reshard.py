@@ -68,8 +68,7 @@ async def reshard(
         await _move_dead_letters(redis, keys, after, report, dry_run)
         if not dry_run and keys.stream not in {k.stream for k in after.shards}:
             await redis.delete(keys.stream)
-            await redis.delete(keys.delayed)
-            await redis.delete(keys.delayed_data)
+            await redis.delete(keys.ready)
     return report
 
 

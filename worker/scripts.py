@@ -15,44 +15,13 @@ from redis.exceptions import NoScriptError
 
 
 class Code(enum.IntEnum):
-    ACQUIRED = 1
+    """What the scripts answer (see each lua/ file's header)."""
+
     HANDOFF = 2
-    DUPLICATE = 3
-    CONTENDED = 4
-    OUT_OF_ORDER = 5
     COMMITTED = 6
-    REQUEUED = 7
+    RELEASED = 7
     FENCED_TOKEN = -1
     FENCED_VERSION = -2
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LockReply:
-    """What acquire-6.lua and commit-8.lua return (see their headers)."""
-
-    code: Code
-    attempts: int
-    version: int
-    applied_seq: int
-    state_json: str
-    first_failed_at: str
-    last_error: str
-    handoff_id: str
-    handoff_fields: str
-
-    @classmethod
-    def parse(cls, raw: list[Any]) -> LockReply:
-        return cls(
-            code=Code(int(raw[0])),
-            attempts=int(raw[1]),
-            version=int(raw[2]),
-            applied_seq=int(raw[3]),
-            state_json=raw[4] or "",
-            first_failed_at=raw[5] or "",
-            last_error=raw[6] or "",
-            handoff_id=raw[7] or "",
-            handoff_fields=raw[8] or "",
-        )
 
 
 def lua_dir() -> Path:
@@ -65,10 +34,12 @@ def lua_dir() -> Path:
 
 @cache
 def source(name: str) -> str:
+    """The script's text, behind the shared prelude (lua/_common.lua) its helpers come from."""
     matches = sorted(lua_dir().glob(f"{name}-*.lua"))
     if len(matches) != 1:
         raise FileNotFoundError(f"expected one lua/{name}-N.lua in {lua_dir()}, found {matches}")
-    return matches[0].read_text(encoding="utf-8")
+    prelude = (lua_dir() / "_common.lua").read_text(encoding="utf-8")
+    return prelude + "\n" + matches[0].read_text(encoding="utf-8")
 
 
 class Script:
@@ -87,7 +58,7 @@ class Script:
         self._lock = anyio.Lock()
         self._loads = 0
 
-    async def __call__(self, keys: list[str], args: list[str | int | float]) -> Any:
+    async def __call__(self, keys: list[str], args: list[str | bytes | int | float]) -> Any:
         try:
             return await self.redis.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -105,13 +76,11 @@ class Script:
 class Scripts:
     """One Script per lua/ file, built once per client."""
 
-    send: Script
-    acquire: Script
+    intake: Script
+    resume: Script
     commit: Script
-    retry: Script
+    release: Script
     renew: Script
-    promote: Script
-    deadletter: Script
     delconsumer: Script
 
     @classmethod

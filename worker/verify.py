@@ -21,7 +21,7 @@ from worker.streams import scan_all, xrevrange
 @dataclasses.dataclass
 class Sent:
     session_id: str
-    seq: int
+    seq: int  # its place in the session's order: the seq the workers give it (fresh sessions)
     msg_id: str
     text: str
 
@@ -59,9 +59,9 @@ async def send_bursts(
 
     async def burst(session_id: str) -> None:
         async with limiter:
-            for text in texts:
+            for position, text in enumerate(texts, start=1):
                 r = await client.send(session_id, text)
-                sent.append(Sent(session_id, r.seq, r.msg_id, text))
+                sent.append(Sent(session_id, position, r.msg_id, text))
 
     async with anyio.create_task_group() as tg:
         for sid in sessions:
@@ -133,13 +133,18 @@ async def check(
         if seqs != sorted(seqs):
             problems.append(f"{sid}: history seqs not increasing: {seqs[:12]}")
     counts: Counter[tuple[str, str]] = Counter()
-    wanted = {(s.session_id, str(s.seq)) for s in sent}
+    wanted = {(s.session_id, s.msg_id): str(s.seq) for s in sent}
     for keys in client.topology.shards:
         after = replies_after if isinstance(replies_after, str) else replies_after[keys.shard]
         for _, f in await scan_all(client.redis, keys.replies, start=f"({after}"):
-            key = (f.get("session_id", ""), f.get("seq", ""))
+            key = (f.get("session_id", ""), f.get("msg_id", ""))
             if key in wanted:
                 counts[key] += 1
+                if f.get("outcome") != "applied" or f.get("seq") != wanted[key]:
+                    problems.append(
+                        f"{key}: reply outcome {f.get('outcome')} seq {f.get('seq')}, "
+                        f"expected applied seq {wanted[key]}"
+                    )
     missing = [k for k in wanted if counts[k] == 0]
     extra = [k for k, n in counts.items() if n > 1]
     if missing:

@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from worker.keys import Keys
-from worker.streams import Entry, scan_all
+from worker.streams import Entry, scan_all, xrange
 
 
 def entry_age_s(entry_id: str, now_ms: int) -> float:
@@ -19,14 +19,18 @@ def entry_age_s(entry_id: str, now_ms: int) -> float:
 
 
 async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
-    """The contract's `stats` keys. ``oldest_pending_age_s`` is the time since the oldest
-    entry still pending entered the stream (0 when nothing is pending)."""
+    """The `stats` keys. Every entry in the inbound stream is a message not yet finished
+    (applied messages are deleted), so ``oldest_pending_age_s`` is the age of the stream's
+    first entry (0 when it is empty); ``waiting`` counts the entries already delivered and
+    sequenced (stream length minus lag), ``delayed`` the sessions in the ready set (sessions
+    with messages outstanding)."""
     now = int(time.time() * 1000)
     async with redis.pipeline(transaction=False) as pipe:
         pipe.xlen(keys.stream)
-        pipe.zcard(keys.delayed)
+        pipe.zcard(keys.ready)
         pipe.xlen(keys.dlq)
-        stream_length, delayed, dlq_length = await pipe.execute()
+        pipe.xrange(keys.stream, count=1)
+        stream_length, delayed, dlq_length, first = await pipe.execute()
     lag: int | None = 0
     pending = 0
     consumers = 0
@@ -39,10 +43,8 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
                 consumers = int(group["consumers"])
     except ResponseError:
         pass  # no stream yet
-    if pending:
-        summary = await redis.xpending(keys.stream, keys.group)
-        if summary.get("min"):
-            oldest = entry_age_s(summary["min"], now)
+    if first:
+        oldest = entry_age_s(first[0][0], now)
     if lag is None:
         # Redis cannot tell the lag after deletions inside the unread range; count it instead.
         lag = await _count_unread(redis, keys)
@@ -52,6 +54,7 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
         "stream_length": stream_length,
         "lag": lag,
         "pending": pending,
+        "waiting": max(0, stream_length - (lag or 0)),
         "oldest_pending_age_s": round(oldest, 3),
         "delayed": delayed,
         "dlq_length": dlq_length,
@@ -66,7 +69,7 @@ async def aggregate_stats(redis: Redis, shards: Sequence[Keys]) -> dict[str, Any
     if len(per_shard) == 1:
         return per_shard[0]
     total: dict[str, Any] = {"stream": [s["stream"] for s in per_shard], "group": shards[0].group}
-    for key in ("stream_length", "lag", "pending", "delayed", "dlq_length"):
+    for key in ("stream_length", "lag", "pending", "waiting", "delayed", "dlq_length"):
         total[key] = sum(s[key] or 0 for s in per_shard)
     total["oldest_pending_age_s"] = max(s["oldest_pending_age_s"] for s in per_shard)
     total["consumers"] = max(s["consumers"] for s in per_shard)
@@ -88,57 +91,31 @@ SCAN_LIMIT = 100_000
 
 async def session_view(redis: Redis, keys: Keys, session_id: str) -> dict[str, Any]:
     """Everything about one session: lock holder and TTL, applied vs last assigned seq, the
-    message in flight with its attempts and last error, its messages waiting in the stream or
-    the delayed set, and its dead letters. Scans are bounded by SCAN_LIMIT per structure."""
+    next message's attempts and last error, its sequenced messages still waiting in the stream,
+    when the ready set looks at it next, and its dead letters (scans bounded by SCAN_LIMIT)."""
     sk = keys.session(session_id)
-    fields = await redis.hgetall(sk.state)
+    fields = cast(dict[str, str], await redis.hgetall(sk.state))
     holder = await redis.get(sk.lock)
     ttl_ms = await redis.pttl(sk.lock)
+    due = await redis.zscore(keys.ready, session_id)
     state = json.loads(fields["d"]) if "d" in fields else None
-    parked = await redis.hgetall(sk.parked)
-    pending_ids = await _pending_index(redis, keys)
+    applied = int(fields.get("a", 0))
     waiting = []
-    for entry_id, f in await _scan_stream(redis, keys.stream, session_id):
-        owner = pending_ids.get(entry_id)
+    for name, entry_id in sorted(
+        ((n, v) for n, v in fields.items() if n[:1] == "q" and n[1:].isdigit()),
+        key=lambda item: int(item[0][1:]),
+    ):
+        rows = await xrange(redis, keys.stream, entry_id, entry_id)
+        f = rows[0][1] if rows else {}
         waiting.append(
             {
-                "where": "stream",
+                "seq": int(name[1:]),
                 "entry_id": entry_id,
-                "seq": _int(f.get("seq")),
-                "msg_id": f.get("msg_id"),
+                "msg_id": f.get("msg_id", entry_id) if rows else None,
                 "age_s": entry_age_s(entry_id, _now_ms()),
-                "consumer": owner[0] if owner else None,
-                "deliveries": owner[1] if owner else 0,
+                "present": bool(rows),
             }
         )
-    due = dict(
-        cast(
-            list[tuple[str, float]],
-            await redis.zrange(keys.delayed, 0, SCAN_LIMIT - 1, withscores=True),
-        )
-    )
-    cursor = 0
-    while True:
-        cursor, batch = cast(
-            tuple[int, dict[str, str]], await redis.hscan(keys.delayed_data, cursor, count=1000)
-        )
-        for delayed_id, payload in batch.items():
-            flat = json.loads(payload)
-            f = dict(zip(flat[0::2], flat[1::2], strict=False))
-            if f.get("session_id") == session_id:
-                waiting.append(
-                    {
-                        "where": "delayed",
-                        "entry_id": delayed_id,
-                        "seq": _int(f.get("seq")),
-                        "msg_id": f.get("msg_id"),
-                        "due_in_s": round((due.get(delayed_id, 0) - _now_ms()) / 1000, 3),
-                        "requeues": _int(f.get("requeues")),
-                    }
-                )
-        if cursor == 0:
-            break
-    waiting.sort(key=lambda w: w["seq"] or 0)
     dead = [
         {
             "id": i,
@@ -152,20 +129,20 @@ async def session_view(redis: Redis, keys: Keys, session_id: str) -> dict[str, A
     return {
         "session_id": session_id,
         "lock": {"token": holder, "ttl_ms": ttl_ms if ttl_ms >= 0 else None},
-        "applied_seq": int(fields.get("a", 0)),
+        "applied_seq": applied,
         "last_seq": int(fields.get("s", 0)),
         "version": int(fields.get("v", 0)),
         "step": state.get("step") if state else None,
         "in_flight": (
             {
-                "seq": int(fields["ia_seq"]),
-                "attempts": int(fields.get("ia_n", 0)),
-                "last_error": fields.get("ia_err"),
+                "seq": applied + 1,
+                "attempts": int(fields.get("n", 0)),
+                "last_error": fields.get("e"),
             }
-            if "ia_seq" in fields
+            if int(fields.get("s", 0)) > applied
             else None
         ),
-        "parked": {int(seq): delayed_id for seq, delayed_id in parked.items()},
+        "next_look_in_s": round((float(due) - _now_ms()) / 1000, 3) if due is not None else None,
         "waiting": waiting,
         "dead_letters": dead,
     }
@@ -188,11 +165,3 @@ async def _scan_stream(redis: Redis, stream: str, session_id: str) -> list[Entry
         for e in await scan_all(redis, stream, limit=SCAN_LIMIT)
         if e[1].get("session_id") == session_id
     ]
-
-
-async def _pending_index(redis: Redis, keys: Keys) -> dict[str, tuple[str, int]]:
-    try:
-        rows = await redis.xpending_range(keys.stream, keys.group, "-", "+", SCAN_LIMIT)
-    except ResponseError:
-        return {}
-    return {str(r["message_id"]): (str(r["consumer"]), int(r["times_delivered"])) for r in rows}

@@ -1,0 +1,62 @@
+--[[
+  Shared prelude, prepended to every script of this folder when it is loaded (see
+  worker/scripts.py). Only pure helpers live here: no script logic.
+
+  Session keys are derived inside the scripts from a declared key prefix that carries the
+  shard's Cluster hash tag ("<prefix>:{<tag>}:s:"), so every key a script touches lives in the
+  declared slot. The session id is escaped (% { } percent-encoded) and wrapped in braces after
+  the tag: only the first brace pair is a hash tag, and the escaped id's closing brace is
+  unambiguous, so no two sessions' keys can collide.
+]]
+local rcall = redis.call
+
+local function now_ms()
+  local t = rcall('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local ESCAPES = {['%'] = '%25', ['{'] = '%7B', ['}'] = '%7D'}
+
+local function session_key(prefix, session_id, role)
+  local escaped = string.gsub(session_id, '[%%{}]', ESCAPES)
+  return prefix .. '{' .. escaped .. '}:' .. role
+end
+
+-- A reply event (the fields every outcome carries), trimmed with MAXLEN ~ when maxlen > 0.
+local function reply_event(replies, maxlen, sid, msg_id, seq, outcome, text, now, entry_id)
+  if maxlen > 0 then
+    rcall('XADD', replies, 'MAXLEN', '~', maxlen, '*', 'session_id', sid, 'msg_id', msg_id,
+      'seq', seq, 'outcome', outcome, 'reply', text, 'produced_at', now, 'entry_id', entry_id)
+  else
+    rcall('XADD', replies, '*', 'session_id', sid, 'msg_id', msg_id, 'seq', seq,
+      'outcome', outcome, 'reply', text, 'produced_at', now, 'entry_id', entry_id)
+  end
+end
+
+-- The original fields of an entry for its dead letter, byte for byte. Lua's unpack fails on a
+-- few thousand values, so an entry with more fields than that is kept whole in one field,
+-- raw_entry (a JSON array of its names and values), instead of field by field.
+local MAX_COPIED_VALUES = 2000
+
+local function letter_fields(fields)
+  local letter = {}
+  if #fields <= MAX_COPIED_VALUES then
+    for i = 1, #fields do
+      letter[i] = fields[i]
+    end
+  else
+    letter[1] = 'raw_entry'
+    letter[2] = cjson.encode(fields)
+  end
+  return letter
+end
+
+-- Fail the whole call before its first write when a shared key has the wrong type (written by
+-- hand, or a name clash): Redis keeps a script's writes when a later command fails.
+local function expect_type(key, wanted)
+  local t = rcall('TYPE', key)['ok']
+  if t ~= 'none' and t ~= wanted then
+    return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. t .. ', expected a ' .. wanted)
+  end
+  return nil
+end

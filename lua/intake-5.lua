@@ -1,0 +1,266 @@
+--[[
+  intake: deliver new entries of the inbound stream to this worker and give each its
+  per-session seq, in stream order, in the same atomic step. Producers append plain entries
+  (XADD <stream> * session_id <id> text <text> [msg_id <id>] [fields]); everything an entry
+  says is untrusted, so it is checked here before it can touch any session.
+
+  Per entry, in stream order:
+    refused   (no usable session_id or msg_id, missing/blank text, too many fields, too
+              large, a repeated field name): dead-lettered alone (malformed) with its raw
+              fields; a dead_lettered reply event (seq 0) when it names a valid session.
+    duplicate (msg_id seen inside the dedupe window): one duplicate reply event with the
+              original seq (and its reply while it is in the session's history); removed.
+    sequenced seq = last seq + 1; the state hash indexes it (q<seq> = entry id) and is made
+              persistent while anything is outstanding. If it is the session's next message
+              and the lock is free, the lock is taken (one token per session) and the job
+              returned. Otherwise it waits in the stream: the lock holder's commit hands it
+              on, or the ready set brings it back (resume-3.lua).
+  Every delivered entry is acked in this call, so nothing ever waits in a pending list: a
+  crashed worker's sessions come back through the ready set when their lock lease ends.
+
+  KEYS[1] inbound stream   KEYS[2] ready set (zset: session id -> ms when to look at it)
+  KEYS[3] session key prefix ("<prefix>:{<tag>}:s:")   KEYS[4] dead-letter stream
+  KEYS[5] reply stream
+
+  ARGV[1] group   ARGV[2] consumer   ARGV[3] most entries to read (1..1000)
+  ARGV[4] token base (unique per call)   ARGV[5] lock ttl (ms)   ARGV[6] dedupe ttl (s)
+  ARGV[7] max entry bytes   ARGV[8] max extra fields   ARGV[9] reply MAXLEN (0: none)
+  ARGV[10] worker version   ARGV[11] claim idle (ms): > 0 takes over entries left pending
+           that long (never sequenced: delivery and sequencing are one step) instead of
+           reading new ones   ARGV[12] fallback reply
+
+  Returns {last id, entries read, jobs, held, {duplicates, refused, contended}}
+    last id  the id of the last entry read, or, when none was read, the group's
+             last-delivered id (block on XREAD from there: nothing appended meanwhile is missed)
+    jobs     {session_id, token, seq, entry id, fields, state JSON, version, attempts,
+              first_failed_at, last_error} per session whose lock this call took
+    held     {session_id, seq, entry id, fields}: later entries of those sessions, read in
+             this call, which the job's commits will hand on
+]]
+local stream, ready, sprefix, dlq, replies = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local group, consumer, token_base, fallback = ARGV[1], ARGV[2], ARGV[4], ARGV[12]
+local count, lock_ttl, dedupe_ttl = tonumber(ARGV[3]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local max_bytes, max_extra = tonumber(ARGV[7]), tonumber(ARGV[8])
+local maxlen, claim_idle = tonumber(ARGV[9]), tonumber(ARGV[11])
+
+if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen and claim_idle)
+   or count < 1 or count > 1000 then
+  return redis.error_reply('ERR intake: bad arguments')
+end
+for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {replies, 'stream'}}) do
+  local err = expect_type(check[1], check[2])
+  if err then return err end
+end
+
+local MAX_ID_BYTES = 256
+
+local function valid_utf8(s)
+  if not string.find(s, '[\128-\255]') then
+    return true
+  end
+  local i, n = 1, #s
+  while i <= n do
+    local c = string.byte(s, i)
+    local len
+    if c < 0x80 then len = 1
+    elseif c >= 0xC2 and c <= 0xDF then len = 2
+    elseif c >= 0xE0 and c <= 0xEF then len = 3
+    elseif c >= 0xF0 and c <= 0xF4 then len = 4
+    else return false end
+    if i + len - 1 > n then return false end
+    for k = i + 1, i + len - 1 do
+      local cc = string.byte(s, k)
+      if cc < 0x80 or cc > 0xBF then return false end
+    end
+    if len == 3 then
+      local c2 = string.byte(s, i + 1)
+      if (c == 0xE0 and c2 < 0xA0) or (c == 0xED and c2 > 0x9F) then return false end
+    elseif len == 4 then
+      local c2 = string.byte(s, i + 1)
+      if (c == 0xF0 and c2 < 0x90) or (c == 0xF4 and c2 > 0x8F) then return false end
+    end
+    i = i + len
+  end
+  return true
+end
+
+-- nil when the id is usable, else why not.
+local function id_problem(kind, value)
+  if value == nil then return kind .. ' is missing' end
+  if #value == 0 then return kind .. ' is empty' end
+  if #value > MAX_ID_BYTES then
+    return kind .. ' is ' .. #value .. ' bytes; at most ' .. MAX_ID_BYTES .. ' are allowed'
+  end
+  if string.find(value, '%c') then return kind .. ' contains control characters' end
+  if not string.find(value, '%S') then return kind .. ' is blank' end
+  if not valid_utf8(value) then return kind .. ' is not valid UTF-8' end
+  return nil
+end
+
+-- Returns problem (or nil), session_id (only when valid), msg_id (or nil).
+local function inspect(f)
+  local n = #f
+  local sid, msg_id, text
+  if n > 2 * (max_extra + 3) then
+    return 'too many fields: ' .. math.floor(n / 2) .. ' (at most ' .. max_extra ..
+      ' besides session_id, text and msg_id)', nil, nil
+  end
+  local size = 0
+  for i = 1, n, 2 do
+    local name, value = f[i], f[i + 1]
+    size = size + #name + #value
+    if name == 'session_id' or name == 'msg_id' or name == 'text' then
+      if (name == 'session_id' and sid) or (name == 'msg_id' and msg_id) or (name == 'text' and text) then
+        return 'field ' .. name .. ' appears more than once', nil, nil
+      end
+      if name == 'session_id' then sid = value elseif name == 'msg_id' then msg_id = value else text = value end
+    end
+  end
+  local problem = id_problem('session_id', sid)
+  if problem then return problem, nil, nil end
+  if size > max_bytes then
+    return 'entry is ' .. size .. ' bytes; at most ' .. max_bytes .. ' are allowed', sid, msg_id
+  end
+  if msg_id ~= nil then
+    problem = id_problem('msg_id', msg_id)
+    if problem then return problem, sid, nil end
+  end
+  if text == nil then return 'text is missing', sid, msg_id end
+  if not string.find(text, '%S') then return 'text is empty', sid, msg_id end
+  return nil, sid, msg_id
+end
+
+local now = now_ms()
+
+local entries
+if claim_idle > 0 then
+  entries = rcall('XAUTOCLAIM', stream, group, consumer, claim_idle, '0-0', 'COUNT', count)[2]
+else
+  local read = rcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', count, 'STREAMS', stream, '>')
+  entries = read and read[1][2] or {}
+end
+
+local acks, dels, jobs, held = {}, {}, {}, {}
+local sessions, order = {}, {}
+local tokens = 0
+local dups, refused, contended = 0, 0, 0
+
+local function refuse(id, f, problem, sid, msg_id)
+  local letter = letter_fields(f)
+  for _, v in ipairs({'error', problem, 'error_kind', 'malformed', 'attempts', '1',
+      'first_failed_at', now, 'last_failed_at', now, 'consumer', consumer,
+      'worker_version', ARGV[10], 'source_stream', stream, 'source_entry_id', id}) do
+    letter[#letter + 1] = v
+  end
+  rcall('XADD', dlq, '*', unpack(letter))
+  refused = refused + 1
+  if sid then
+    reply_event(replies, maxlen, sid, msg_id or id, 0, 'dead_lettered', fallback, now, id)
+  end
+  dels[#dels + 1] = id
+end
+
+local function original_reply(s, seq)
+  if seq < 1 or seq > s.a then return '' end
+  local ok, doc = pcall(cjson.decode, rcall('HGET', s.state, 'd') or '')
+  if not ok or type(doc) ~= 'table' or type(doc['history']) ~= 'table' then return '' end
+  for _, turn in ipairs(doc['history']) do
+    if type(turn) == 'table' and turn['seq'] == seq and type(turn['bot']) == 'string' then
+      return turn['bot']
+    end
+  end
+  return ''
+end
+
+local function session(sid)
+  local s = sessions[sid]
+  if not s then
+    local state = session_key(sprefix, sid, 'state')
+    local h = rcall('HMGET', state, 'a', 's')
+    s = {state = state, lock = session_key(sprefix, sid, 'lock'), a = tonumber(h[1]) or 0,
+         last = tonumber(h[2]) or 0, writes = {}, token = nil}
+    sessions[sid] = s
+    order[#order + 1] = sid
+  end
+  return s
+end
+
+for _, e in ipairs(entries) do
+  local id, f = e[1], e[2]
+  acks[#acks + 1] = id
+  local problem, sid, msg_id = inspect(f)
+  if problem then
+    refuse(id, f, problem, sid, msg_id)
+  else
+    local s = session(sid)
+    local dkey = msg_id and session_key(sprefix, sid, 'msg:' .. msg_id)
+    local seen = dkey and rcall('GET', dkey)
+    if seen then
+      local seq = tonumber(seen) or 0
+      reply_event(replies, maxlen, sid, msg_id, seq, 'duplicate', original_reply(s, seq), now, id)
+      dels[#dels + 1] = id
+      dups = dups + 1
+    else
+      local seq = s.last + 1
+      s.last = seq
+      if dkey then rcall('SET', dkey, seq, 'EX', dedupe_ttl) end
+      s.writes[#s.writes + 1] = 'q' .. seq
+      s.writes[#s.writes + 1] = id
+      if seq == s.a + 1 then
+        -- The session had nothing outstanding: it may carry its idle TTL, and it joins the
+        -- ready set, where it stays while anything is outstanding.
+        rcall('PERSIST', s.state)
+        if rcall('SET', s.lock, token_base .. ':' .. (tokens + 1), 'NX', 'PX', lock_ttl) then
+          tokens = tokens + 1
+          s.token = token_base .. ':' .. tokens
+          local h = rcall('HMGET', s.state, 'd', 'v', 'n', 'f', 'e')
+          local attempts = (tonumber(h[3]) or 0) + 1
+          s.writes[#s.writes + 1] = 'n'
+          s.writes[#s.writes + 1] = attempts
+          rcall('ZADD', ready, now + lock_ttl, sid)
+          jobs[#jobs + 1] = {sid, s.token, seq, id, f, h[1] or '', h[2] or '0', attempts,
+                             h[4] or '', h[5] or ''}
+        else
+          -- A lock with nothing outstanding: look again when its lease ends.
+          contended = contended + 1
+          rcall('ZADD', ready, now + math.max(rcall('PTTL', s.lock), 0), sid)
+        end
+      elseif s.token then
+        held[#held + 1] = {sid, seq, id, f}
+      else
+        contended = contended + 1
+        if not s.ensured then
+          -- Outstanding work always has a place in the ready set; NX keeps the holder's lease.
+          rcall('ZADD', ready, 'NX', now + lock_ttl, sid)
+          s.ensured = true
+        end
+      end
+    end
+  end
+end
+
+for _, sid in ipairs(order) do
+  local s = sessions[sid]
+  if #s.writes > 0 then
+    rcall('HSET', s.state, 's', s.last, unpack(s.writes))
+  end
+end
+if #acks > 0 then
+  rcall('XACK', stream, group, unpack(acks))
+end
+if #dels > 0 then
+  rcall('XDEL', stream, unpack(dels))
+end
+
+local last_id
+if #entries > 0 then
+  last_id = entries[#entries][1]
+else
+  last_id = '0-0'
+  for _, g in ipairs(rcall('XINFO', 'GROUPS', stream)) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == group then last_id = info['last-delivered-id'] end
+  end
+end
+return {last_id, #entries, jobs, held, {dups, refused, contended}}

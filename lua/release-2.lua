@@ -1,0 +1,39 @@
+--[[
+  release: give a message we hold back to its session's queue: after a failed attempt (the
+  error is recorded, the attempt stays counted) or at shutdown (a hand-back: the attempt is
+  given back). The message stays where it is (the stream); the session comes back through the
+  ready set after the delay. Nothing happens unless the lock is still ours for that seq.
+
+  KEYS[1] ready set   KEYS[2] session key prefix
+
+  ARGV[1] token   ARGV[2] session_id   ARGV[3] seq   ARGV[4] delay (ms)
+  ARGV[5] error text ("" for a hand-back)   ARGV[6] "1": a failed attempt | "0": a hand-back
+
+  Returns 7 (RELEASED) or -1 (FENCED_TOKEN).
+]]
+local ready, sprefix = KEYS[1], KEYS[2]
+local sid, seq, delay = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+if not (seq and delay) then
+  return redis.error_reply('ERR release: bad arguments')
+end
+local err = expect_type(ready, 'zset')
+if err then return err end
+
+local state, lock = session_key(sprefix, sid, 'state'), session_key(sprefix, sid, 'lock')
+if redis.pcall('GET', lock) ~= ARGV[1] then
+  return -1
+end
+local applied = redis.pcall('HGET', state, 'a')
+if type(applied) == 'table' or (tonumber(applied) or 0) ~= seq - 1 then
+  return -1
+end
+local now = now_ms()
+if ARGV[6] == '1' then
+  rcall('HSETNX', state, 'f', now)
+  rcall('HSET', state, 'e', ARGV[5])
+else
+  rcall('HINCRBY', state, 'n', -1)
+end
+rcall('DEL', lock)
+rcall('ZADD', ready, now + delay, sid)
+return 7

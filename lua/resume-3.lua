@@ -1,0 +1,84 @@
+--[[
+  resume: take up sessions of the ready set that are due: their lock lease ran out (the holder
+  crashed or hangs), their retry backoff is over, or a hand-off could not happen. For each due
+  session, atomically:
+    lock held           look again when its lease ends (the holder renews it while alive)
+    nothing outstanding leave the ready set
+    next entry present  take the lock, count the attempt, return the job
+    next entry missing  (deleted by hand, or lost) wait DIALOG_GAP_TIMEOUT_S from when the gap
+                        was first seen, then take the lock and return a gap job: the caller
+                        dead-letters that seq (gap) and the session moves on
+
+  KEYS[1] inbound stream   KEYS[2] ready set   KEYS[3] session key prefix
+
+  ARGV[1] most sessions to take (1..1000)   ARGV[2] token base (unique per call)
+  ARGV[3] lock ttl (ms)   ARGV[4] gap timeout (ms)
+
+  Returns {jobs, ms until the next session is due (-1: none)}
+    jobs  {kind ("m" message | "g" gap), session_id, token, seq, entry id, fields,
+           state JSON, version, attempts, first_failed_at, last_error}
+]]
+local stream, ready, sprefix = KEYS[1], KEYS[2], KEYS[3]
+local count, lock_ttl, gap_timeout = tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if not (count and lock_ttl and gap_timeout) or count < 1 or count > 1000 then
+  return redis.error_reply('ERR resume: bad arguments')
+end
+for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}}) do
+  local err = expect_type(check[1], check[2])
+  if err then return err end
+end
+
+local now = now_ms()
+local jobs, tokens = {}, 0
+
+for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, count)) do
+  local state, lock = session_key(sprefix, sid, 'state'), session_key(sprefix, sid, 'lock')
+  local pttl = rcall('PTTL', lock)
+  if pttl == -1 then
+    rcall('DEL', lock)  -- a lock without a lease is not ours to respect (written by hand)
+    pttl = -2
+  end
+  if pttl > 0 then
+    rcall('ZADD', ready, now + pttl, sid)
+  else
+    local h = rcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'g')
+    local applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
+    if last <= applied then
+      rcall('ZREM', ready, sid)
+    else
+      local seq = applied + 1
+      local id = rcall('HGET', state, 'q' .. seq)
+      local rows = id and rcall('XRANGE', stream, id, id) or {}
+      local kind, gap_since = 'm', tonumber(h[8])
+      if #rows == 0 then
+        kind = 'g'
+        if not gap_since then
+          rcall('HSET', state, 'g', now)
+          rcall('ZADD', ready, now + gap_timeout, sid)
+        elseif now - gap_since < gap_timeout then
+          rcall('ZADD', ready, gap_since + gap_timeout, sid)
+        else
+          kind = 'G'
+        end
+      end
+      if kind ~= 'g' then
+        tokens = tokens + 1
+        local token = ARGV[2] .. ':' .. tokens
+        local attempts = (tonumber(h[5]) or 0) + 1
+        rcall('SET', lock, token, 'PX', lock_ttl)
+        rcall('HSET', state, 'n', attempts)
+        rcall('ZADD', ready, now + lock_ttl, sid)
+        jobs[#jobs + 1] = {kind == 'm' and 'm' or 'g', sid, token, seq, id or '',
+                           rows[1] and rows[1][2] or {}, h[3] or '', h[4] or '0', attempts,
+                           h[6] or '', h[7] or ''}
+      end
+    end
+  end
+end
+
+local head = rcall('ZRANGE', ready, 0, 0, 'WITHSCORES')
+local wait = -1
+if #head > 0 then
+  wait = math.max(0, tonumber(head[2]) - now)
+end
+return {jobs, wait}
