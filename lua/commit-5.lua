@@ -2,7 +2,8 @@
   commit: the fenced writes of one or more finished messages (group commit: every commit that
   is ready when the previous call returns goes in one call), each independent of the others.
   Per commit: if the lock is still ours and the state is at the version we read, write the new
-  state, append the reply event (and the dead letter), delete the entry from the stream, then
+  state, append the reply event (and the dead letter, and a duplicate event for each copy of
+  the message that arrived meanwhile), delete the entry (and the copies) from the stream, then
   hand the lock on to the session's next message if one is waiting (return it), or release it
   and start the idle TTL. A fenced commit writes nothing.
 
@@ -72,7 +73,7 @@ local results, dels = {}, {}
 for _, c in ipairs(commits) do
   local state, lock = session_key(sprefix, c.sid, 'state'), session_key(sprefix, c.sid, 'lock')
   local holder = redis.pcall('GET', lock)
-  local h = redis.pcall('HMGET', state, 'v', 'a', 's', 'q' .. (c.seq + 1))
+  local h = redis.pcall('HMGET', state, 'v', 'a', 's', 'q' .. (c.seq + 1), 'u' .. c.seq)
   if holder ~= c.token then
     results[#results + 1] = {-1}
   elseif type(h) ~= 'table' or h['err'] or (tonumber(h[1]) or 0) ~= c.version
@@ -91,7 +92,14 @@ for _, c in ipairs(commits) do
     end
     reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, c.outcome, c.reply, now, c.entry_id)
     if c.entry_id ~= '' then dels[#dels + 1] = c.entry_id end
-    rcall('HDEL', state, 'q' .. c.seq, 'f', 'e', 'g')
+    if h[5] then
+      -- Copies of this message that arrived while it was outstanding: answered now.
+      for copy in string.gmatch(h[5], '[^,]+') do
+        reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, 'duplicate', c.reply, now, copy)
+        dels[#dels + 1] = copy
+      end
+    end
+    rcall('HDEL', state, 'q' .. c.seq, 'u' .. c.seq, 'f', 'e', 'g')
 
     local next_rows = nil
     if last > c.seq and next_id and next_id ~= c.known_next then
@@ -118,7 +126,7 @@ for _, c in ipairs(commits) do
   end
 end
 
-if #dels > 0 then
-  rcall('XDEL', stream, unpack(dels))
+for i = 1, #dels, 1000 do
+  rcall('XDEL', stream, unpack(dels, i, math.min(i + 999, #dels)))
 end
 return results

@@ -9,7 +9,10 @@
               large, a repeated field name): dead-lettered alone (malformed) with its raw
               fields; a dead_lettered reply event (seq 0) when it names a valid session.
     duplicate (msg_id seen inside the dedupe window): one duplicate reply event with the
-              original seq (and its reply while it is in the session's history); removed.
+              original seq and its reply. If the original is still outstanding, the copy
+              waits (indexed as u<seq>) and the original's commit answers it, right after
+              the original's own event; otherwise it is answered now (with the reply while
+              it is in the session's history) and removed.
     sequenced seq = last seq + 1; the state hash indexes it (q<seq> = entry id) and is made
               persistent while anything is outstanding. If it is the session's next message
               and the lock is free, the lock is taken (one token per session) and the job
@@ -53,6 +56,10 @@ for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {r
 end
 
 local MAX_ID_BYTES = 256
+-- Copies of a not-yet-applied message waiting for its commit (ids joined by commas, at most
+-- this many bytes, about 40 copies); more are answered at once: a producer repeating one
+-- msg_id must not grow a session's hash without bound.
+local MAX_WAITING_COPIES_BYTES = 1024
 
 local function valid_utf8(s)
   if not string.find(s, '[\128-\255]') then
@@ -195,8 +202,13 @@ for _, e in ipairs(entries) do
     local s = session(sid)
     local dkey = msg_id and session_key(sprefix, sid, 'msg:' .. msg_id)
     local seen = dkey and rcall('GET', dkey)
-    if seen then
-      local seq = tonumber(seen) or 0
+    local seq = seen and (tonumber(seen) or 0)
+    local waiting = seq and seq > s.a and seq <= s.last and rcall('HGET', s.state, 'u' .. seq)
+    if seq and seq > s.a and seq <= s.last and #(waiting or '') < MAX_WAITING_COPIES_BYTES then
+      -- The original is not applied yet: its commit answers this copy, with its reply.
+      rcall('HSET', s.state, 'u' .. seq, (waiting and waiting .. ',' or '') .. id)
+      dups = dups + 1
+    elseif seq then
       reply_event(replies, maxlen, sid, msg_id, seq, 'duplicate', original_reply(s, seq), now, id)
       dels[#dels + 1] = id
       dups = dups + 1

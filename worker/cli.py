@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"dialog-worker: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except ConfigError as exc:  # e.g. a shard count that does not match the deployment's
+        print(f"dialog-worker: invalid setting {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
         print(
             f"dialog-worker: redis error at {settings.redacted_url()}: {type(exc).__name__}: {exc}",

@@ -57,6 +57,7 @@ class DialogClient:
         self.keys: Keys = self.topology.shards[0]
         self.redis: Redis = connect(settings, max_connections)
         self._prepared = False
+        self._checked = False
 
     async def __aenter__(self) -> DialogClient:
         await self._prepare()
@@ -101,10 +102,11 @@ class DialogClient:
         size = sum(len(k.encode()) + len(v.encode()) for k, v in fields.items())
         if size > self.settings.max_message_bytes:
             raise ValidationError(
-                f"message is {size} bytes; at most {self.settings.max_message_bytes} are allowed"
+                f"text and fields are {size} bytes in all; at most "
+                f"{self.settings.max_message_bytes} are allowed (DIALOG_MAX_MESSAGE_BYTES)"
             )
         with self._cluster_errors("send"):
-            await self._prepare()
+            await self._ready()
             entry_id = await self.redis.xadd(self.keys_for(session_id).stream, fields)  # type: ignore[arg-type]
         entry = str(entry_id)
         return SendResult(session_id, msg_id if msg_id is not None else entry, entry)
@@ -112,7 +114,7 @@ class DialogClient:
     async def state(self, session_id: str) -> dict[str, Any] | None:
         check_id("session_id", session_id)
         with self._cluster_errors("state"):
-            await self._prepare()
+            await self._ready()
             doc = await self.redis.hget(self.keys_for(session_id).session(session_id).state, "d")
         return None if doc is None else json.loads(doc)
 
@@ -130,10 +132,18 @@ class DialogClient:
             raise RedisConnectionError(f"cluster unavailable during {operation}: {exc}") from exc
 
     async def _prepare(self) -> None:
+        """Learn the cluster's slot map (no-op standalone), then, before the first command
+        that needs it, check the deployment's shard count (a client configured otherwise
+        would send sessions to the wrong streams)."""
         if not self._prepared:
             await prepare(self.redis)
-            await check_topology(self.redis, self.settings, record=False)
             self._prepared = True
+
+    async def _ready(self) -> None:
+        await self._prepare()
+        if not self._checked:
+            await check_topology(self.redis, self.settings, record=False)
+            self._checked = True
 
     def keys_for(self, session_id: str) -> Keys:
         """The shard a session belongs to (the only one in the plain layout)."""

@@ -181,8 +181,8 @@ class Worker:
                 await self.raw.aclose()
                 await self.redis.aclose()
             log.info("worker_stopped")
-        if self.refused is not None:
-            raise self.refused
+            if self.refused is not None:
+                raise self.refused
 
     def stop(self) -> None:
         self.stopping.set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import anyio
 import pytest
 
 from worker.client import DialogClient
@@ -13,18 +14,19 @@ pytestmark = pytest.mark.integration
 
 
 async def assert_drained(client: DialogClient, timeout_s: float = 20) -> None:
-    """Nothing pending, nothing delayed, no lock left, inbound stream trimmed to empty."""
+    """Nothing pending, no session waiting in the ready set, no lock left, inbound stream
+    empty (finished messages are deleted)."""
     r, k = client.redis, client.keys
     deadline = time.monotonic() + timeout_s
     while True:
-        locks = [key async for key in r.scan_iter(match=f"{k.prefix}:s:*:lock", count=1000)]
+        locks = [key async for key in r.scan_iter(match=f"{k.session_prefix}*:lock", count=1000)]
         pending = (await r.xpending(k.stream, k.group))["pending"]
-        state = (await r.xlen(k.stream), pending, await r.zcard(k.delayed), len(locks))
+        state = (await r.xlen(k.stream), pending, await r.zcard(k.ready), len(locks))
         if state == (0, 0, 0, 0):
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"not drained: stream, pending, delayed, locks = {state}")
-        await __import__("anyio").sleep(0.05)
+            raise AssertionError(f"not drained: stream, pending, ready, locks = {state}")
+        await anyio.sleep(0.05)
 
 
 async def test_seed_verification_two_back_to_back_messages_two_workers(client, workers):
@@ -65,12 +67,17 @@ async def test_one_session_200_messages_three_workers_in_order(client, workers):
     assert await check(client, sent) == []
     await assert_drained(client)
     assert await client.redis.xlen(client.keys.dlq) == 0
-    requeues = 0.0
+    totals = {"dialog_retries_total": 0.0, "dialog_handoffs_total": 0.0}
     for w in procs:
         for line in w.metrics_text().splitlines():
-            if line.startswith("dialog_retries_total{"):
-                requeues += float(line.rsplit(" ", 1)[1])
-    print(f"\none session x200, 3 workers: {requeues / 200:.2f} re-queues per message")
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in totals:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    print(f"\none session x200, 3 workers: {totals}")
+    # Messages waiting behind the holder are handed on by its commits: no re-queue cycles
+    # (counted "contended" retries are entries queued behind a holder, at most one each).
+    assert totals["dialog_handoffs_total"] >= 0.9 * 199
+    assert totals["dialog_retries_total"] <= 200
 
 
 async def test_messages_sent_before_any_worker_started_are_processed(client, workers):
@@ -81,14 +88,24 @@ async def test_messages_sent_before_any_worker_started_are_processed(client, wor
     assert await check(client, sent) == []
 
 
-async def test_duplicate_msg_id_enqueues_nothing_and_returns_original_seq(client, workers):
+async def test_a_repeated_msg_id_is_applied_once_and_answered_as_duplicate(client, workers):
     first = await client.send("dup", "nama saya Budi", msg_id="m-1")
     again = await client.send("dup", "nama saya Budi", msg_id="m-1")
-    assert (first.seq, first.duplicate) == (1, False)
-    assert (again.seq, again.duplicate) == (1, True)
-    assert await client.redis.xlen(client.keys.stream) == 1
-    second = await client.send("dup", "keluhan", msg_id="m-2")
-    assert second.seq == 2
+    assert first.entry_id != again.entry_id and first.msg_id == again.msg_id == "m-1"
+    await client.send("dup", "keluhan", msg_id="m-2")
+    workers.start(1)
+    sent = [Sent("dup", 1, "m-1", "nama saya Budi"), Sent("dup", 2, "m-2", "keluhan")]
+    assert await wait_applied(client, sent, timeout_s=20)
+    await assert_drained(client)
+    events = [f for _, f in await client.redis.xrange(client.keys.replies)]
+    assert [(e["msg_id"], e["seq"], e["outcome"]) for e in events] == [
+        ("m-1", "1", "applied"),
+        ("m-1", "1", "duplicate"),
+        ("m-2", "2", "applied"),
+    ]
+    assert events[1]["reply"] == events[0]["reply"] == "Halo Budi, ada yang bisa dibantu?"
+    state = await client.state("dup")
+    assert [t["msg_id"] for t in state["history"]] == ["m-1", "m-2"]
 
 
 @pytest.mark.parametrize(
@@ -113,20 +130,3 @@ async def test_tricky_session_ids_stay_separate(client, workers, ids):
         assert state["session_id"] == sid
         assert state["memory"]["userName"] == f"N{i}"
         assert [t["seq"] for t in state["history"]] == [1, 2]
-
-
-async def test_copies_of_one_message_in_one_read_apply_once_and_leave_nothing_pending(
-    client, workers
-):
-    # Two entries with the same seq (a producer that re-sent past `send`, or a promoted copy)
-    # and the next message, all read in one batch by one worker.
-    k = client.keys
-    first = await client.send("copy", "nama saya Budi", msg_id="m1")
-    entry = (await client.redis.xrange(k.stream))[0][1]
-    await client.redis.xadd(k.stream, entry)
-    second = await client.send("copy", "keluhan", msg_id="m2")
-    workers.start(1)
-    sent = [Sent("copy", first.seq, "m1", "nama saya Budi"), Sent("copy", second.seq, "m2", "x")]
-    assert await wait_applied(client, sent, timeout_s=20)
-    assert await check(client, sent) == []
-    await assert_drained(client)

@@ -1,180 +1,378 @@
-"""The Lua scripts on a real redis-server: fencing, take-or-park, hand-off, duplicates."""
+"""The Lua scripts on a real redis-server, called directly: sequencing at intake, refusals,
+duplicates, fencing, hand-off, group commit, resume, gaps, release and renew."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+import pytest_asyncio
+from redis.asyncio import Redis
 
-from worker.client import DialogClient
-from worker.scripts import Code, LockReply, Scripts
+from worker.config import Settings
+from worker.keys import Keys
+from worker.scripts import Code, Scripts, source
 
 pytestmark = pytest.mark.integration
 
 TTL_MS = 5000
+FALLBACK = "maaf"
 
 
-async def read_one(client: DialogClient, consumer: str = "c1") -> tuple[str, dict[str, str]]:
-    k = client.keys
-    await client.redis.xgroup_create(k.stream, k.group, id="0", mkstream=True)
-    [(_, [(entry_id, fields)])] = await client.redis.xreadgroup(
-        k.group, consumer, {k.stream: ">"}, count=1
+class Harness:
+    """The scripts with the worker's arguments, on a bytes client (as the worker reads)."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.r = redis
+        self.k = keys
+        self.s = Scripts.register(redis)
+        self.calls = 0
+
+    async def group(self) -> None:
+        await self.r.xgroup_create(self.k.stream, self.k.group, id="0", mkstream=True)
+
+    async def intake(
+        self, count: int = 100, claim_idle_ms: int = 0, max_bytes: int = 65536
+    ) -> list[Any]:
+        self.calls += 1
+        k = self.k
+        return await self.s.intake(
+            keys=[k.stream, k.ready, k.session_prefix, k.dlq, k.replies],
+            args=[
+                k.group, "c1", count, f"t{self.calls}", TTL_MS, 3600, max_bytes, 32, 0,
+                "test", claim_idle_ms, FALLBACK,
+            ],
+        )  # fmt: skip
+
+    async def resume(self, count: int = 100, gap_ms: int = 60_000) -> list[Any]:
+        self.calls += 1
+        k = self.k
+        return await self.s.resume(
+            keys=[k.stream, k.ready, k.session_prefix],
+            args=[count, f"r{self.calls}", TTL_MS, gap_ms],
+        )
+
+    async def commit(self, *commits: list[Any]) -> list[Any]:
+        k = self.k
+        args: list[Any] = [TTL_MS, 3600, 0, len(commits)]
+        for c in commits:
+            args += c
+        return await self.s.commit(
+            keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args
+        )
+
+    async def release(self, token: str, sid: str, seq: int, delay: int, counts: bool) -> int:
+        k = self.k
+        return int(
+            await self.s.release(
+                keys=[k.ready, k.session_prefix],
+                args=[token, sid, seq, delay, "boom" if counts else "", "1" if counts else "0"],
+            )
+        )
+
+    async def state(self, sid: str) -> dict[bytes, bytes]:
+        return await self.r.hgetall(self.k.session(sid).state)
+
+    async def replies(self) -> list[dict[bytes, bytes]]:
+        return [f for _, f in await self.r.xrange(self.k.replies)]
+
+    async def dead(self) -> list[dict[bytes, bytes]]:
+        return [f for _, f in await self.r.xrange(self.k.dlq)]
+
+
+def commit_args(
+    job: list[Any], doc: dict[str, Any] | None = None, *, version: int | None = None,
+    token: bytes | None = None, dead: str = "", known_next: str = "", outcome: str = "applied",
+) -> list[Any]:  # fmt: skip
+    sid, tok, seq, entry_id = job[0], job[1], int(job[2]), job[3]
+    return [
+        token if token is not None else tok, sid, seq,
+        int(job[6]) if version is None else version,
+        json.dumps(doc or {"seq": seq}), b"m", b"reply-%d" % seq, outcome, entry_id,
+        dead, known_next,
+    ]  # fmt: skip
+
+
+@pytest_asyncio.fixture
+async def h(redis_server) -> AsyncIterator[Harness]:
+    r = Redis.from_url(redis_server.url)
+    await r.flushall()
+    harness = Harness(r, Keys.from_settings(Settings()))
+    await harness.group()
+    yield harness
+    await r.aclose()
+
+
+async def xadd(h: Harness, sid: str | bytes, text: str | bytes = "hi", **extra: Any) -> bytes:
+    return await h.r.xadd(h.k.stream, {"session_id": sid, "text": text, **extra})
+
+
+# ---------------------------------------------------------------------------------------------
+# intake
+
+
+async def test_intake_sequences_plain_entries_in_stream_order_and_leaves_nothing_pending(h):
+    ids = [await xadd(h, sid) for sid in ["a", "b", "a", "a", "b"]]
+    last_id, read, jobs, held, counts = await h.intake()
+    assert (last_id, read) == (ids[-1], 5)
+    assert [(j[0], int(j[2]), j[3]) for j in jobs] == [(b"a", 1, ids[0]), (b"b", 1, ids[1])]
+    assert [(x[0], int(x[1]), x[2]) for x in held] == [(b"a", 2, ids[2]), (b"a", 3, ids[3]),
+                                                       (b"b", 2, ids[4])]  # fmt: skip
+    assert (await h.r.xpending(h.k.stream, h.k.group))["pending"] == 0
+    state = await h.state("a")
+    assert state[b"s"] == b"3" and state[b"q2"] == ids[2]
+    assert await h.r.ttl(h.k.session("a").state) == -1  # persistent while outstanding
+    assert await h.r.xlen(h.k.stream) == 5  # entries stay until their commit
+    assert await h.r.zscore(h.k.ready, "a") is not None
+
+
+async def test_an_idle_intake_returns_the_last_delivered_id_to_block_from(h):
+    first = await xadd(h, "a")
+    await h.intake()
+    last_id, read, *_ = await h.intake()
+    assert (last_id, read) == (first, 0)
+    assert await h.r.xread({h.k.stream: last_id}, block=10) == []
+    await xadd(h, "b")
+    assert await h.r.xread({h.k.stream: last_id}, block=10) != []
+
+
+async def test_producer_written_internal_fields_do_not_change_the_seq(h):
+    await xadd(h, "f", seq="-5", requeues=str(10**12), attempts="99")
+    await xadd(h, "f", seq=str(10**23))
+    _, _, jobs, held, _ = await h.intake()
+    assert int(jobs[0][2]) == 1 and int(jobs[0][7]) == 1  # seq 1, attempt 1
+    assert int(held[0][1]) == 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason", "names_session"),
+    [
+        ({"text": "no session"}, b"session_id is missing", False),
+        ({"session_id": "", "text": "x"}, b"session_id is empty", False),
+        ({"session_id": "   ", "text": "x"}, b"session_id is blank", False),
+        ({"session_id": "a\nb", "text": "x"}, b"control characters", False),
+        ({"session_id": b"\xff\xfe", "text": "x"}, b"not valid UTF-8", False),
+        ({"session_id": "x" * 257, "text": "x"}, b"257 bytes", False),
+        ({"session_id": "s", "text": "   "}, b"text is empty", True),
+        ({"session_id": "s"}, b"text is missing", True),
+        ({"session_id": "s", "text": "x", "msg_id": "m\x00"}, b"msg_id contains", True),
+        ({"session_id": "s", "text": "x" * 70_000}, b"at most 65536", True),
+    ],
+)
+async def test_a_refused_entry_is_dead_lettered_alone_with_its_raw_fields(
+    h, fields, reason, names_session
+):
+    bad = await h.r.xadd(h.k.stream, fields)
+    good = await xadd(h, "good")
+    _, read, jobs, _, counts = await h.intake()
+    assert read == 2 and [j[3] for j in jobs] == [good]
+    assert [int(c) for c in counts] == [0, 1, 0]
+    [letter] = await h.dead()
+    for name, value in fields.items():
+        assert letter[name.encode()] == (value if isinstance(value, bytes) else value.encode())
+    assert reason in letter[b"error"]
+    assert letter[b"error_kind"] == b"malformed" and letter[b"source_entry_id"] == bad
+    assert letter[b"source_stream"] == b"dialog"
+    events = await h.replies()
+    assert len(events) == (1 if names_session else 0)
+    if names_session:
+        assert events[0][b"outcome"] == b"dead_lettered" and events[0][b"seq"] == b"0"
+    assert await h.r.xlen(h.k.stream) == 1  # the refused entry is gone, the good one waits
+
+
+async def test_an_entry_with_5000_fields_is_kept_whole_in_its_dead_letter(h):
+    fields = {f"f{i}": str(i) for i in range(5000)} | {"session_id": "s", "text": "x"}
+    await h.r.xadd(h.k.stream, fields)
+    good = await xadd(h, "good")
+    _, _, jobs, _, _ = await h.intake()
+    assert [j[3] for j in jobs] == [good]
+    [letter] = await h.dead()
+    flat = json.loads(letter[b"raw_entry"])
+    assert dict(zip(flat[0::2], flat[1::2], strict=True)) == fields
+    assert b"too many fields" in letter[b"error"]
+
+
+async def test_33_extra_fields_are_refused_and_32_are_accepted(h):
+    base = {"session_id": "s", "text": "x", "msg_id": "m"}
+    await h.r.xadd(h.k.stream, base | {f"f{i}": "v" for i in range(33)})
+    await h.r.xadd(h.k.stream, base | {"msg_id": "m2"} | {f"f{i}": "v" for i in range(32)})
+    _, _, jobs, _, counts = await h.intake()
+    assert len(jobs) == 1 and [int(c) for c in counts] == [0, 1, 0]
+
+
+async def test_a_repeated_msg_id_gets_one_duplicate_event_with_the_original_seq_and_reply(h):
+    await xadd(h, "d", "first", msg_id="m-1")
+    _, _, [job], _, _ = await h.intake()
+    doc = {"history": [{"seq": 1, "bot": "the answer"}]}
+    assert (await h.commit(commit_args(job, doc)))[0][0] == Code.COMMITTED
+    again = await xadd(h, "d", "first again", msg_id="m-1")
+    _, _, jobs, _, counts = await h.intake()
+    assert jobs == [] and [int(c) for c in counts] == [1, 0, 0]
+    event = (await h.replies())[-1]
+    assert (event[b"outcome"], event[b"seq"], event[b"reply"]) == (
+        b"duplicate", b"1", b"the answer")  # fmt: skip
+    assert event[b"entry_id"] == again
+    assert await h.r.xlen(h.k.stream) == 0
+    assert (await h.state("d"))[b"s"] == b"1"
+    assert 0 < await h.r.ttl(h.k.session("d").dedupe("m-1")) <= 3600
+
+
+async def test_intake_refuses_to_start_when_a_shared_key_has_the_wrong_type(h):
+    await xadd(h, "a")
+    await h.r.set(h.k.replies, "not a stream")
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        await h.intake()
+    assert (await h.r.xinfo_groups(h.k.stream))[0]["lag"] == 1  # nothing was delivered
+    assert await h.state("a") == {}
+
+
+async def test_lua_builds_the_same_session_keys_as_python(h):
+    prelude = source("renew").split("\n--[[\n  renew")[0]
+    for sid in ["a}b", "{x}", "%7D", "a:lock", "sesi-ñ-日本", "}" * 3, "%%{{"]:
+        lua = await h.r.eval(
+            prelude + "\nreturn session_key(KEYS[1], ARGV[1], 'state')",
+            1, h.k.session_prefix, sid,
+        )  # fmt: skip
+        assert lua.decode() == h.k.session(sid).state
+
+
+# ---------------------------------------------------------------------------------------------
+# commit
+
+
+async def test_commit_writes_state_event_and_removes_the_entry_then_releases(h):
+    entry = await xadd(h, "c")
+    _, _, [job], _, _ = await h.intake()
+    [result] = await h.commit(commit_args(job, {"step": "X"}))
+    assert [int(x) for x in result] == [Code.COMMITTED, 1]
+    state = await h.state("c")
+    assert (state[b"a"], state[b"v"], json.loads(state[b"d"])) == (b"1", b"1", {"step": "X"})
+    assert not any(k.startswith(b"q") for k in state)
+    assert 3500 < await h.r.ttl(h.k.session("c").state) <= 3600  # idle TTL starts now
+    assert await h.r.exists(h.k.session("c").lock) == 0
+    assert await h.r.zscore(h.k.ready, "c") is None
+    assert await h.r.xlen(h.k.stream) == 0
+    [event] = await h.replies()
+    assert (event[b"outcome"], event[b"seq"], event[b"entry_id"]) == (b"applied", b"1", entry)
+
+
+async def test_a_commit_with_a_stale_token_or_version_writes_nothing(h):
+    await xadd(h, "f")
+    _, _, [job], _, _ = await h.intake()
+    before = await h.state("f")
+    r1, r2 = await h.commit(commit_args(job, token=b"stolen"), commit_args(job, version=7))
+    assert (int(r1[0]), int(r2[0])) == (Code.FENCED_TOKEN, Code.FENCED_VERSION)
+    assert await h.state("f") == before
+    assert await h.replies() == [] and await h.r.xlen(h.k.stream) == 1
+
+
+async def test_group_commit_fences_each_commit_alone(h):
+    for sid in ["g1", "g2"]:
+        await xadd(h, sid)
+    _, _, jobs, _, _ = await h.intake()
+    r1, r2 = await h.commit(commit_args(jobs[0], token=b"stolen"), commit_args(jobs[1]))
+    assert (int(r1[0]), int(r2[0])) == (Code.FENCED_TOKEN, Code.COMMITTED)
+    assert (await h.state("g2"))[b"a"] == b"1" and b"d" not in await h.state("g1")
+
+
+async def test_commit_hands_the_lock_to_the_next_entry_with_or_without_its_fields(h):
+    ids = [await xadd(h, "h", f"m{i}") for i in range(3)]
+    _, _, [job], held, _ = await h.intake()
+    [r] = await h.commit(commit_args(job, known_next=ids[1].decode()))
+    assert (int(r[0]), int(r[2]), r[3], r[4]) == (Code.HANDOFF, 2, ids[1], [])
+    job2 = [b"h", job[1], 2, ids[1], [], b"", b"", r[1]]
+    [r] = await h.commit(commit_args(job2, version=int(r[1])))
+    assert (int(r[0]), int(r[2]), r[3]) == (Code.HANDOFF, 3, ids[2])
+    assert dict(zip(r[4][0::2], r[4][1::2], strict=True))[b"text"] == b"m2"
+    assert int((await h.state("h"))[b"n"]) == 1  # the next one's start is counted
+    assert await h.r.pttl(h.k.session("h").lock) > TTL_MS - 1000
+
+
+async def test_commit_validates_every_argument_before_its_first_write(h):
+    for sid in ["v1", "v2"]:
+        await xadd(h, sid)
+    _, _, jobs, _, _ = await h.intake()
+    with pytest.raises(Exception, match="dead-letter fields"):
+        await h.commit(commit_args(jobs[0]), commit_args(jobs[1], dead="[1, 2, 3"))
+    assert await h.replies() == [] and b"d" not in await h.state("v1")
+
+
+async def test_a_dead_letter_commit_copies_the_original_fields_byte_for_byte(h):
+    await xadd(h, "dl", b"\xff raw \x00 bytes", note=b"\xc3")
+    _, _, [job], _, _ = await h.intake()
+    extra = json.dumps(["error", "bad", "error_kind", "malformed"])
+    [r] = await h.commit(commit_args(job, dead=extra, outcome="dead_lettered"))
+    assert int(r[0]) == Code.COMMITTED
+    [letter] = await h.dead()
+    assert letter[b"text"] == b"\xff raw \x00 bytes" and letter[b"note"] == b"\xc3"
+    assert letter[b"error_kind"] == b"malformed" and letter[b"source_entry_id"] == job[3]
+    assert (await h.replies())[0][b"outcome"] == b"dead_lettered"
+
+
+# ---------------------------------------------------------------------------------------------
+# resume, release, renew
+
+
+async def test_resume_takes_a_session_whose_holder_died_and_counts_the_attempt(h):
+    await xadd(h, "r")
+    _, _, [job], _, _ = await h.intake()
+    await h.r.delete(h.k.session("r").lock)  # the holder's lease ran out
+    await h.r.zadd(h.k.ready, {"r": 0})
+    [rows, _] = await h.resume()
+    [row] = rows
+    assert (row[0], row[1], int(row[3]), row[4], int(row[8])) == (b"m", b"r", 1, job[3], 2)
+    assert (await h.r.get(h.k.session("r").lock)) == row[2]
+
+
+async def test_resume_leaves_a_held_session_alone_until_its_lease_ends(h):
+    await xadd(h, "held")
+    await h.intake()
+    await h.r.zadd(h.k.ready, {"held": 0})
+    [rows, wait] = await h.resume()
+    assert rows == [] and TTL_MS - 1000 < int(wait) <= TTL_MS
+
+
+async def test_a_missing_entry_is_a_gap_only_after_the_gap_timeout(h):
+    entry = await xadd(h, "gap")
+    _, _, [job], _, _ = await h.intake()
+    await h.r.xdel(h.k.stream, entry)
+    await h.r.delete(h.k.session("gap").lock)
+    await h.r.zadd(h.k.ready, {"gap": 0})
+    [rows, _] = await h.resume(gap_ms=60_000)
+    assert rows == [] and b"g" in await h.state("gap")
+    await h.r.hset(h.k.session("gap").state, "g", 1)  # first seen long ago
+    await h.r.zadd(h.k.ready, {"gap": 0})
+    [[row], _] = await h.resume(gap_ms=60_000)
+    assert (row[0], int(row[3])) == (b"g", 1)
+
+
+async def test_release_records_the_error_or_gives_the_attempt_back(h):
+    await xadd(h, "rel")
+    _, _, [job], _, _ = await h.intake()
+    token = job[1].decode()
+    assert await h.release("not-mine", "rel", 1, 0, True) == Code.FENCED_TOKEN
+    assert await h.release(token, "rel", 1, 60_000, True) == Code.RELEASED
+    state = await h.state("rel")
+    assert (state[b"n"], state[b"e"]) == (b"1", b"boom")
+    assert await h.r.exists(h.k.session("rel").lock) == 0
+    assert await h.r.zscore(h.k.ready, "rel") > 0
+    await h.r.zadd(h.k.ready, {"rel": 0})
+    [[row], _] = await h.resume()
+    assert int(row[8]) == 2 and row[10] == b"boom"
+    assert await h.release(row[2].decode(), "rel", 1, 0, False) == Code.RELEASED
+    assert (await h.state("rel"))[b"n"] == b"1"
+
+
+async def test_renew_extends_only_locks_that_are_still_ours(h):
+    for sid in ["n1", "n2"]:
+        await xadd(h, sid)
+    _, _, jobs, _, _ = await h.intake()
+    await h.r.set(h.k.session("n2").lock, "someone-else")
+    result = await h.s.renew(
+        keys=[h.k.ready, h.k.session_prefix],
+        args=[60_000, jobs[0][1], b"n1", jobs[1][1], b"n2"],
     )
-    return entry_id, fields
-
-
-async def acquire(client, scripts, session, token, entry_id, seq) -> LockReply:
-    sk, k = client.keys.session(session), client.keys
-    raw = await scripts.acquire(
-        keys=[sk.lock, sk.state, sk.parked, k.delayed, k.delayed_data, k.stream],
-        args=[token, TTL_MS, k.group, entry_id, seq, 60_000, 3600],
-    )
-    return LockReply.parse(raw)
-
-
-async def commit(
-    client, scripts, session, token, version, seq, entry_id, doc, next_entry=""
-) -> LockReply:
-    sk, k = client.keys.session(session), client.keys
-    raw = await scripts.commit(
-        keys=[sk.lock, sk.state, sk.parked, k.delayed, k.delayed_data, k.stream, k.replies, k.dlq],
-        args=[
-            token,
-            version,
-            seq,
-            json.dumps(doc),
-            3600,
-            "s",
-            entry_id,
-            k.group,
-            session,
-            "m",
-            "reply",
-            TTL_MS,
-            0,
-            "",
-            next_entry,
-        ],
-    )
-    return LockReply.parse(raw)
-
-
-async def test_commit_with_stale_token_is_rejected_and_writes_nothing(client):
-    scripts = Scripts.register(client.redis)
-    await client.send("f", "nama saya Budi")
-    entry_id, _ = await read_one(client)
-    got = await acquire(client, scripts, "f", "token-a", entry_id, 1)
-    assert got.code is Code.ACQUIRED and got.attempts == 1
-    # The lease runs out (a paused holder) and another worker takes the lock.
-    await client.redis.delete(client.keys.session("f").lock)
-    assert (await acquire(client, scripts, "f", "token-b", entry_id, 1)).code is Code.ACQUIRED
-
-    late = await commit(client, scripts, "f", "token-a", 0, 1, entry_id, {"late": True})
-    assert late.code is Code.FENCED_TOKEN
-    assert await client.state("f") is None
-    assert await client.redis.xlen(client.keys.replies) == 0
-    assert (await client.redis.xpending(client.keys.stream, client.keys.group))["pending"] == 1
-
-    ok = await commit(client, scripts, "f", "token-b", 0, 1, entry_id, {"who": "b"})
-    assert ok.code is Code.COMMITTED
-    assert await client.state("f") == {"who": "b"}
-    assert (await client.redis.xpending(client.keys.stream, client.keys.group))["pending"] == 0
-
-
-async def test_commit_with_stale_version_is_rejected_even_with_the_right_token(client):
-    scripts = Scripts.register(client.redis)
-    await client.send("v", "hello")
-    entry_id, _ = await read_one(client)
-    assert (await acquire(client, scripts, "v", "tok", entry_id, 1)).code is Code.ACQUIRED
-    # Someone wrote a newer state meanwhile (e.g. a lock key lost in a failover).
-    await client.redis.hset(client.keys.session("v").state, mapping={"v": 7, "d": "{}"})
-    got = await commit(client, scripts, "v", "tok", 0, 1, entry_id, {"stale": True})
-    assert got.code is Code.FENCED_VERSION
-    assert await client.state("v") == {}
-    assert (await client.redis.xpending(client.keys.stream, client.keys.group))["pending"] == 1
-
-
-async def test_contended_entry_parks_and_commit_hands_it_to_the_holder(client):
-    scripts = Scripts.register(client.redis)
-    k = client.keys
-    await client.send("h", "one")
-    await client.send("h", "two")
-    await client.redis.xgroup_create(k.stream, k.group, id="0", mkstream=True)
-    [(_, entries)] = await client.redis.xreadgroup(k.group, "c1", {k.stream: ">"}, count=2)
-    (id1, _), (id2, _) = entries
-    assert (await acquire(client, scripts, "h", "holder", id1, 1)).code is Code.ACQUIRED
-    parked = await acquire(client, scripts, "h", "other", id2, 2)
-    assert parked.code is Code.CONTENDED
-    assert await client.redis.xlen(k.stream) == 1  # moved to the delayed set
-    assert await client.redis.zcard(k.delayed) == 1
-
-    got = await commit(client, scripts, "h", "holder", 0, 1, id1, {"n": 1})
-    assert got.code is Code.HANDOFF
-    fields = json.loads(got.handoff_fields)
-    assert dict(zip(fields[::2], fields[1::2], strict=True))["text"] == "two"
-    assert got.handoff_id == id2
-    # The lock stays with the holder; the hand-off is a lease in the delayed set, not removed.
-    assert await client.redis.get(k.session("h").lock) == "holder"
-    assert await client.redis.zcard(k.delayed) == 1
-
-
-async def test_out_of_order_entry_parks_and_releases_the_lock(client):
-    scripts = Scripts.register(client.redis)
-    k = client.keys
-    await client.send("o", "one")
-    await client.send("o", "two")
-    await client.redis.xgroup_create(k.stream, k.group, id="0", mkstream=True)
-    [(_, entries)] = await client.redis.xreadgroup(k.group, "c1", {k.stream: ">"}, count=2)
-    (id1, _), (id2, _) = entries
-    got = await acquire(client, scripts, "o", "t2", id2, 2)
-    assert got.code is Code.OUT_OF_ORDER
-    assert await client.redis.get(k.session("o").lock) is None
-    # Its predecessor arrives; its commit hands seq 2 on.
-    assert (await acquire(client, scripts, "o", "t1", id1, 1)).code is Code.ACQUIRED
-    assert (await commit(client, scripts, "o", "t1", 0, 1, id1, {})).code is Code.HANDOFF
-
-
-async def test_duplicate_seq_is_acked_without_taking_the_lock(client):
-    scripts = Scripts.register(client.redis)
-    k = client.keys
-    await client.send("d", "one")
-    entry_id, _ = await read_one(client)
-    await client.redis.hset(k.session("d").state, mapping={"a": 1, "v": 1})
-    got = await acquire(client, scripts, "d", "t", entry_id, 1)
-    assert got.code is Code.DUPLICATE
-    assert await client.redis.xlen(k.stream) == 0
-    assert (await client.redis.xpending(k.stream, k.group))["pending"] == 0
-    assert await client.redis.get(k.session("d").lock) is None
-
-
-async def test_restarted_step_counts_attempts_across_deliveries(client):
-    scripts = Scripts.register(client.redis)
-    await client.send("a", "x")
-    entry_id, _ = await read_one(client)
-    for expected in (1, 2, 3):
-        got = await acquire(client, scripts, "a", f"t{expected}", entry_id, 1)
-        assert got.code is Code.ACQUIRED and got.attempts == expected
-        await client.redis.delete(client.keys.session("a").lock)  # the worker "died"
-
-
-async def test_commit_carries_the_lock_to_the_callers_own_next_entry(client):
-    """A worker that read seq 1 and 2 together: committing 1 keeps the lock for 2, counts
-    its start, and 2's own commit needs no acquire first."""
-    scripts = Scripts.register(client.redis)
-    k = client.keys
-    await client.send("c", "one")
-    await client.send("c", "two")
-    await client.redis.xgroup_create(k.stream, k.group, id="0", mkstream=True)
-    [(_, entries)] = await client.redis.xreadgroup(k.group, "c1", {k.stream: ">"}, count=2)
-    (id1, _), (id2, _) = entries
-    assert (await acquire(client, scripts, "c", "tok", id1, 1)).code is Code.ACQUIRED
-    got = await commit(client, scripts, "c", "tok", 0, 1, id1, {"n": 1}, next_entry=id2)
-    assert (got.code, got.version, got.attempts) == (Code.ACQUIRED, 1, 1)
-    sk = k.session("c")
-    assert await client.redis.get(sk.lock) == "tok"
-    assert await client.redis.hget(sk.state, "ia_seq") == "2"
-    done = await commit(client, scripts, "c", "tok", 1, 2, id2, {"n": 2})
-    assert done.code is Code.COMMITTED
-    assert await client.redis.get(sk.lock) is None
-    assert await client.redis.xlen(k.stream) == 0
-    assert await client.state("c") == {"n": 2}
+    assert [int(x) for x in result] == [1, 0]
+    assert await h.r.pttl(h.k.session("n1").lock) > 50_000

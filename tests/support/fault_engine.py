@@ -6,6 +6,7 @@ per message:
     "exit ..."      kills its worker process with os._exit (a poison message)
     "sleep S ..."   sleeps S seconds, then behaves as the default rules
     "flaky ..."     raises while the file named by FAULT_FLAG_FILE exists
+    "hold ..."      waits while the file named by FAULT_FLAG_FILE exists, then default rules
     anything else   the default rules
 """
 
@@ -37,6 +38,8 @@ class FaultEngine:
         flag = os.environ.get("FAULT_FLAG_FILE")
         if text.startswith("flaky") and flag and os.path.exists(flag):  # noqa: ASYNC240 - a test toggle
             raise RuntimeError("flaky: flag file present")
+        while text.startswith("hold") and flag and os.path.exists(flag):  # noqa: ASYNC240
+            await anyio.sleep(0.02)
         if text.startswith("sleep "):
             await anyio.sleep(float(text.split()[1]))
         return self.rules.step(state, message)

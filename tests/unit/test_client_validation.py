@@ -23,7 +23,10 @@ from worker.config import load_settings
 from worker.errors import ConfigError, ValidationError
 
 DEAD_URL = "redis://127.0.0.1:1/0"
-MAX = 16
+# The limit is on the whole entry: field names and values. Sending ("s1", "m1", text) costs
+# 24 bytes besides the text.
+TEXT_MAX = 16
+MAX = TEXT_MAX + len("session_ids1textmsg_idm1")
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +70,7 @@ BAD_MSG_IDS = [
 BAD_TEXTS = [
     pytest.param("", id="empty"),
     pytest.param("   \n\t", id="whitespace-only"),
-    pytest.param("x" * (MAX + 1), id="one-byte-over"),
+    pytest.param("x" * (TEXT_MAX + 1), id="one-byte-over"),
     pytest.param("ñ" * 9, id="18-bytes-in-9-chars"),
     pytest.param("bad \ud800 surrogate", id="lone-surrogate"),
     pytest.param(None, id="none"),
@@ -140,18 +143,22 @@ async def test_validation_error_is_a_value_error(dead_client: DialogClient) -> N
         pytest.param("x" * 256, "m1", "hello", id="256-byte-session-id"),
         pytest.param("é" * 128, "m1", "hello", id="256-byte-unicode-session-id"),
         pytest.param("s1", "m" * 256, "hello", id="256-byte-msg-id"),
-        pytest.param("s1", "m1", "x" * MAX, id="text-of-exactly-max-bytes"),
-        pytest.param("s1", "m1", "ñ" * (MAX // 2), id="unicode-text-of-exactly-max-bytes"),
+        pytest.param("s1", "m1", "x" * TEXT_MAX, id="text-of-exactly-max-bytes"),
+        pytest.param("s1", "m1", "ñ" * (TEXT_MAX // 2), id="unicode-text-of-exactly-max-bytes"),
         pytest.param("a}b{", "{m}", "hello", id="braces"),
         pytest.param("sesi-ñ-日本", "m1", "nama saya Budi", id="unicode"),
         pytest.param("s1", None, "hello", id="generated-msg-id"),
     ],
 )
 async def test_inputs_at_the_limits_pass_validation(
-    dead_client: DialogClient, session_id: str, msg_id: str | None, text: str
+    session_id: str, msg_id: str | None, text: str
 ) -> None:
-    with pytest.raises(redis.exceptions.ConnectionError):
-        await dead_client.send(session_id, text, msg_id=msg_id)
+    # The entry limit is the exact size of a ("s1", "m1", text) entry, or roomy for long ids.
+    ids_at_limit = len(session_id) + len(msg_id or "") > 4
+    limit = 4096 if ids_at_limit else MAX
+    async with DialogClient(DEAD_URL, max_message_bytes=limit) as c:
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await c.send(session_id, text, msg_id=msg_id)
 
 
 # ---------------------------------------------------------------------------------------------

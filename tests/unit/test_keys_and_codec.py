@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from urllib.parse import unquote
 
 import pytest
 
-from worker.codec import MalformedEntry, Message, decode_entry, decode_parked, pairs
+from worker.codec import MalformedEntry, decode_message, entry_time_ms
 from worker.config import Settings
-from worker.keys import Keys, SessionKeys, escape_tag
+from worker.keys import Keys, SessionKeys, escape_tag, stream_tag
 from worker.pipeline import backoff_ms
 
 # ---------------------------------------------------------------------------------------------
@@ -90,7 +89,7 @@ TRICKY_IDS = [
 
 
 def all_keys(sk: SessionKeys, msg_ids: list[str]) -> list[str]:
-    return [sk.state, sk.lock, sk.parked, *(sk.dedupe(m) for m in msg_ids)]
+    return [sk.state, sk.lock, *(sk.dedupe(m) for m in msg_ids)]
 
 
 def test_tricky_ids_are_distinct_and_256_byte_ids_are_at_the_limit() -> None:
@@ -99,23 +98,36 @@ def test_tricky_ids_are_distinct_and_256_byte_ids_are_at_the_limit() -> None:
 
 
 @pytest.mark.parametrize("session_id", TRICKY_IDS)
-def test_all_keys_of_a_session_share_one_hash_tag_and_slot(session_id: str) -> None:
+def test_all_keys_of_a_session_share_the_streams_slot(session_id: str) -> None:
+    """The intake and commit scripts touch the stream, the ready set and many sessions' keys
+    in one call: on Redis Cluster they must all live in the stream's slot."""
     sk = KEYS.session(session_id)
-    keys = all_keys(sk, ["m1", "{evil}", "}", "{", "a}b{c}"])
-    tags = {hash_tag(k) for k in keys}
-    assert len(tags) == 1
-    (tag,) = tags
-    assert tag is not None
-    assert b"{" not in tag and b"}" not in tag
-    assert len({key_slot(k) for k in keys}) == 1
+    keys = [*all_keys(sk, ["m1", "{evil}", "}", "{", "a}b{c}"]), KEYS.ready]
+    assert {hash_tag(k) for k in keys} == {b"dialog"}
+    assert {key_slot(k) for k in keys} == {key_slot(KEYS.stream)}
+
+
+def escaped_id(key: str) -> str:
+    """The id segment of a session key: between the brace after the ``:s:`` prefix and the
+    next closing brace."""
+    rest = key[len(KEYS.session_prefix) :]
+    assert rest.startswith("{")
+    return rest[1 : rest.index("}")]
 
 
 @pytest.mark.parametrize("session_id", TRICKY_IDS)
-def test_hash_tag_decodes_back_to_the_session_id(session_id: str) -> None:
-    tag = hash_tag(KEYS.session(session_id).state)
-    assert tag is not None
-    assert tag.decode() == escape_tag(session_id)
-    assert unquote(tag.decode()) == session_id
+def test_the_id_segment_decodes_back_to_the_session_id(session_id: str) -> None:
+    segment = escaped_id(KEYS.session(session_id).state)
+    assert segment == escape_tag(session_id)
+    assert "{" not in segment and "}" not in segment
+    assert unquote(segment) == session_id
+
+
+def test_a_stream_name_with_its_own_hash_tag_keeps_its_slot() -> None:
+    keys = Keys.from_settings(Settings(stream="chat{eu}in", key_prefix="kp"))
+    assert stream_tag("chat{eu}in") == "eu"
+    assert key_slot(keys.ready) == key_slot(keys.stream)
+    assert key_slot(keys.session("a}b").state) == key_slot(keys.stream)
 
 
 def test_no_two_tricky_ids_share_any_key() -> None:
@@ -125,12 +137,12 @@ def test_no_two_tricky_ids_share_any_key() -> None:
         for key in all_keys(KEYS.session(session_id), msg_ids):
             assert key not in seen, f"{key!r} built for both {seen[key]!r} and {session_id!r}"
             seen[key] = session_id
-    assert len(seen) == len(TRICKY_IDS) * (3 + len(msg_ids))
+    assert len(seen) == len(TRICKY_IDS) * (2 + len(msg_ids))
 
 
-def test_no_two_tricky_ids_share_a_hash_tag() -> None:
-    tags = [hash_tag(KEYS.session(s).state) for s in TRICKY_IDS]
-    assert len(set(tags)) == len(TRICKY_IDS)
+def test_no_two_tricky_ids_share_an_id_segment() -> None:
+    segments = [escaped_id(KEYS.session(s).state) for s in TRICKY_IDS]
+    assert len(set(segments)) == len(TRICKY_IDS)
 
 
 @pytest.mark.parametrize(
@@ -151,7 +163,7 @@ def test_ids_designed_to_collide_under_naive_escaping_get_different_keys(
 ) -> None:
     a, b = KEYS.session(one), KEYS.session(other)
     assert set(all_keys(a, ["m"])).isdisjoint(all_keys(b, ["m"]))
-    assert hash_tag(a.state) != hash_tag(b.state)
+    assert escaped_id(a.state) != escaped_id(b.state)
 
 
 def test_every_short_id_over_a_brace_and_percent_alphabet_gets_its_own_state_key() -> None:
@@ -193,146 +205,65 @@ def test_two_deployments_with_different_streams_do_not_share_session_keys() -> N
 
 
 # ---------------------------------------------------------------------------------------------
-# decode_entry
-
-MAX = 64
+# decode_message: what the intake script left to Python (UTF-8 of the content)
 
 
-def entry(**overrides: str | None) -> dict[str, str]:
-    fields = {
-        "session_id": "s1",
-        "msg_id": "m1",
-        "seq": "3",
-        "text": "nama saya Budi",
-        "enqueued_at": "1700000000000",
-    }
+def fields(**overrides: bytes | None) -> dict[bytes, bytes]:
+    found = {b"session_id": b"s1", b"text": "nama saya Budi ñ".encode(), b"msg_id": b"m1"}
     for name, value in overrides.items():
         if value is None:
-            fields.pop(name, None)
+            found.pop(name.encode(), None)
         else:
-            fields[name] = value
-    return fields
+            found[name.encode()] = value
+    return found
 
 
-def test_decode_entry_of_a_good_entry() -> None:
-    fields = entry(requeues="2", attempts="1")
-    msg = decode_entry(fields, MAX)
-    assert isinstance(msg, Message)
-    assert (msg.session_id, msg.msg_id, msg.seq, msg.text) == ("s1", "m1", 3, "nama saya Budi")
-    assert msg.enqueued_at_ms == 1_700_000_000_000
-    assert msg.requeues == 2
-    assert msg.problem is None
-    assert msg.fields == fields
+def test_decode_message_gives_the_engine_every_documented_key() -> None:
+    msg = decode_message("s1", 3, "1700000000000-5", 2, fields(channel=b"web", lang=b"id"))
     assert msg.as_engine_input() == {
         "session_id": "s1",
         "msg_id": "m1",
         "seq": 3,
-        "text": "nama saya Budi",
+        "text": "nama saya Budi ñ",
+        "entry_id": "1700000000000-5",
         "enqueued_at": 1_700_000_000_000,
+        "attempt": 2,
+        "meta": {"channel": "web", "lang": "id"},
     }
 
 
-def test_decode_entry_copies_the_fields() -> None:
-    fields = entry()
-    msg = decode_entry(fields, MAX)
-    msg.fields["x"] = "y"
-    assert "x" not in fields
+def test_msg_id_defaults_to_the_entry_id() -> None:
+    assert decode_message("s1", 1, "5-0", 1, fields(msg_id=None)).msg_id == "5-0"
 
 
-def test_requeues_defaults_to_zero() -> None:
-    assert decode_entry(entry(), MAX).requeues == 0
-
-
-def test_missing_enqueued_at_defaults_to_zero_without_a_problem() -> None:
-    msg = decode_entry(entry(enqueued_at=None), MAX)
-    assert msg.enqueued_at_ms == 0
-    assert msg.problem is None
-
-
-@pytest.mark.parametrize("session_id", [None, ""])
-def test_missing_or_empty_session_id_is_malformed_without_a_session(
-    session_id: str | None,
-) -> None:
-    with pytest.raises(MalformedEntry) as info:
-        decode_entry(entry(session_id=session_id), MAX)
-    assert info.value.session_id is None
-    assert "session_id" in info.value.reason
-
-
-@pytest.mark.parametrize("session_id", ["a\nb", "x" * 257])
-def test_invalid_session_id_is_malformed_without_a_session(session_id: str) -> None:
-    with pytest.raises(MalformedEntry) as info:
-        decode_entry(entry(session_id=session_id), MAX)
-    assert info.value.session_id is None
-
-
-@pytest.mark.parametrize("seq", ["0", "-1", "x", "", "1.5", None])
-def test_bad_seq_is_malformed_and_carries_the_session_id(seq: str | None) -> None:
-    with pytest.raises(MalformedEntry) as info:
-        decode_entry(entry(seq=seq), MAX)
-    assert info.value.session_id == "s1"
-    assert "seq" in info.value.reason
-
-
-def test_seq_of_one_is_accepted() -> None:
-    assert decode_entry(entry(seq="1"), MAX).seq == 1
+@pytest.mark.parametrize("name", ["seq", "requeues", "attempts", "enqueued_at", "entry_id"])
+def test_producer_written_internal_fields_are_ignored(name: str) -> None:
+    msg = decode_message("s1", 4, "9-0", 1, fields(**{name: b"10000000000000000000000"}))
+    assert (msg.seq, msg.enqueued_at_ms, msg.attempt, msg.entry_id) == (4, 9, 1, "9-0")
+    assert name not in msg.meta
 
 
 @pytest.mark.parametrize(
-    ("overrides", "word"),
-    [
-        ({"text": "x" * (MAX + 1)}, "bytes"),
-        ({"text": "ñ" * (MAX // 2 + 1)}, "bytes"),
-        ({"text": ""}, "empty"),
-        ({"text": "   "}, "empty"),
-        ({"text": None}, "text"),
-        ({"msg_id": None}, "msg_id"),
-        ({"msg_id": ""}, "msg_id"),
-        ({"msg_id": "m\x00"}, "msg_id"),
-        ({"msg_id": "m" * 257}, "msg_id"),
-        ({"requeues": "x"}, "requeues"),
-        ({"enqueued_at": "soon"}, "enqueued_at"),
-    ],
+    "bad",
+    [{"text": b"\xff\xfe"}, {"text": b"ok \xc3"}, {"note": b"\xed\xa0\x80"}, {"n\xffame": b"x"}],
 )
-def test_refused_content_sets_problem_instead_of_raising(
-    overrides: dict[str, str | None], word: str
-) -> None:
-    msg = decode_entry(entry(**overrides), MAX)
-    assert msg.problem is not None
-    assert word in msg.problem
-    assert (msg.session_id, msg.seq) == ("s1", 3)
-
-
-def test_text_of_exactly_max_bytes_has_no_problem() -> None:
-    assert decode_entry(entry(text="x" * MAX), MAX).problem is None
-    assert decode_entry(entry(text="ñ" * (MAX // 2)), MAX).problem is None
-
-
-def test_missing_msg_id_decodes_as_empty_string() -> None:
-    msg = decode_entry(entry(msg_id=None), MAX)
-    assert msg.msg_id == ""
-    assert msg.problem is not None
-
-
-def test_pairs_round_trips_through_decode_parked() -> None:
-    fields = entry(text='kata "kutip" ñ 日本 🙂\n', requeues="1", source="1-0")
-    payload = pairs(fields)
-    flat = json.loads(payload)
-    assert flat == [x for kv in fields.items() for x in kv]
-    msg = decode_parked(payload, MAX)
-    assert msg.fields == fields
-    assert msg == decode_entry(fields, MAX)
-
-
-def test_pairs_stringifies_values() -> None:
-    msg = decode_parked(pairs({"session_id": "s", "msg_id": "m", "seq": 7, "text": "t"}), MAX)
-    assert (msg.seq, msg.fields["seq"]) == (7, "7")
-
-
-def test_decode_parked_of_a_malformed_entry_raises_malformed() -> None:
+def test_content_that_is_not_utf8_is_malformed(bad: dict[str, bytes]) -> None:
+    raw = fields()
+    raw.update({k.encode("latin-1"): v for k, v in bad.items()})
     with pytest.raises(MalformedEntry) as info:
-        decode_parked(pairs(entry(seq="0")), MAX)
-    assert info.value.session_id == "s1"
+        decode_message("s1", 1, "1-0", 1, raw)
+    assert "UTF-8" in info.value.reason
+
+
+def test_the_engine_gets_a_copy_of_meta() -> None:
+    msg = decode_message("s1", 1, "1-0", 1, fields(channel=b"web"))
+    msg.as_engine_input()["meta"]["channel"] = "changed"
+    assert msg.meta == {"channel": "web"}
+
+
+@pytest.mark.parametrize(("entry_id", "ms"), [("1700000000000-0", 1_700_000_000_000), ("x-1", 0)])
+def test_entry_time_is_the_ms_part_of_the_id(entry_id: str, ms: int) -> None:
+    assert entry_time_ms(entry_id) == ms
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,240 @@
+"""The producer protocol end to end: plain XADDs from any client, sequencing at intake, a
+session's whole life across its state TTL, hostile entries, and the recorded shard count.
+Real redis-server, real worker processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+import redis
+from redis_server import wait_until_async as poll
+
+from worker.client import DialogClient
+from worker.keys import Keys
+from worker.verify import Sent, check, wait_applied
+
+pytestmark = pytest.mark.integration
+
+FAULT_ENGINE = {"DIALOG_ENGINE": "fault_engine:make"}
+
+
+async def drained(client: DialogClient) -> bool:
+    r, k = client.redis, client.keys
+    pending = (await r.xpending(k.stream, k.group))["pending"]
+    return (await r.xlen(k.stream), pending, await r.zcard(k.ready)) == (0, 0, 0)
+
+
+def raw_client(env: dict[str, str]) -> redis.Redis:
+    return redis.Redis.from_url(env["REDIS_URL"])
+
+
+async def events(client: DialogClient) -> list[dict[str, str]]:
+    return [f for _, f in await client.redis.xrange(client.keys.replies)]
+
+
+async def test_plain_xadds_from_a_raw_client_are_applied_in_xadd_order(client, workers, env):
+    raw = raw_client(env)
+    sent: list[Sent] = []
+    for i in range(5):  # interleaved: session order is XADD order, whatever else is between
+        for s in range(40):
+            entry = raw.xadd("dialog", {"session_id": f"p{s}", "text": f"pesan {i}"})
+            sent.append(Sent(f"p{s}", i + 1, entry.decode(), f"pesan {i}"))
+    workers.start(2)
+    assert await wait_applied(client, sent, timeout_s=30)
+    assert await check(client, sent) == []
+    await poll(lambda: drained(client), 10, "stream, pending and ready set to be empty")
+    for s in range(40):
+        state = await client.state(f"p{s}")
+        assert [t["user"] for t in state["history"]] == [f"pesan {i}" for i in range(5)]
+    assert len(await events(client)) == 200
+
+
+async def test_a_session_outlives_its_state_ttl_while_messages_wait(client, workers, env):
+    """The review's scenario: 3 messages to each of 20 sessions while no worker runs, a wait
+    past the state TTL, then workers and 3 more messages each."""
+    raw = raw_client(env)
+    sessions = [f"ttl{i}" for i in range(20)]
+
+    def send_round(first: int) -> None:
+        for sid in sessions:
+            for n in range(first, first + 3):
+                raw.xadd("dialog", {"session_id": sid, "text": f"m{n}", "msg_id": f"{sid}-m{n}"})
+
+    send_round(1)
+    # Entries wait unread (no worker yet): nothing of the sessions exists that could expire.
+    await anyio.sleep(4.5)
+    workers.start(2, DIALOG_STATE_TTL_S="3")
+    send_round(4)
+    sent = [Sent(sid, n, f"{sid}-m{n}", f"m{n}") for sid in sessions for n in range(1, 7)]
+    assert await wait_applied(client, sent, timeout_s=30)
+    assert await check(client, sent) == []
+    for sid in sessions:
+        state = await client.state(sid)
+        assert [t["user"] for t in state["history"]] == [f"m{n}" for n in range(1, 7)]
+
+
+async def test_state_does_not_expire_while_a_backlog_waits_behind_a_slow_step(client, workers, env):
+    """A state TTL shorter than the backlog: the session must not lose its counter or its
+    queue while its messages wait their turn."""
+    raw = raw_client(env)
+    workers.start(1, DIALOG_STATE_TTL_S="1", **FAULT_ENGINE)
+    raw.xadd("dialog", {"session_id": "slow", "text": "nama saya Budi", "msg_id": "a"})
+    raw.xadd("dialog", {"session_id": "slow", "text": "sleep 2.5", "msg_id": "b"})
+    for n in range(3):
+        raw.xadd("dialog", {"session_id": "slow", "text": f"m{n}", "msg_id": f"c{n}"})
+    sent = [Sent("slow", i + 1, m, "") for i, m in enumerate(["a", "b", "c0", "c1", "c2"])]
+    assert await wait_applied(client, sent, timeout_s=30)
+    assert await check(client, sent) == []
+    state = await client.state("slow")
+    assert state["memory"]["userName"] == "Budi"
+    ttl = await client.redis.ttl(client.keys.session("slow").state)
+    assert 0 < ttl <= 1  # the idle TTL starts after the last applied message
+
+
+async def test_bad_entries_among_good_ones_are_dead_lettered_alone(client, workers, env):
+    raw = raw_client(env)
+    good: list[Sent] = []
+    for i in range(20):
+        if i == 7:
+            raw.xadd("dialog", {"session_id": "bad-utf8", "text": b"\xff\xfe\xfd"})
+        if i == 13:
+            raw.xadd("dialog", {f"f{n}": "x" for n in range(5000)} | {"session_id": "wide"})
+        entry = raw.xadd("dialog", {"session_id": f"g{i}", "text": "nama saya Budi"})
+        good.append(Sent(f"g{i}", 1, entry.decode(), "nama saya Budi"))
+    procs = workers.start(2)
+    assert await wait_applied(client, good, timeout_s=30)
+    assert await check(client, good) == []
+    await poll(lambda: drained(client), 10, "stream, pending and ready set to be empty")
+    letters = [f for _, f in raw.xrange("dialog-dlq")]
+    assert sorted(f[b"error_kind"] for f in letters) == [b"malformed", b"malformed"]
+    assert {f.get(b"session_id") for f in letters} == {b"bad-utf8", None}
+    assert any(f.get(b"text") == b"\xff\xfe\xfd" for f in letters)  # kept byte for byte
+    wide = next(f for f in letters if b"raw_entry" in f)
+    assert b"too many fields" in wide[b"error"]
+    assert all(p.alive() for p in procs)
+    # The non-UTF-8 message named a session: its user gets the fallback, in its turn.
+    [event] = [e for e in await events(client) if e["session_id"] == "bad-utf8"]
+    assert (event["outcome"], event["seq"]) == ("dead_lettered", "1")
+
+
+async def test_forged_internal_fields_are_ignored(client, workers, env):
+    raw = raw_client(env)
+    forged = [{"requeues": str(10**12)}, {"seq": "-5"}, {"seq": str(10**23)}, {"attempts": "99"}]
+    sent = []
+    for n, extra in enumerate(forged):
+        entry = raw.xadd("dialog", {"session_id": "forged", "text": f"m{n}", **extra})
+        sent.append(Sent("forged", n + 1, entry.decode(), f"m{n}"))
+    others = []
+    for i in range(30):
+        entry = raw.xadd("dialog", {"session_id": f"o{i}", "text": "halo"})
+        others.append(Sent(f"o{i}", 1, entry.decode(), "halo"))
+    workers.start(2, DIALOG_VISIBILITY_TIMEOUT_MS="1000", DIALOG_LOCK_TTL_MS="500")
+    assert await wait_applied(client, sent + others, timeout_s=20)
+    assert await check(client, sent + others) == []
+    await poll(lambda: drained(client), 10, "stream, pending and ready set to be empty")
+    state = await client.state("forged")
+    assert [t["seq"] for t in state["history"]] == [1, 2, 3, 4]
+
+
+def run_cli(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *args],
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_a_worker_configured_with_another_shard_count_refuses_and_writes_nothing(
+    client, workers, env
+):
+    workers.start(1)
+    await poll(lambda: client.redis.exists("dialog:shards"), 10, "the shard count recorded")
+    assert await client.redis.get("dialog:shards") == "1"
+    before = sorted(await client.redis.keys("*"))
+    run = await anyio.to_thread.run_sync(
+        lambda: run_cli(env, "run", DIALOG_SHARDS="3", DIALOG_METRICS_PORT="0")
+    )
+    assert run.returncode == 2
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert "DIALOG_SHARDS" in run.stderr and "reshard" in run.stderr
+    assert sorted(await client.redis.keys("*")) == before
+    sent = await anyio.to_thread.run_sync(
+        lambda: run_cli(env, "send", "s1", "halo", DIALOG_SHARDS="3")
+    )
+    assert sent.returncode == 2 and "DIALOG_SHARDS" in sent.stderr
+    assert sorted(await client.redis.keys("*")) == before
+    assert not [k for k in await client.redis.keys("dialog:{*") if "0." in k]
+
+
+async def test_kill_9_between_intake_and_commit_keeps_the_seq(client, workers, env, tmp_path):
+    raw = raw_client(env)
+    flag = tmp_path / "hold"
+    flag.touch()
+    fault = {"DIALOG_LOCK_TTL_MS": "1000", "FAULT_FLAG_FILE": str(flag), **FAULT_ENGINE}
+    [victim] = workers.start(1, **fault)
+    first = raw.xadd("dialog", {"session_id": "k9", "text": "hold nama saya Budi"})
+    second = raw.xadd("dialog", {"session_id": "k9", "text": "keluhan"})
+    sk = client.keys.session("k9")
+    await poll(lambda: client.redis.exists(sk.lock), 10, "the worker to hold the session")
+    victim.kill()
+    # Sequenced and indexed at intake; nothing sits in a pending list.
+    assert await client.redis.hmget(sk.state, ["q1", "q2", "s", "a"]) == [
+        first.decode(),
+        second.decode(),
+        "2",
+        None,
+    ]
+    assert (await client.redis.xpending("dialog", "dialog-workers"))["pending"] == 0
+    flag.unlink()
+    started = time.monotonic()
+    workers.start(1, **fault)
+    sent = [Sent("k9", 1, first.decode(), ""), Sent("k9", 2, second.decode(), "")]
+    assert await wait_applied(client, sent, timeout_s=20)
+    print(f"\nresumed and applied {time.monotonic() - started:.2f}s after the restart")
+    assert await check(client, sent) == []
+    assert [(e["seq"], e["outcome"]) for e in await events(client)] == [
+        ("1", "applied"),
+        ("2", "applied"),
+    ]
+    state = await client.state("k9")
+    assert state["memory"]["userName"] == "Budi"
+
+
+async def test_a_deleted_predecessor_is_skipped_as_a_gap(client, workers, env):
+    raw = raw_client(env)
+    [w] = workers.start(1, DIALOG_GAP_TIMEOUT_S="0.5", DIALOG_LOCK_TTL_MS="500", **FAULT_ENGINE)
+    raw.xadd("dialog", {"session_id": "gap", "text": "sleep 30", "msg_id": "m1"})
+    sk = client.keys.session("gap")
+    await poll(lambda: client.redis.exists(sk.lock), 10, "the worker to hold the session")
+    w.kill()
+    gone = await client.redis.hget(sk.state, "q1")
+    await client.redis.xdel("dialog", gone)  # an operator deletes the stuck message
+    raw.xadd("dialog", {"session_id": "gap", "text": "nama saya Budi", "msg_id": "m2"})
+    workers.start(1, DIALOG_GAP_TIMEOUT_S="0.5", DIALOG_LOCK_TTL_MS="500")
+    sent = [Sent("gap", 2, "m2", "nama saya Budi")]
+    assert await wait_applied(client, sent, timeout_s=20)
+    [letter] = [f for _, f in await client.redis.xrange(client.keys.dlq)]
+    assert (letter["error_kind"], letter["seq"], letter["session_id"]) == ("gap", "1", "gap")
+    outcomes = [(e["seq"], e["outcome"]) for e in await events(client)]
+    assert outcomes == [("1", "dead_lettered"), ("2", "applied")]
+    await poll(lambda: drained(client), 10, "stream, pending and ready set to be empty")
+
+
+def test_keys_of_the_plain_layout_are_documented_names() -> None:
+    from worker.config import Settings
+
+    k = Keys.from_settings(Settings())
+    assert (k.stream, k.replies, k.dlq, k.group) == (
+        "dialog",
+        "dialog-replies",
+        "dialog-dlq",
+        "dialog-workers",
+    )
+    assert k.ready == "dialog:{dialog}:ready"
+    assert k.session("s1").state == "dialog:{dialog}:s:{s1}:state"
