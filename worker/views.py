@@ -31,7 +31,7 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
         pipe.xlen(keys.dlq)
         pipe.xrange(keys.stream, count=1)
         stream_length, delayed, dlq_length, first = await pipe.execute()
-    lag: int | None = 0
+    lag: int | None = stream_length  # no group yet: nothing has been read
     pending = 0
     consumers = 0
     oldest = 0.0

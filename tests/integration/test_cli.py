@@ -53,11 +53,12 @@ def test_run_with_unloadable_engine_exits_2(env):
     assert "DIALOG_ENGINE" in result.stderr
 
 
-def test_send_state_and_duplicate_print_json(env):
+def test_send_and_state_print_json(env):
     first = json.loads(cli(env, "send", "c1", "nama saya Budi", "--msg-id", "m1").stdout)
-    assert first == {"session_id": "c1", "msg_id": "m1", "seq": 1, "duplicate": False}
-    again = json.loads(cli(env, "send", "c1", "nama saya Budi", "--msg-id", "m1").stdout)
-    assert again["duplicate"] is True and again["seq"] == 1
+    assert first.keys() == {"session_id", "msg_id", "entry_id"}
+    assert (first["session_id"], first["msg_id"]) == ("c1", "m1")
+    plain = json.loads(cli(env, "send", "c1", "lagi").stdout)
+    assert plain["msg_id"] == plain["entry_id"] > first["entry_id"]
     assert json.loads(cli(env, "state", "nobody").stdout) is None
 
 
@@ -88,11 +89,11 @@ async def test_stats_and_session_show_queue_and_a_held_lock(env, client):
         "consumers",
     ):
         assert key in stats
-    assert stats["stream_length"] == 1
+    assert (stats["stream_length"], stats["lag"], stats["waiting"]) == (1, 1, 0)
     view = json.loads((await acli(env, "session", "held")).stdout)
     assert view["lock"]["token"] == "someone-else"
     assert 0 < view["lock"]["ttl_ms"] <= 30_000
-    assert (view["applied_seq"], view["last_seq"]) == (0, 1)
+    assert (view["applied_seq"], view["last_seq"], view["waiting"]) == (0, 0, [])
 
 
 async def test_verify_passes_against_running_workers_and_fails_without(env, workers):

@@ -56,7 +56,8 @@ def test_installed_console_script_sends_and_reads_state(installed: Path, env) ->
         [
             str(venv_bin / "python"),
             "-c",
-            "import worker.scripts as s, worker.engine as e; print(s.lua_dir()); e.load_rules()",
+            "import worker.scripts as s, worker.engine as e; print(s.lua_dir()); e.load_rules();"
+            " [s.source(f.name) for f in __import__('dataclasses').fields(s.Scripts)]",
         ],
         cwd=installed.parent,
         env=env,
@@ -73,4 +74,4 @@ def test_installed_console_script_sends_and_reads_state(installed: Path, env) ->
         text=True,
         check=True,
     )
-    assert json.loads(sent.stdout)["seq"] == 1
+    assert json.loads(sent.stdout)["session_id"] == "pkg"

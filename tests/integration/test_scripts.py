@@ -115,7 +115,7 @@ async def xadd(h: Harness, sid: str | bytes, text: str | bytes = "hi", **extra: 
 
 async def test_intake_sequences_plain_entries_in_stream_order_and_leaves_nothing_pending(h):
     ids = [await xadd(h, sid) for sid in ["a", "b", "a", "a", "b"]]
-    last_id, read, jobs, held, counts = await h.intake()
+    last_id, read, jobs, held, _counts = await h.intake()
     assert (last_id, read) == (ids[-1], 5)
     assert [(j[0], int(j[2]), j[3]) for j in jobs] == [(b"a", 1, ids[0]), (b"b", 1, ids[1])]
     assert [(x[0], int(x[1]), x[2]) for x in held] == [(b"a", 2, ids[2]), (b"a", 3, ids[3]),
@@ -279,7 +279,7 @@ async def test_group_commit_fences_each_commit_alone(h):
 
 async def test_commit_hands_the_lock_to_the_next_entry_with_or_without_its_fields(h):
     ids = [await xadd(h, "h", f"m{i}") for i in range(3)]
-    _, _, [job], held, _ = await h.intake()
+    _, _, [job], _held, _ = await h.intake()
     [r] = await h.commit(commit_args(job, known_next=ids[1].decode()))
     assert (int(r[0]), int(r[2]), r[3], r[4]) == (Code.HANDOFF, 2, ids[1], [])
     job2 = [b"h", job[1], 2, ids[1], [], b"", b"", r[1]]
@@ -336,7 +336,7 @@ async def test_resume_leaves_a_held_session_alone_until_its_lease_ends(h):
 
 async def test_a_missing_entry_is_a_gap_only_after_the_gap_timeout(h):
     entry = await xadd(h, "gap")
-    _, _, [job], _, _ = await h.intake()
+    _, _, [_job], _, _ = await h.intake()
     await h.r.xdel(h.k.stream, entry)
     await h.r.delete(h.k.session("gap").lock)
     await h.r.zadd(h.k.ready, {"gap": 0})

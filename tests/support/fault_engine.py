@@ -38,7 +38,8 @@ class FaultEngine:
         flag = os.environ.get("FAULT_FLAG_FILE")
         if text.startswith("flaky") and flag and os.path.exists(flag):  # noqa: ASYNC240 - a test toggle
             raise RuntimeError("flaky: flag file present")
-        while text.startswith("hold") and flag and os.path.exists(flag):  # noqa: ASYNC240
+        # A test toggle polled from another process: no event to wait on.
+        while text.startswith("hold") and flag and os.path.exists(flag):  # noqa: ASYNC110, ASYNC240
             await anyio.sleep(0.02)
         if text.startswith("sleep "):
             await anyio.sleep(float(text.split()[1]))
