@@ -60,3 +60,32 @@ local function expect_type(key, wanted)
   end
   return nil
 end
+
+-- Receipts make the calls that hand out locks safe to send twice (a cluster client re-sends a
+-- call whose reply was lost): the call records, for its token base, which jobs it returned;
+-- the same call again returns those jobs (while their locks are still its) instead of taking
+-- new work and leaving the first jobs to wait out their leases. Kept one lock lease.
+local function receipt_key(ready, token_base)
+  return ready .. ':receipt:' .. token_base
+end
+
+local function save_receipt(ready, token_base, ttl_ms, jobs)
+  rcall('SET', receipt_key(ready, token_base), cjson.encode(jobs), 'PX', ttl_ms)
+end
+
+-- The jobs of a receipt whose locks are still ours, with their state and fields read again.
+-- Each receipt item is {kind, session_id, token, seq, entry id}; rows are built by `row`.
+local function replay_receipt(ready, token_base, sprefix, stream, row)
+  local saved = rcall('GET', receipt_key(ready, token_base))
+  if not saved then return nil end
+  local jobs = {}
+  for _, item in ipairs(cjson.decode(saved)) do
+    local kind, sid, token, seq, id = item[1], item[2], item[3], item[4], item[5]
+    if rcall('GET', session_key(sprefix, sid, 'lock')) == token then
+      local h = rcall('HMGET', session_key(sprefix, sid, 'state'), 'd', 'v', 'n', 'f', 'e')
+      local rows = id ~= '' and rcall('XRANGE', stream, id, id) or {}
+      jobs[#jobs + 1] = row(kind, sid, token, seq, id, rows[1] and rows[1][2] or {}, h)
+    end
+  end
+  return jobs
+end

@@ -21,6 +21,9 @@
     dead-letter fields (JSON array of name/value pairs added after the original fields; ""
     for a normal commit), id of the session's next entry if the caller already has it (or "")
 
+  A commit that already ran (same token and seq, recorded in the state's c field) is answered
+  as it was the first time and writes nothing: a client that lost the reply may send it again.
+
   Returns one reply per commit:
     {6 COMMITTED, new version}                   written; lock released (or left to resume)
     {2 HANDOFF, new version, next seq, next id, fields}   written; the lock stays ours for
@@ -73,8 +76,19 @@ local results, dels = {}, {}
 for _, c in ipairs(commits) do
   local state, lock = session_key(sprefix, c.sid, 'state'), session_key(sprefix, c.sid, 'lock')
   local holder = redis.pcall('GET', lock)
-  local h = redis.pcall('HMGET', state, 'v', 'a', 's', 'q' .. (c.seq + 1), 'u' .. c.seq)
-  if holder ~= c.token then
+  local h = redis.pcall('HMGET', state, 'v', 'a', 's', 'q' .. (c.seq + 1), 'u' .. c.seq, 'c')
+  local done = type(h) == 'table' and not h['err'] and h[6] == c.token .. ':' .. c.seq
+  if done and (tonumber(h[1]) or 0) == c.version + 1 then
+    -- This very commit already ran (a client re-sent the call after losing the reply):
+    -- answer as it did, writing nothing more.
+    local next_id = h[4]
+    if holder == c.token and next_id and (tonumber(h[3]) or 0) > c.seq then
+      local rows = next_id ~= c.known_next and rcall('XRANGE', stream, next_id, next_id) or {}
+      results[#results + 1] = {2, c.version + 1, c.seq + 1, next_id, rows[1] and rows[1][2] or {}}
+    else
+      results[#results + 1] = {6, c.version + 1}
+    end
+  elseif holder ~= c.token then
     results[#results + 1] = {-1}
   elseif type(h) ~= 'table' or h['err'] or (tonumber(h[1]) or 0) ~= c.version
       or (tonumber(h[2]) or 0) ~= c.seq - 1 then
@@ -107,13 +121,13 @@ for _, c in ipairs(commits) do
     end
     if last > c.seq and next_id and (next_id == c.known_next or #next_rows > 0) then
       -- Hand-off: the lock stays ours for the next message; its start is counted now.
-      rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 1)
+      rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 1, 'c', c.token .. ':' .. c.seq)
       rcall('PEXPIRE', lock, lock_ttl)
       rcall('ZADD', ready, now + lock_ttl, c.sid)
       results[#results + 1] = {2, version, c.seq + 1, next_id,
                                next_rows and next_rows[1][2] or {}}
     else
-      rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 0)
+      rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 0, 'c', c.token .. ':' .. c.seq)
       rcall('DEL', lock)
       if last > c.seq then
         rcall('ZADD', ready, now, c.sid)  -- the next entry is missing: resume decides (gap)

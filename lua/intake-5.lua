@@ -20,6 +20,8 @@
               on, or the ready set brings it back (resume-3.lua).
   Every delivered entry is acked in this call, so nothing ever waits in a pending list: a
   crashed worker's sessions come back through the ready set when their lock lease ends.
+  Sent twice with the same token base (a lost reply), the call returns the first call's jobs
+  again (see the receipts in _common.lua); their later entries come through hand-off.
 
   KEYS[1] inbound stream   KEYS[2] ready set (zset: session id -> ms when to look at it)
   KEYS[3] session key prefix ("<prefix>:{<tag>}:s:")   KEYS[4] dead-letter stream
@@ -137,6 +139,17 @@ local function inspect(f)
   return nil, sid, msg_id
 end
 
+local function job_row(kind, sid, token, seq, id, fields, h)
+  return {sid, token, seq, id, fields, h[1] or '', h[2] or '0', (tonumber(h[3]) or 0),
+          h[4] or '', h[5] or ''}
+end
+
+local replayed = replay_receipt(ready, token_base, sprefix, stream, job_row)
+if replayed then
+  -- The same call again: its jobs (their held successors come back through hand-off).
+  return {'0-0', 0, replayed, {}, {0, 0, 0}}
+end
+
 local now = now_ms()
 
 local entries
@@ -147,7 +160,7 @@ else
   entries = read and read[1][2] or {}
 end
 
-local acks, dels, jobs, held = {}, {}, {}, {}
+local acks, dels, jobs, held, receipt = {}, {}, {}, {}, {}
 local sessions, order = {}, {}
 local tokens = 0
 local dups, refused, contended = 0, 0, 0
@@ -232,6 +245,7 @@ for _, e in ipairs(entries) do
           rcall('ZADD', ready, now + lock_ttl, sid)
           jobs[#jobs + 1] = {sid, s.token, seq, id, f, h[1] or '', h[2] or '0', attempts,
                              h[4] or '', h[5] or ''}
+          receipt[#receipt + 1] = {'m', sid, s.token, seq, id}
         else
           -- A lock with nothing outstanding: look again when its lease ends.
           contended = contended + 1
@@ -262,6 +276,10 @@ if #acks > 0 then
 end
 if #dels > 0 then
   rcall('XDEL', stream, unpack(dels))
+end
+
+if #receipt > 0 then
+  save_receipt(ready, token_base, lock_ttl, receipt)
 end
 
 local last_id

@@ -14,6 +14,8 @@
   ARGV[1] most sessions to take (1..1000)   ARGV[2] token base (unique per call)
   ARGV[3] lock ttl (ms)   ARGV[4] gap timeout (ms)
 
+  Sent twice with the same token base (a lost reply), the call returns its first jobs again.
+
   Returns {jobs, ms until the next session is due (-1: none)}
     jobs  {kind ("m" message | "g" gap), session_id, token, seq, entry id, fields,
            state JSON, version, attempts, first_failed_at, last_error}
@@ -28,8 +30,18 @@ for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}}) do
   if err then return err end
 end
 
+local function job_row(kind, sid, token, seq, id, fields, h)
+  return {kind, sid, token, seq, id, fields, h[1] or '', h[2] or '0', (tonumber(h[3]) or 0),
+          h[4] or '', h[5] or ''}
+end
+
+local replayed = replay_receipt(ready, ARGV[2], sprefix, stream, job_row)
+if replayed then
+  return {replayed, 0}
+end
+
 local now = now_ms()
-local jobs, tokens = {}, 0
+local jobs, tokens, receipt = {}, 0, {}
 
 for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, count)) do
   local state, lock = session_key(sprefix, sid, 'state'), session_key(sprefix, sid, 'lock')
@@ -68,12 +80,17 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
         rcall('SET', lock, token, 'PX', lock_ttl)
         rcall('HSET', state, 'n', attempts)
         rcall('ZADD', ready, now + lock_ttl, sid)
-        jobs[#jobs + 1] = {kind == 'm' and 'm' or 'g', sid, token, seq, id or '',
-                           rows[1] and rows[1][2] or {}, h[3] or '', h[4] or '0', attempts,
-                           h[6] or '', h[7] or ''}
+        kind = kind == 'm' and 'm' or 'g'
+        jobs[#jobs + 1] = {kind, sid, token, seq, id or '', rows[1] and rows[1][2] or {},
+                           h[3] or '', h[4] or '0', attempts, h[6] or '', h[7] or ''}
+        receipt[#receipt + 1] = {kind, sid, token, seq, id or ''}
       end
     end
   end
+end
+
+if #receipt > 0 then
+  save_receipt(ready, ARGV[2], lock_ttl, receipt)
 end
 
 local head = rcall('ZRANGE', ready, 0, 0, 'WITHSCORES')

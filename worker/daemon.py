@@ -7,8 +7,8 @@
              reclaimer (entries left pending by anything else; consumer hygiene)
     work     one task per session being worked, at most DIALOG_CONCURRENCY at once
              (pipeline.py), and one committer per shard (group commit)
-    side     heartbeat (lease renewal), sampler (gauges, readiness), HTTP (/metrics,
-             /healthz, /readyz), signals
+    side     heartbeat (lease renewal), sampler (gauges, readiness), event-loop lag watch,
+             HTTP (/metrics, /healthz, /readyz), signals
 
 Shutdown (SIGTERM/SIGINT): intake stops at once; in-flight work gets DIALOG_SHUTDOWN_GRACE_S;
 what is still running then is cancelled and handed back to the queue; locks are released;
@@ -148,6 +148,7 @@ class Worker:
                 for committer in self.committers.values():
                     side.start_soon(committer.run)
                 side.start_soon(self._loop, "heartbeat", self._heartbeat_once)
+                side.start_soon(self._watch_loop_lag)
                 side.start_soon(self._loop, "sampler", self._sample_once)
                 async with anyio.create_task_group() as work:
                     async with anyio.create_task_group() as intake:
@@ -473,6 +474,15 @@ class Worker:
                         job.scope.cancel()
                     log.warning("lease_lost", session_id=job.session_id, seq=job.seq)
         return ttl / 4000
+
+    async def _watch_loop_lag(self) -> None:
+        """The event loop must never be blocked for long (plain engine steps run in threads):
+        measure how late a short timer fires."""
+        interval = 0.1
+        while True:
+            started = time.perf_counter()
+            await anyio.sleep(interval)
+            self.metrics.loop_lag.observe(max(0.0, time.perf_counter() - started - interval))
 
     async def _sample_once(self) -> float:
         m = self.metrics

@@ -91,6 +91,12 @@ class Metrics:
             "dialog_dlq_length", "XLEN of the dead-letter stream", shard, registry=r
         )
         self.in_flight = Gauge("dialog_in_flight", "Messages being processed here", registry=r)
+        self.loop_lag = Histogram(
+            "dialog_event_loop_lag_seconds",
+            "How late a 100 ms timer fires on the worker's event loop (blocking code shows here)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
         self.ready = Gauge(
             "dialog_ready",
             "1 while this worker reaches Redis and its group (as /readyz)",

@@ -376,3 +376,62 @@ async def test_renew_extends_only_locks_that_are_still_ours(h):
     )
     assert [int(x) for x in result] == [1, 0]
     assert await h.r.pttl(h.k.session("n1").lock) > 50_000
+
+
+# ---------------------------------------------------------------------------------------------
+# Every mutating script sent twice (a client that lost the reply re-sends the same call)
+
+
+async def test_intake_sent_twice_returns_the_same_jobs_and_reads_nothing_more(h):
+    first = [await xadd(h, "tw"), await xadd(h, "tw"), await xadd(h, "other")]
+    h.calls = 0
+    _, _, jobs, _, _ = await h.intake()
+    later = await xadd(h, "late")
+    h.calls = 0  # the same token base again
+    _, read, again, _, _ = await h.intake()
+    assert read == 0
+    assert [(j[0], j[1], j[2], j[3], j[7]) for j in again] == [
+        (j[0], j[1], j[2], j[3], j[7]) for j in jobs
+    ]
+    assert [j[3] for j in again] == [first[0], first[2]]
+    assert (await h.state("tw"))[b"n"] == b"1"  # the attempt is not counted twice
+    assert (await h.r.xinfo_groups(h.k.stream))[0]["lag"] == 1  # `later` is still unread
+    assert later not in [j[3] for j in again]
+
+
+async def test_resume_sent_twice_returns_the_same_jobs_and_counts_one_attempt(h):
+    await xadd(h, "rs")
+    await h.intake()
+    await h.r.delete(h.k.session("rs").lock)
+    await h.r.zadd(h.k.ready, {"rs": 0})
+    h.calls = 10
+    [rows, _] = await h.resume()
+    h.calls = 10
+    [again, _] = await h.resume()
+    assert [r[:5] for r in again] == [r[:5] for r in rows]
+    assert (await h.state("rs"))[b"n"] == b"2"
+
+
+async def test_commit_sent_twice_writes_once_and_answers_the_same(h):
+    ids = [await xadd(h, "ct", f"m{i}") for i in range(2)]
+    _, _, [job], _, _ = await h.intake()
+    [first] = await h.commit(commit_args(job))
+    [again] = await h.commit(commit_args(job))
+    assert (int(first[0]), first[3]) == (Code.HANDOFF, ids[1])
+    assert [int(again[0]), int(again[1]), int(again[2]), again[3]] == [
+        int(first[0]),
+        int(first[1]),
+        int(first[2]),
+        first[3],
+    ]
+    assert len(await h.replies()) == 1
+    assert (await h.state("ct"))[b"v"] == b"1"
+
+
+async def test_release_sent_twice_releases_once(h):
+    await xadd(h, "rl")
+    _, _, [job], _, _ = await h.intake()
+    token = job[1].decode()
+    assert await h.release(token, "rl", 1, 0, False) == Code.RELEASED
+    assert await h.release(token, "rl", 1, 0, False) == Code.FENCED_TOKEN
+    assert (await h.state("rl"))[b"n"] == b"0"
