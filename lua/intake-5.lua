@@ -196,9 +196,11 @@ local function session(sid)
   local s = sessions[sid]
   if not s then
     local state = session_key(sprefix, sid, 'state')
-    local h = rcall('HMGET', state, 'a', 's')
+    -- One read for the common case (the session's next message, lock free): the state
+    -- document and attempts come along.
+    local h = rcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e')
     s = {state = state, lock = session_key(sprefix, sid, 'lock'), a = tonumber(h[1]) or 0,
-         last = tonumber(h[2]) or 0, writes = {}, token = nil}
+         last = tonumber(h[2]) or 0, writes = {}, token = nil, h = h}
     sessions[sid] = s
     order[#order + 1] = sid
   end
@@ -238,7 +240,7 @@ for _, e in ipairs(entries) do
         if rcall('SET', s.lock, token_base .. ':' .. (tokens + 1), 'NX', 'PX', lock_ttl) then
           tokens = tokens + 1
           s.token = token_base .. ':' .. tokens
-          local h = rcall('HMGET', s.state, 'd', 'v', 'n', 'f', 'e')
+          local h = {s.h[3], s.h[4], s.h[5], s.h[6], s.h[7]}
           local attempts = (tonumber(h[3]) or 0) + 1
           s.writes[#s.writes + 1] = 'n'
           s.writes[#s.writes + 1] = attempts

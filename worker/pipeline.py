@@ -387,8 +387,6 @@ class Pipeline:
         fields = held.pop(next_id, None)
         if fields is None:
             fields = fields_dict(flat)
-        if known_next and known_next != next_id:
-            held.pop(known_next, None)
         return Job(
             keys=job.keys,
             session_id=job.session_id,
