@@ -44,7 +44,7 @@ from worker.metrics import Metrics
 from worker.pipeline import Committer, Job, Pipeline
 from worker.redis_conn import check_topology, connect, prepare
 from worker.scripts import Scripts
-from worker.views import queue_stats
+from worker.views import queue_stats, reply_group_lags
 
 log = structlog.get_logger("dialog_worker.daemon")
 
@@ -495,6 +495,9 @@ class Worker:
             m.oldest_pending_age.labels(label).set(stats["oldest_pending_age_s"])
             m.delayed.labels(label).set(stats["delayed"])
             m.dlq_length.labels(label).set(stats["dlq_length"])
+            if self.settings.reply_maxlen:
+                for group, lag in (await reply_group_lags(self.redis, shard.keys)).items():
+                    m.reply_group_lag.labels(label, group).set(lag / self.settings.reply_maxlen)
         return self.settings.metrics_sample_interval_s
 
     # ------------------------------------------------------------------------------------

@@ -90,6 +90,13 @@ class Metrics:
         self.dlq_length = Gauge(
             "dialog_dlq_length", "XLEN of the dead-letter stream", shard, registry=r
         )
+        self.reply_group_lag = Gauge(
+            "dialog_reply_group_lag_ratio",
+            "Unread reply events of a consumer group on the reply stream, as a share of "
+            "DIALOG_REPLY_MAXLEN (at 1 the trim starts dropping events it has not read)",
+            ["shard", "group"],
+            registry=r,
+        )
         self.in_flight = Gauge("dialog_in_flight", "Messages being processed here", registry=r)
         self.loop_lag = Histogram(
             "dialog_event_loop_lag_seconds",

@@ -62,6 +62,24 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
     }
 
 
+async def reply_group_lags(redis: Redis, keys: Keys) -> dict[str, int]:
+    """Unread events per consumer group of the shard's reply stream. Trimming (MAXLEN ~) does
+    not wait for groups: a group that falls a whole MAXLEN behind loses events unread."""
+    try:
+        groups = await redis.xinfo_groups(keys.replies)
+    except ResponseError:
+        return {}  # no reply stream yet
+    lags: dict[str, int] = {}
+    for group in groups:
+        lag = group.get("lag")
+        if lag is None:  # Redis cannot tell after deletions: count what follows its position
+            lag = len(
+                await scan_all(redis, keys.replies, start=f"({group['last-delivered-id']}")
+            )
+        lags[str(group["name"])] = int(lag)
+    return lags
+
+
 async def aggregate_stats(redis: Redis, shards: Sequence[Keys]) -> dict[str, Any]:
     """`queue_stats` summed over shards (ages and consumers: the maximum); with more than one
     shard, the per-shard figures follow under "shards"."""
