@@ -198,9 +198,10 @@ WORK=$(mktemp -d /var/tmp/dialog-container-check.XXXXXX)
 mkdir -p "$WORK/logs"
 if [ ${#missing[@]} -gt 0 ]; then
     say "installing ${missing[*]} (apt-get)"
-    run_step apt-update apt-get update -qq
-    run_step apt-install env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    # Wait for apt's lock rather than fail: other people may be installing on this machine.
+    run_step apt-update apt-get -o DPkg::Lock::Timeout=180 update -qq
+    run_step apt-install env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=180 \
+        install -y -qq --no-install-recommends "${missing[@]}"
 fi
 # Debian's podman-compose (1.0.3) cannot run this compose file with an override; 1.6.0 can.
 if ! "$PC_VENV/bin/podman-compose" --version 2>/dev/null | grep -q "podman-compose version $PC_VERSION"; then
