@@ -42,7 +42,7 @@ exec 3>&1
 STARTED=$(date +%s.%N)
 RUN_ID=$$
 PC_VERSION=1.6.0
-PC_VENV=${XDG_CACHE_HOME:-$HOME/.cache}/dialog-worker/podman-compose-$PC_VERSION
+PC_VENV=${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/dialog-worker/podman-compose-$PC_VERSION
 BURST_SESSIONS=50
 BURST_MESSAGES=10
 WORKER_GRACE_S=10     # DIALOG_SHUTDOWN_GRACE_S of the burst's workers
