@@ -8,6 +8,9 @@
 # Stage 2 (runtime) installs them offline into /opt/dialog-worker with
 # scripts/install-wheel.sh, the same script tests/integration/test_deploy.py runs, and
 # starts `dialog-worker run` as an unprivileged user.
+#
+# Without a Docker engine: scripts/container-check.sh builds this file with podman (the base
+# passed as PYTHON_IMAGE, a local image built with mmdebstrap) and runs the result.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 

@@ -575,6 +575,30 @@ def test_kubernetes_service_pdb_and_keda_scaledobject(manifests: dict[str, dict[
     assert all(r["name"] and r["key"] for r in refs.values())
 
 
+# ---------------------------------------------------------------------------------------------
+# scripts/container-check.sh (the image built and run with podman; .ci/run runs it after pytest)
+
+
+def test_ci_runs_the_container_check_after_the_test_suite() -> None:
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    [pytest_line] = [i for i, line in enumerate(ci) if "-m pytest" in line]
+    assert ci.index("bash scripts/container-check.sh") > pytest_line
+    script = REPO / "scripts" / "container-check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+
+
+def test_container_check_uses_the_host_network_only() -> None:
+    """A bridge network's private-range addresses must never receive traffic on these machines:
+    every container the check starts is on the host network, and it never creates a network."""
+    script = (REPO / "scripts" / "container-check.sh").read_text()
+    commands = [line for line in script.splitlines() if "grep" not in line]  # not the guards
+    modes = [m for line in commands for m in re.findall(r"--network[= ](\S+)", line)]
+    assert modes and set(modes) == {"host"}, modes
+    assert not [line for line in commands if re.search(r"podman.* network create", line)]
+    assert 'netns = "host"' in script  # podman's default for anything not given --network
+    assert "network_mode: host" in script  # every compose service
+
+
 def test_docs_commands_name_files_that_exist() -> None:
     doc = (REPO / "docs" / "deploy.md").read_text()
     for command in (
