@@ -435,6 +435,31 @@ def test_producer_can_append_to_the_inbound_stream_and_touch_nothing_else(
     assert acl.admin.exists(k["dedupe_brace"]) == 0
 
 
+def test_operator_can_reshard_there_and_back_with_nothing_denied(acl: AclRedis) -> None:
+    """reshard as `operator`, 1 -> 2 -> 1 shards: every key moved with its selectors (DUMP,
+    RESTORE, DEL, the dead-letter script, SET dialog:shards), ACL LOG empty."""
+    acl.admin.flushall()
+    acl.admin.execute_command("ACL", "LOG", "RESET")
+    plain = Keys.from_settings(Settings())
+    acl.admin.xgroup_create(plain.stream, plain.group, id="0", mkstream=True)
+    for sid in ("r1", "r{2}", "r3"):
+        sk = plain.session(sid)
+        acl.admin.hset(sk.state, mapping={"a": "2", "s": "2", "v": "2", "d": "{}"})
+        acl.admin.expire(sk.state, 600)
+        acl.admin.set(sk.dedupe("m1"), "1", ex=600)
+        acl.admin.xadd(plain.dlq, {"session_id": sid, "text": "t", "error": "e"})
+    env = worker_env(acl.url("operator"))
+    there = cli(env, "reshard", "--to", "2", "--yes")
+    assert there.returncode == 0, there.stderr
+    assert json.loads(there.stdout)["sessions"] == 3
+    back = cli({**env, "DIALOG_SHARDS": "2"}, "reshard", "--to", "1", "--yes")
+    assert back.returncode == 0, back.stderr
+    assert json.loads(back.stdout)["dead_letters"] == 3
+    assert acl.admin.get("dialog:shards") == "1"
+    assert acl.admin.ttl(plain.session("r{2}").dedupe("m1")) > 0
+    assert acl.acl_log() == [], "the operator was denied a command reshard needs"
+
+
 def test_worker_user_gets_noperm_outside_its_job(acl: AclRedis) -> None:
     acl.admin.execute_command("ACL", "LOG", "RESET")
     r = redis.Redis.from_url(acl.url("worker"), decode_responses=True)
