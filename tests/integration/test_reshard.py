@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import pytest
 import redis.asyncio
+from queue_checks import wait_consumers_idle as idle
 from redis_server import wait_until_async
 
 from worker.client import DialogClient
@@ -47,22 +48,10 @@ def run(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedPr
 
 
 async def wait_consumers_idle(settings: Settings) -> None:
-    """Until every consumer of every shard's group has been idle past reshard's threshold
-    (the workers were stopped: this is how long reshard waits to believe it)."""
-    threshold = idle_threshold_ms(settings)
+    """Until the stopped workers' consumers look gone to reshard."""
     r = redis.asyncio.Redis.from_url(settings.redis_url)
-
-    async def idle() -> bool:
-        for keys in Topology.from_settings(settings).shards:
-            if not await r.exists(keys.stream):
-                continue
-            for c in await r.xinfo_consumers(keys.stream, keys.group):
-                if int(c["idle"]) < threshold:
-                    return False
-        return True
-
     try:
-        await wait_until_async(idle, 10 + threshold / 1000, "consumers idle", interval_s=0.05)
+        await idle(r, Topology.from_settings(settings).shards, idle_threshold_ms(settings))
     finally:
         await r.aclose()
 

@@ -9,12 +9,14 @@ and nothing else of the product."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import redis.exceptions
 from redis_server import wait_until_async
 
 from worker.client import DialogClient
+from worker.keys import Keys
 
 
 async def _scan(r: Any, pattern: str) -> list[str]:
@@ -80,3 +82,21 @@ async def lock_holders(client: DialogClient) -> dict[str, str]:
             if token is not None:
                 holders[key] = token.split(":", 1)[0]
     return holders
+
+
+async def wait_consumers_idle(r: Any, shards: Iterable[Keys], threshold_ms: int) -> None:
+    """Until every consumer of every shard's group has been idle for `threshold_ms` (stopped
+    workers: what `reshard` waits to see, worker.reshard.idle_threshold_ms)."""
+    shards = list(shards)
+
+    async def idle() -> bool:
+        for keys in shards:
+            try:
+                consumers = await r.xinfo_consumers(keys.stream, keys.group)
+            except redis.exceptions.ResponseError:  # no stream or group
+                continue
+            if any(int(c["idle"]) < threshold_ms for c in consumers):
+                return False
+        return True
+
+    await wait_until_async(idle, 10 + threshold_ms / 1000, "consumers idle", interval_s=0.05)
