@@ -220,6 +220,46 @@ async def test_malformed_entries_in_one_read_hurt_only_themselves(client, worker
     await assert_nothing_left(client, dead=5)
 
 
+async def test_a_session_key_of_the_wrong_type_hurts_only_its_own_entries(client, workers):
+    """A per-session key of the wrong type (written by hand, or left by a bad restore) makes
+    the commands on it fail inside the intake script. Redis keeps what a failed script wrote:
+    the batch-mates' dedupe keys were written, their entries left pending, and every reclaim
+    answered them 'duplicate' without ever applying them (seen before the fix: the reclaimer
+    failed every round and the reply stream filled with duplicate events). The entries that
+    meet such a key are refused alone; the others are applied."""
+    k = client.keys
+    await client.redis.hset(k.session("x").dedupe("bad"), "not", "a string")
+    await client.redis.set(k.session("y").state, "not a hash")
+    ids = [
+        await client.redis.xadd(k.stream, e)
+        for e in [
+            {"session_id": "a", "msg_id": "m1", "text": "nama saya Budi"},
+            {"session_id": "x", "msg_id": "bad", "text": "halo"},
+            {"session_id": "y", "text": "halo"},
+            {"session_id": "a", "msg_id": "m2", "text": "saya ada kendala"},
+        ]
+    ]
+    workers.start(1, **FAST)
+    state = await wait_for(lambda: _state_at(client, "a", 2), 20, "session a at seq 2")
+    assert [t["msg_id"] for t in state["history"]] == ["m1", "m2"]
+    letters = {f["source_entry_id"]: f for f in await dead_letters(client)}
+    assert set(letters) == {ids[1], ids[2]}
+    assert all(f["error_kind"] == "malformed" for f in letters.values())
+    assert "WRONGTYPE" in letters[ids[1]]["error"] and "WRONGTYPE" in letters[ids[2]]["error"]
+    outcomes = [(f["entry_id"], f["outcome"]) for _, f in await client.redis.xrange(k.replies)]
+    assert sorted(outcomes) == sorted(
+        [
+            (ids[0], "applied"),
+            (ids[1], "dead_lettered"),
+            (ids[2], "dead_lettered"),
+            (ids[3], "applied"),
+        ]
+    )
+    # The corrupt keys are left as they were, for a human to look at.
+    assert await client.redis.type(k.session("y").state) == "string"
+    await assert_nothing_left(client, dead=2)
+
+
 async def _state_at(client, session_id: str, seq: int):
     state = await client.state(session_id)
     return state if state and state["applied_seq"] >= seq else None
