@@ -192,13 +192,19 @@ local function original_reply(s, seq)
   return ''
 end
 
+-- The session's bookkeeping, or nil and why not: a state key of another type (written by
+-- hand) must not fail this call after its first writes, so it is read with pcall and the
+-- entry is refused alone. (Once HMGET has worked the key is a hash for the rest of the call.)
 local function session(sid)
   local s = sessions[sid]
   if not s then
     local state = session_key(sprefix, sid, 'state')
     -- One read for the common case (the session's next message, lock free): the state
     -- document and attempts come along.
-    local h = rcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e')
+    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e')
+    if h['err'] then
+      return nil, 'session state ' .. state .. ': ' .. h['err']
+    end
     s = {state = state, lock = session_key(sprefix, sid, 'lock'), a = tonumber(h[1]) or 0,
          last = tonumber(h[2]) or 0, writes = {}, token = nil, h = h}
     sessions[sid] = s
@@ -207,16 +213,30 @@ local function session(sid)
   return s
 end
 
+-- The seq a dedupe key recorded (false: none), or nil and why it cannot be read.
+local function dedupe_seen(dkey)
+  local seen = redis.pcall('GET', dkey)
+  if type(seen) == 'table' and seen['err'] then
+    return nil, 'dedupe key ' .. dkey .. ': ' .. seen['err']
+  end
+  return seen
+end
+
 for _, e in ipairs(entries) do
   local id, f = e[1], e[2]
   acks[#acks + 1] = id
   local problem, sid, msg_id = inspect(f)
+  local s, dkey, seen
+  if not problem then
+    s, problem = session(sid)
+  end
+  if not problem and msg_id then
+    dkey = session_key(sprefix, sid, 'msg:' .. msg_id)
+    seen, problem = dedupe_seen(dkey)
+  end
   if problem then
     refuse(id, f, problem, sid, msg_id)
   else
-    local s = session(sid)
-    local dkey = msg_id and session_key(sprefix, sid, 'msg:' .. msg_id)
-    local seen = dkey and rcall('GET', dkey)
     local seq = seen and (tonumber(seen) or 0)
     local waiting = seq and seq > s.a and seq <= s.last and rcall('HGET', s.state, 'u' .. seq)
     if seq and seq > s.a and seq <= s.last and #(waiting or '') < MAX_WAITING_COPIES_BYTES then

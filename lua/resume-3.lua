@@ -53,9 +53,18 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
   if pttl > 0 then
     rcall('ZADD', ready, now + pttl, sid)
   else
-    local h = rcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'g')
-    local applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
-    if last <= applied then
+    -- pcall: a state key of another type (written by hand) must not fail the call after it
+    -- took earlier sessions' locks; that session is looked at again in a minute, alone.
+    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'g')
+    local applied, last = 0, 0
+    if h['err'] then
+      rcall('ZADD', ready, now + 60000, sid)
+    else
+      applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
+    end
+    if h['err'] then
+      -- skipped
+    elseif last <= applied then
       rcall('ZREM', ready, sid)
     else
       local seq = applied + 1

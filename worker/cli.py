@@ -75,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     reshard.add_argument("--to", type=int, required=True, dest="to_shards")
     reshard.add_argument("--dry-run", action="store_true")
+    reshard.add_argument(
+        "--yes", action="store_true", help="move the keys (without it: report what would move)"
+    )
+    reshard.add_argument(
+        "--force",
+        action="store_true",
+        help="skip the check that no consumer of the group was active recently",
+    )
 
     verify = sub.add_parser("verify", help="concurrency verification against running workers")
     verify.add_argument("--sessions", type=int, default=50)
@@ -231,21 +239,40 @@ def _shards(client: DialogClient, args: argparse.Namespace) -> list[Keys]:
 
 
 async def _reshard(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.reshard import NotDrained, reshard
+    from worker.redis_conn import connect, prepare
+    from worker.reshard import Interrupted, Refused, reshard, stop_after
 
     try:
         target = settings.replace(shards=args.to_shards)
     except ConfigError as exc:
         raise ValidationError(f"--to: {exc.problem}") from None
-    async with DialogClient(settings=settings) as c:
-        try:
-            report = await reshard(c.redis, settings, target, dry_run=args.dry_run)
-        except NotDrained as exc:
-            print(
-                f"dialog-worker: {exc}; stop producers and let the workers drain first",
-                file=sys.stderr,
-            )
-            return EXIT_FAILURE
+    dry_run = args.dry_run or not args.yes
+    # Fault injection for the tests: stop the run after this many writes (as a kill would).
+    stop = os.environ.get("DIALOG_RESHARD_STOP_AFTER")
+    # Bytes in and out: dead letters are copied byte for byte. Not a DialogClient: its shard
+    # count check refuses while a reshard is in progress, and this run may be its resumption.
+    redis = connect(settings, max_connections=4, decode=False)
+    try:
+        await prepare(redis)
+        report = await reshard(
+            redis,
+            settings,
+            target,
+            dry_run=dry_run,
+            force=args.force,
+            checkpoint=stop_after(int(stop)) if stop else None,
+        )
+    except Refused as exc:
+        print(f"dialog-worker: reshard refused: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except Interrupted as exc:
+        print(f"dialog-worker: reshard interrupted: {exc}", file=sys.stderr)
+        _emit({"from_shards": settings.shards, "to_shards": target.shards, **exc.report.as_dict()})
+        return EXIT_FAILURE
+    finally:
+        await redis.aclose()
+    if dry_run:
+        print("dialog-worker: nothing changed (dry run); add --yes to move", file=sys.stderr)
     _emit({"from_shards": settings.shards, "to_shards": target.shards, **report.as_dict()})
     return EXIT_OK
 

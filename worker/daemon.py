@@ -402,7 +402,12 @@ class Worker:
             raise
         self._give_slots(shard, slots - len(jobs))
         for job in jobs:
-            if not job.last_error:
+            # Taken over from a holder whose lease ran out: an earlier delivery was counted
+            # (attempts > 1) and neither committed nor released with an error. A hand-back at
+            # shutdown gives its attempt back and a failed attempt records its error, so
+            # neither counts; nor does a session resumed only because its next entry was
+            # missing at hand-off time.
+            if not job.gap and job.attempts > 1 and not job.last_error:
                 self.metrics.reclaimed.inc()
             work.start_soon(self._run_session, shard, job)
         if jobs and len(jobs) == slots:

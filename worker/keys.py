@@ -127,6 +127,12 @@ class Keys:
             tag=tag,
         )
 
+    @property
+    def reshard_moved(self) -> str:
+        """The dead letters `reshard` re-added to this shard (lua/reshard-letter-2.lua); a set,
+        deleted when the reshard completes."""
+        return f"{self.prefix}:{{{self.tag}}}:reshard"
+
     def session(self, session_id: str) -> SessionKeys:
         base = f"{self.session_prefix}{{{escape_tag(session_id)}}}"
         return SessionKeys(state=f"{base}:state", lock=f"{base}:lock", dedupe_prefix=f"{base}:msg:")

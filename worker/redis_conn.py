@@ -103,6 +103,12 @@ async def check_topology(redis: Redis, settings: Settings, record: bool) -> None
     if stored is None:
         return
     value = stored.decode() if isinstance(stored, bytes) else str(stored)
+    if value.startswith("resharding"):  # worker.reshard.in_progress_marker
+        raise ConfigError(
+            "DIALOG_SHARDS",
+            f"a reshard is in progress (Redis key {key!r} says {value!r}); nothing may run "
+            "until `dialog-worker reshard --to N --yes` has been run to its end",
+        )
     if value != str(settings.shards):
         raise ConfigError(
             "DIALOG_SHARDS",

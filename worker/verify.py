@@ -104,8 +104,10 @@ async def reply_marks(client: DialogClient) -> dict[int, str]:
 async def check(
     client: DialogClient, sent: list[Sent], replies_after: str | Mapping[int, str] = "0-0"
 ) -> list[str]:
-    """Exactly once, in order, one reply each. `replies_after`: the reply stream ID before
-    sending (one for all shards, or per shard as `reply_marks` returns)."""
+    """Exactly once, in order, one reply each (`duplicate` events, which answer a re-sent
+    entry with the same msg_id, are not counted as replies but must carry the original seq).
+    `replies_after`: the reply stream ID before sending (one for all shards, or per shard as
+    `reply_marks` returns)."""
     problems: list[str] = []
     by_session: dict[str, list[Sent]] = defaultdict(list)
     for s in sent:
@@ -138,7 +140,14 @@ async def check(
         after = replies_after if isinstance(replies_after, str) else replies_after[keys.shard]
         for _, f in await scan_all(client.redis, keys.replies, start=f"({after}"):
             key = (f.get("session_id", ""), f.get("msg_id", ""))
-            if key in wanted:
+            if key in wanted and f.get("outcome") == "duplicate":
+                # The answer to a re-sent entry (a producer's retry with the same msg_id), not
+                # a second reply to the message: it must name the original seq.
+                if f.get("seq") != wanted[key]:
+                    problems.append(
+                        f"{key}: duplicate event with seq {f.get('seq')}, expected {wanted[key]}"
+                    )
+            elif key in wanted:
                 counts[key] += 1
                 if f.get("outcome") != "applied" or f.get("seq") != wanted[key]:
                     problems.append(

@@ -1,7 +1,8 @@
 """Fault injection with real processes: kill -9 of workers, a paused lock holder, kill -9 of
 Redis itself, SIGTERM in the middle of a burst. Every test asserts the outcome from Redis:
-exactly once, in order, one reply each (worker.verify.check), nothing pending, nothing delayed,
-no lock left. Measured numbers are printed (run with -s to see them)."""
+exactly once, in order, one reply each (worker.verify.check), and a drained deployment
+(tests/support/queue_checks.py: inbound stream, pending list and ready set empty, no lock, no
+sequenced message left unapplied). Measured numbers are printed (run with -s to see them)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import random
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis.exceptions
+from queue_checks import assert_drained, leftovers, lock_holders
 from redis_server import RedisServer
 from redis_server import wait_until_async as poll
 from worker_procs import WorkerPool, WorkerProc
@@ -74,40 +75,19 @@ def add(total: dict[str, float], more: dict[str, float]) -> None:
         total[k] = total.get(k, 0.0) + v
 
 
-async def leftovers(client: DialogClient) -> dict[str, int]:
-    r, k = client.redis, client.keys
-    locks = [key async for key in r.scan_iter(match=f"{k.prefix}:s:*:lock", count=1000)]
-    return {
-        "stream": await r.xlen(k.stream),
-        "pending": (await r.xpending(k.stream, k.group))["pending"],
-        "delayed": await r.zcard(k.delayed),
-        "delayed_data": await r.hlen(k.delayed_data),
-        "locks": len(locks),
-        "dlq": await r.xlen(k.dlq),
-    }
+async def stepping_first(client: DialogClient, session_id: str) -> str | None:
+    """The consumer stepping the session's first message (nothing applied yet, its attempt
+    counted, the lock held), or None."""
+    sk = client.keys.session(session_id)
+    applied, attempts = await client.redis.hmget(sk.state, "a", "n")
+    if applied not in (None, "0") or attempts != "1":
+        return None
+    return (await lock_holders(client)).get(sk.lock)
 
 
-async def assert_drained(client: DialogClient, timeout_s: float = 30) -> dict[str, int]:
-    """Nothing pending, nothing delayed, no lock left, inbound stream empty, DLQ empty."""
-    last: dict[str, int] = {}
-
-    async def drained() -> bool:
-        nonlocal last
-        last = await leftovers(client)
-        return not any(last.values())
-
-    try:
-        await poll(drained, timeout_s, "stream, pending, delayed set, locks and DLQ to be empty")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}: {last}") from None
-    return last
-
-
-def seqs_by_session(sent: list[Sent]) -> dict[str, list[int]]:
-    by: dict[str, list[int]] = {}
-    for s in sent:
-        by.setdefault(s.session_id, []).append(s.seq)
-    return {sid: sorted(seqs) for sid, seqs in by.items()}
+async def duplicate_events(client: DialogClient) -> int:
+    replies = await client.redis.xrange(client.keys.replies)
+    return sum(1 for _, f in replies if f["outcome"] == "duplicate")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,15 +95,21 @@ def seqs_by_session(sent: list[Sent]) -> dict[str, list[int]]:
 
 
 async def test_kill9_random_worker_every_second_loses_nothing(client, workers):
-    extra = {**FAST, "DIALOG_MAX_ATTEMPTS": "20", "DIALOG_ENGINE": "fault_engine:make"}
+    extra = {
+        **FAST,
+        "DIALOG_MAX_ATTEMPTS": "20",
+        "DIALOG_ENGINE": "fault_engine:make",
+        # Few slots, so the burst's work outlasts most of the killing (see below).
+        "DIALOG_CONCURRENCY": "16",
+    }
     live: list[WorkerProc] = workers.start(3, metrics=True, **extra)
     totals: dict[str, float] = {}
     rng = random.Random(20240601)
     sessions = [f"k{i}" for i in range(200)]
-    # Every fifth step takes 0.3 s, so the work is spread over the killing and each kill -9
-    # catches steps in flight (the counts are printed).
+    # Every fourth step takes 0.3 s: about 300 slot-seconds of work for 3 x 16 slots, so the
+    # work is spread over the killing and most kills -9 catch steps in flight (counted below).
     texts = ["nama saya Budi"] + [
-        f"sleep 0.3 pesan {i}" if i % 5 == 0 else f"pesan {i}" for i in range(2, 21)
+        f"sleep 0.3 pesan {i}" if i % 4 == 0 else f"pesan {i}" for i in range(2, 21)
     ]
 
     started = time.monotonic()
@@ -171,6 +157,9 @@ async def test_kill9_random_worker_every_second_loses_nothing(client, workers):
         f"messages in flight in each victim when killed: {in_flight_at_kill}"
     )
     assert applied, f"not all applied within 120s: {await leftovers(client)}"
+    assert sum(1 for n in in_flight_at_kill if n) >= kills // 2, "kills missed the work"
+    # The victims' sessions were taken over once their leases ran out.
+    assert totals["reclaimed"] >= 1
     assert await check(client, sent) == []
     left = await assert_drained(client, timeout_s=30)
     assert left["dlq"] == 0
@@ -196,16 +185,10 @@ async def test_paused_lock_holder_cannot_overwrite_newer_state(client, workers):
         client, ["p"], ["sleep 2.5 nama saya Budi", "saya ada kendala", "ketiga"]
     )
     assert [s.seq for s in sent] == [1, 2, 3]
-    first = sent[0]
-    entry_id = next(eid for eid, f in await r.xrange(k.stream) if f["msg_id"] == first.msg_id)
 
     async def holder() -> str | None:
-        # seq 1 is being stepped (its attempt is counted and the lock is held) by the consumer
-        # whose PEL holds its entry.
-        if await r.hget(sk.state, "ia_seq") != "1" or not await r.exists(sk.lock):
-            return None
-        rows = await r.xpending_range(k.stream, k.group, min=entry_id, max=entry_id, count=1)
-        return rows[0]["consumer"] if rows else None
+        # seq 1 is being stepped: nothing applied yet, its attempt counted, the lock held.
+        return await stepping_first(client, "p")
 
     name = await poll(holder, 10, "seq 1 to be acquired")
     paused = next(w for w in procs if w.name == name)
@@ -252,6 +235,8 @@ async def test_paused_lock_holder_cannot_overwrite_newer_state(client, workers):
     # The paused worker wrote nothing: the version counts exactly three commits.
     assert int(await r.hget(sk.state, "v")) == 3
     assert mine["applied"] == 0
+    # The other worker took the session over through the ready set once the lease ran out.
+    assert theirs["reclaimed"] >= 1
     await assert_drained(client, timeout_s=20)
     assert paused.alive() and other.alive()
 
@@ -274,12 +259,11 @@ async def test_redis_kill9_mid_burst_and_restart_loses_no_accepted_message(tmp_p
         per_session = 20
         sent: list[Sent] = []
         errors = 0
-        duplicates = 0
         half_way = asyncio.Event()
         give_up_at = time.monotonic() + 90
 
         async def sender(sid: str) -> None:
-            nonlocal errors, duplicates
+            nonlocal errors
             for i in range(1, per_session + 1):
                 text = "nama saya Budi" if i == 1 else f"pesan {i}"
                 msg_id = f"{sid}-m{i}"
@@ -288,11 +272,12 @@ async def test_redis_kill9_mid_burst_and_restart_loses_no_accepted_message(tmp_p
                         res = await client.send(sid, text, msg_id=msg_id)
                         break
                     except (redis.exceptions.RedisError, OSError):
+                        # The XADD may have been done before the connection broke: the retry
+                        # (same msg_id) is then answered with a duplicate event, no seq.
                         errors += 1
                         assert time.monotonic() < give_up_at, "Redis never came back"
                         await asyncio.sleep(0.05)  # retry pacing, same msg_id
-                duplicates += res.duplicate
-                sent.append(Sent(sid, res.seq, res.msg_id, text))
+                sent.append(Sent(sid, i, res.msg_id, text))
                 if len(sent) >= 500:
                     half_way.set()
 
@@ -309,14 +294,13 @@ async def test_redis_kill9_mid_burst_and_restart_loses_no_accepted_message(tmp_p
         send_s = time.monotonic() - started
         assert len(sent) == len(sessions) * per_session
         assert accepted_at_kill < len(sent), "Redis was killed after the burst, not in it"
-        # seq is assigned without gaps, whatever was lost with the kill.
-        assert seqs_by_session(sent) == {sid: list(range(1, per_session + 1)) for sid in sessions}
 
         applied = await wait_applied(client, sent, timeout_s=120)
         applied_s = time.monotonic() - started
         totals: dict[str, float] = {}
         for w in procs:
             add(totals, await asyncio.to_thread(scrape, w))
+        duplicates = await duplicate_events(client)
         print(
             f"\n[redis-kill] Redis kill -9 after {accepted_at_kill} accepted, down {down_s:.2f}s; "
             f"{errors} send errors retried, {duplicates} retries answered duplicate; "
@@ -325,6 +309,13 @@ async def test_redis_kill9_mid_burst_and_restart_loses_no_accepted_message(tmp_p
         )
         assert applied, f"not all applied within 120s: {await leftovers(client)}"
         assert await check(client, sent) == []
+        # seq is assigned without gaps, whatever was lost with the kill: a retried send that
+        # Redis had already taken took no second seq.
+        for sid in sessions:
+            assert await client.redis.hget(client.keys.session(sid).state, "s") == str(
+                per_session
+            ), sid
+        assert duplicates <= errors
         await assert_drained(client, timeout_s=30)
         assert all(w.alive() for w in procs), "a worker died with Redis"
         for w in procs:
@@ -341,14 +332,14 @@ async def test_redis_kill9_mid_burst_and_restart_loses_no_accepted_message(tmp_p
 
 async def test_sigterm_mid_burst_exits_zero_within_grace_and_others_finish(client, workers):
     grace = 2.0
-    # Visibility 10 s: far longer than the shutdown, so whatever the stopped worker leaves in its
-    # pending list is visible right after it exits, yet any such leftover (see the test
-    # below) is still recovered well inside the deadline.
+    # Lock TTL 5 s (the default): far longer than the check right after the exit, so a session
+    # the stopped worker did not hand back would still show its lock then.
     procs = workers.start(
         2,
         metrics=True,
         DIALOG_ENGINE="fault_engine:make",
         DIALOG_SHUTDOWN_GRACE_S=str(grace),
+        DIALOG_LOCK_TTL_MS="5000",
         DIALOG_VISIBILITY_TIMEOUT_MS="10000",
         DIALOG_RECLAIM_INTERVAL_MS="500",
     )
@@ -356,17 +347,10 @@ async def test_sigterm_mid_burst_exits_zero_within_grace_and_others_finish(clien
 
     # A step longer than the grace period: it must be cancelled and handed back.
     sent = await send_bursts(client, ["slow"], ["sleep 6 nama saya Budi", "pesan 2", "pesan 3"])
-    slow_entry = next(eid for eid, f in await r.xrange(k.stream) if f["msg_id"] == sent[0].msg_id)
-    slow_keys = k.session("slow")
-
-    async def slow_holder() -> str | None:
-        if await r.hget(slow_keys.state, "ia_seq") != "1" or not await r.exists(slow_keys.lock):
-            return None
-        rows = await r.xpending_range(k.stream, k.group, min=slow_entry, max=slow_entry, count=1)
-        return rows[0]["consumer"] if rows else None
+    slow_lock = k.session("slow").lock
 
     # SIGTERM goes to whichever worker is running the 6 s step.
-    name = await poll(slow_holder, 10, "the 6 s step to start")
+    name = await poll(lambda: stepping_first(client, "slow"), 10, "the 6 s step to start")
     victim = next(w for w in procs if w.name == name)
     survivor = next(w for w in procs if w is not victim)
 
@@ -379,9 +363,9 @@ async def test_sigterm_mid_burst_exits_zero_within_grace_and_others_finish(clien
 
     async def burst(sid: str) -> None:
         nonlocal accepted
-        for text in texts:
+        for position, text in enumerate(texts, start=1):
             res = await client.send(sid, text)
-            sent.append(Sent(sid, res.seq, res.msg_id, text))
+            sent.append(Sent(sid, position, res.msg_id, text))
             accepted += 1
             if accepted >= 300:
                 mid.set()
@@ -396,8 +380,11 @@ async def test_sigterm_mid_burst_exits_zero_within_grace_and_others_finish(clien
     assert victim.proc is not None
     code = await asyncio.to_thread(victim.proc.wait, grace + 5)
     exit_s = time.monotonic() - term_at
-    victim_pel = await r.xpending_range(
-        k.stream, k.group, min="-", max="+", count=1000, consumername=victim.name
+    # What the stopped worker left behind: locks still carrying its token (sessions neither
+    # finished nor handed back) and entries in its pending list (v2: never any).
+    victim_locks = [key for key, who in (await lock_holders(client)).items() if who == victim.name]
+    victim_pending = await r.xpending_range(
+        k.stream, k.group, min="-", max="+", count=100, consumername=name
     )
     await senders
     assert len(sent) == 3 + 50 * 20
@@ -410,15 +397,20 @@ async def test_sigterm_mid_burst_exits_zero_within_grace_and_others_finish(clien
         f"({term_at - started:.2f}s into the burst), holding the 6 s step; exit code {code} "
         f"after {exit_s:.2f}s (grace {grace}s); {victim.name} had applied "
         f"{int(before['applied'])} before the signal and had {int(before['in_flight'])} in "
-        f"flight; it exited owning {len(victim_pel)} pending entries; {survivor.name} applied "
-        f"{int(after['applied'])} (reclaimed {int(after['reclaimed'])}); everything applied "
+        f"flight; it exited holding {len(victim_locks)} locks and {len(victim_pending)} pending "
+        f"entries; {survivor.name} applied {int(after['applied'])} (resumed "
+        f"{int(after['reclaimed'])} sessions after a lease ran out); everything applied "
         f"{applied_s:.1f}s after SIGTERM"
     )
     assert code == 0
     assert exit_s <= grace + 5
-    # The 6 s step was cancelled at the end of the grace period and handed back (not left
-    # pending for a reclaim).
-    assert slow_entry not in {p["message_id"] for p in victim_pel}
+    # The 6 s step was cancelled at the end of the grace period and handed back (its lock
+    # released for the others at once, not left to run out), like everything else it held.
+    assert slow_lock not in victim_locks
+    assert victim_locks == [] and victim_pending == []
+    # Handed back, not abandoned: the survivor took those sessions up without waiting for a
+    # lease to run out, and counted none as taken over from a dead holder.
+    assert after["reclaimed"] == 0
     assert exit_s >= grace - 0.5, "exited before the grace period although a step was running"
     assert applied, f"not all applied within 60s: {await leftovers(client)}"
     assert await check(client, sent) == []
@@ -432,20 +424,18 @@ async def test_sigterm_mid_burst_exits_zero_within_grace_and_others_finish(clien
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. SIGTERM while the reader's XREADGROUP is in flight (product bug, see the reason)
+# 5. SIGTERM while the reader's intake is in flight
 
 
-class LeakedPendingEntries(AssertionError):
-    """The product bug below; any other failure of the test is a real failure."""
-
-
-async def test_sigterm_under_load_leaves_no_entry_in_the_stopped_consumers_pel(client, workers):
+async def test_sigterm_under_load_leaves_nothing_pending_and_no_lock_behind(client, workers):
+    """v1 lost entries here: XREADGROUP delivered them to a reader that was stopping, and they
+    sat in its pending list until a reclaim. v2 delivers, sequences and acks in one script,
+    and hands back at shutdown whatever it took: after each clean exit nothing is pending for
+    the stopped consumer and no lock carries its token."""
     r, k = client.redis, client.keys
     sent: list[Sent] = []
-    leaked: list[tuple[str, list[dict[str, Any]]]] = []
-    attempts = 0
+    rounds = []
     for attempt in range(4):
-        attempts += 1
         [w] = workers.start(1, metrics=True, DIALOG_SHUTDOWN_GRACE_S="2")
         stop = asyncio.Event()
 
@@ -454,47 +444,35 @@ async def test_sigterm_under_load_leaves_no_entry_in_the_stopped_consumers_pel(c
             while not stop.is_set():
                 n += 1
                 res = await client.send(sid, f"pesan {n}")
-                sent.append(Sent(sid, res.seq, res.msg_id, f"pesan {n}"))
+                sent.append(Sent(sid, n, res.msg_id, f"pesan {n}"))
                 await asyncio.sleep(0.002)  # producer pacing
 
         producers = asyncio.gather(*(produce(f"g{attempt}-{i}") for i in range(20)))
         await asyncio.sleep(0.7)  # fault pacing: let the worker get busy reading
+        in_flight = int((await asyncio.to_thread(scrape, w))["in_flight"])
         w.signal(signal.SIGTERM)
         assert w.proc is not None
         code = await asyncio.to_thread(w.proc.wait, 10)
         stop.set()
         await producers
         assert code == 0
-        pel = await r.xpending_range(
-            k.stream, k.group, min="-", max="+", count=1000, consumername=w.name
+        pending = await r.xpending_range(
+            k.stream, k.group, min="-", max="+", count=100, consumername=w.name
         )
+        locks = [key for key, who in (await lock_holders(client)).items() if who == w.name]
+        rounds.append((w.name, in_flight, len(pending), len(locks)))
         log = w.log_text()
         assert "redis_error" not in log and "unexpected_error" not in log, log[-3000:]
-        if pel:
-            # Started entries end acked (committed, parked, retried, handed back) or with a
-            # warning in the log; these were delivered to the reader and never started.
-            leaked.append((w.name, pel))
-            break
+        assert pending == [] and locks == [], (w.name, pending[:5], locks[:5])
 
-    # Nothing is lost in the end: a worker that reclaims quickly applies everything once.
+    # Nothing is lost in the end: one more worker applies everything once.
     drain_started = time.monotonic()
     workers.start(1, **FAST)
     assert await wait_applied(client, sent, timeout_s=60)
     assert await check(client, sent) == []
     await assert_drained(client, timeout_s=20)
-    for name, pel in leaked:
-        print(
-            f"\n[sigterm-race] attempt {attempts}: {name} exited 0 owning {len(pel)} entries "
-            f"never started (times_delivered "
-            f"{sorted({p['times_delivered'] for p in pel})}, delivered "
-            f"{min(p['time_since_delivered'] for p in pel)}-"
-            f"{max(p['time_since_delivered'] for p in pel)} ms before the check); "
-            f"{len(sent)} messages all applied once after a fast-reclaim worker drained for "
-            f"{time.monotonic() - drain_started:.1f}s"
-        )
-    if not leaked:
-        print(f"\n[sigterm-race] no leak in {attempts} attempts; {len(sent)} messages")
-    if leaked:
-        raise LeakedPendingEntries(
-            f"stopped consumer exited owning unstarted entries: {leaked[0][1][:5]}"
-        )
+    print(
+        f"\n[sigterm-race] (worker, in flight at SIGTERM, left pending, left locked): {rounds}; "
+        f"{len(sent)} messages all applied once after the last worker drained for "
+        f"{time.monotonic() - drain_started:.1f}s"
+    )

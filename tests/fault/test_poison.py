@@ -9,6 +9,8 @@ import time
 
 import anyio
 import pytest
+import redis.asyncio
+from queue_checks import assert_drained
 from redis_server import wait_until_async as wait_for
 
 from worker.verify import check, send_bursts, wait_applied
@@ -22,14 +24,12 @@ FAST = {
     "DIALOG_RECLAIM_INTERVAL_MS": "100",
     "DIALOG_BACKOFF_BASE_MS": "20",
     "DIALOG_BACKOFF_MAX_MS": "100",
+    # Explicit: the expected attempt counts below must not follow the default.
+    "DIALOG_MAX_ATTEMPTS": "3",
 }
 
-DLQ_FIELDS = {
-    "session_id",
-    "msg_id",
-    "seq",
-    "text",
-    "enqueued_at",
+# What the worker adds to the original fields of a dead letter (contract, section 3).
+LETTER_FIELDS = {
     "error",
     "error_kind",
     "attempts",
@@ -37,6 +37,7 @@ DLQ_FIELDS = {
     "last_failed_at",
     "consumer",
     "worker_version",
+    "source_stream",
     "source_entry_id",
 }
 
@@ -45,27 +46,34 @@ async def dead_letters(client) -> list[dict[str, str]]:
     return [f for _, f in await client.redis.xrange(client.keys.dlq)]
 
 
-async def assert_nothing_left(client) -> None:
-    k = client.keys
+async def reply_events(client, session_id: str) -> list[dict[str, str]]:
+    return [
+        f
+        for _, f in await client.redis.xrange(client.keys.replies)
+        if f["session_id"] == session_id
+    ]
 
-    async def empty():
-        pending = (await client.redis.xpending(k.stream, k.group))["pending"]
-        return (
-            await client.redis.xlen(k.stream),
-            pending,
-            await client.redis.zcard(k.delayed),
-        ) == (0, 0, 0)
 
-    await wait_for(empty, 20, "stream, pending and delayed set to be empty")
+async def assert_nothing_left(client, dead: int) -> None:
+    """Stream, pending list, ready set empty, no lock, nothing outstanding; `dead` letters."""
+    await assert_drained(client, timeout_s=20, dlq=dead)
 
 
 async def test_step_that_always_raises_is_dead_lettered_after_max_attempts(client, workers):
     workers.start(2, **FAST)
     sent = await send_bursts(client, ["p1"], ["nama saya Budi", "boom here", "saya ada kendala"])
+    poison = sent[1]
     assert await wait_applied(client, sent, timeout_s=30)
     [letter] = await dead_letters(client)
-    assert DLQ_FIELDS <= set(letter)
-    assert (letter["error_kind"], letter["attempts"], letter["seq"]) == ("exhausted", "3", "2")
+    # The original fields byte for byte (a send without msg_id: session_id and text), plus
+    # the worker's; no producer-visible seq (the reply event carries it).
+    assert set(letter) == {"session_id", "text"} | LETTER_FIELDS
+    assert (letter["session_id"], letter["text"]) == ("p1", "boom here")
+    assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "3")
+    assert (letter["source_stream"], letter["source_entry_id"]) == (
+        client.keys.stream,
+        poison.msg_id,  # no msg_id given: it is the entry id
+    )
     assert "boom on seq 2" in letter["error"]
     assert int(letter["first_failed_at"]) <= int(letter["last_failed_at"])
     state = await client.state("p1")
@@ -73,8 +81,16 @@ async def test_step_that_always_raises_is_dead_lettered_after_max_attempts(clien
     assert state["history"][1]["bot"] == client.settings.fallback_reply
     # The complaint that followed the poison message was still applied, in order.
     assert state["step"] == "COMPLETED"
-    assert await check(client, sent) == []
-    await assert_nothing_left(client)
+    events = await reply_events(client, "p1")
+    assert [(e["seq"], e["outcome"]) for e in events] == [
+        ("1", "applied"),
+        ("2", "dead_lettered"),
+        ("3", "applied"),
+    ]
+    assert events[1]["entry_id"] == poison.msg_id
+    assert events[1]["reply"] == client.settings.fallback_reply
+    assert await check(client, [s for s in sent if s is not poison]) == []
+    await assert_nothing_left(client, dead=1)
 
 
 async def test_permanent_error_is_dead_lettered_at_once(client, workers):
@@ -84,7 +100,8 @@ async def test_permanent_error_is_dead_lettered_at_once(client, workers):
     [letter] = await dead_letters(client)
     assert (letter["error_kind"], letter["attempts"]) == ("permanent", "1")
     assert (await client.state("p2"))["memory"] == {"userName": "Ani"}
-    assert await check(client, sent) == []
+    assert await check(client, sent[1:]) == []
+    await assert_nothing_left(client, dead=1)
 
 
 async def test_step_that_kills_its_worker_is_dead_lettered_without_crash_loop(client, workers):
@@ -103,50 +120,144 @@ async def test_step_that_kills_its_worker_is_dead_lettered_without_crash_loop(cl
     assert await wait_applied(client, sent, timeout_s=30)
     [letter] = await dead_letters(client)
     assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "3")
+    assert "delivered 3 times" in letter["error"]
     assert deaths == 3, f"expected one death per delivery, saw {deaths}"
     assert all(w.alive() for w in procs)
-    assert await check(client, sent) == []
+    assert await check(client, sent[1:]) == []
+    await assert_nothing_left(client, dead=1)
     print(f"\nos._exit poison: {deaths} worker deaths, then dead-lettered")
 
 
 async def test_entry_without_session_id_is_dead_lettered_with_reason(client, workers):
-    workers.start(1, **FAST)
     k = client.keys
-    await client.redis.xgroup_create(k.stream, k.group, id="0", mkstream=True)
+    # A raw XADD (any producer can write one); appended before any worker runs.
     bad_id = await client.redis.xadd(k.stream, {"text": "no session", "seq": "1"})
+    workers.start(1, **FAST)
     sent = await send_bursts(client, ["ok"], ["nama saya Budi"])
     assert await wait_applied(client, sent, timeout_s=20)
     await wait_for(lambda: client.redis.xlen(k.dlq), 20, "dead letter")
     [letter] = await dead_letters(client)
-    assert letter["error_kind"] == "permanent"
+    assert letter["error_kind"] == "malformed"
     assert "session_id" in letter["error"]
-    assert letter["source_entry_id"] == bad_id
-    assert letter["text"] == "no session"
-    await assert_nothing_left(client)
+    assert (letter["source_stream"], letter["source_entry_id"]) == (k.stream, bad_id)
+    # Its fields byte for byte, the forged seq included (it was never used).
+    assert (letter["text"], letter["seq"]) == ("no session", "1")
+    # It names no session: no reply event refers to it.
+    assert [f for _, f in await client.redis.xrange(k.replies) if f["entry_id"] == bad_id] == []
+    assert await check(client, sent) == []
+    await assert_nothing_left(client, dead=1)
 
 
 async def test_oversized_entry_is_dead_lettered_and_the_next_message_proceeds(client, workers):
     workers.start(1, **FAST, DIALOG_MAX_MESSAGE_BYTES="1000")
     k = client.keys
-    sk = k.session("big")
-    await client.redis.xgroup_create(k.stream, k.group, id="0", mkstream=True)
-    # A producer that bypasses send's check: the entry takes seq 1 in the session's order.
-    seq = await client.redis.hincrby(sk.state, "s", 1)
-    await client.redis.xadd(
-        k.stream,
-        {"session_id": "big", "msg_id": "huge", "seq": seq, "text": "x" * 5000, "enqueued_at": 0},
-    )
-    after = await client.send("big", "nama saya Budi")
-    assert after.seq == 2
-    await wait_for(lambda: client.state("big"), 20, "state")
+    # A producer that bypasses send's check: a raw XADD. It is refused at intake and takes no
+    # seq, so the next message of the session is seq 1.
+    await client.redis.xadd(k.stream, {"session_id": "big", "msg_id": "huge", "text": "x" * 5000})
+    await client.send("big", "nama saya Budi")
     state = await wait_for(
-        lambda: _state_at(client, "big", 2), 20, "the message after the oversized one"
+        lambda: _state_at(client, "big", 1), 20, "the message after the oversized one"
     )
     assert state["memory"] == {"userName": "Budi"}
+    assert [t["user"] for t in state["history"]] == ["nama saya Budi"]
     [letter] = await dead_letters(client)
-    assert letter["error_kind"] == "permanent" and "5000 bytes" in letter["error"]
+    assert letter["error_kind"] == "malformed" and "bytes" in letter["error"]
     assert len(letter["text"]) == 5000  # the dead letter keeps the original whole
-    await assert_nothing_left(client)
+    events = await reply_events(client, "big")
+    assert [(e["msg_id"], e["seq"], e["outcome"]) for e in events] == [
+        ("huge", "0", "dead_lettered"),
+        (events[1]["msg_id"], "1", "applied"),
+    ]
+    await assert_nothing_left(client, dead=1)
+
+
+async def test_malformed_entries_in_one_read_hurt_only_themselves(client, workers):
+    """One intake call reads all of these (appended before the worker starts): the refused
+    ones are dead-lettered alone, content the engine cannot take (text that is not UTF-8) is
+    dead-lettered in its turn, and a producer-written seq is ignored."""
+    k = client.keys
+    entries = [
+        {"session_id": "m", "text": "nama saya Budi", "seq": "99", "attempts": "7"},
+        {"text": "no session"},
+        {"session_id": "m", "text": "   "},
+        {"session_id": "m", "text": b"\xff\xfe not utf-8"},
+        {"session_id": "m", "msg_id": "huge", "text": "x" * 5000},
+        {"session_id": "m", "msg_id": "bad\x01id", "text": "control character in msg_id"},
+        {"session_id": "m", "text": "saya ada kendala"},
+    ]
+    ids = [await client.redis.xadd(k.stream, e) for e in entries]
+    workers.start(1, **FAST, DIALOG_MAX_MESSAGE_BYTES="1000")
+    state = await wait_for(lambda: _state_at(client, "m", 3), 20, "session m at seq 3")
+    assert [t["seq"] for t in state["history"]] == [1, 2, 3]
+    assert [t["bot"] == client.settings.fallback_reply for t in state["history"]] == [
+        False,
+        True,
+        False,
+    ]
+    assert state["memory"]["userName"] == "Budi" and state["step"] == "COMPLETED"
+    # Read as bytes: one dead letter keeps the text that is not UTF-8, byte for byte.
+    raw = redis.asyncio.Redis.from_url(client.settings.redis_url)
+    try:
+        letters = [f for _, f in await raw.xrange(k.dlq)]
+    finally:
+        await raw.aclose()
+    kinds = {f[b"source_entry_id"].decode(): f[b"error_kind"] for f in letters}
+    assert kinds == {i: b"malformed" for i in ids[1:6]}
+    assert [f[b"text"] for f in letters if f[b"source_entry_id"] == ids[3].encode()] == [
+        b"\xff\xfe not utf-8"
+    ]
+    events = await reply_events(client, "m")
+    assert sorted((e["entry_id"], e["seq"], e["outcome"]) for e in events) == sorted(
+        [
+            (ids[0], "1", "applied"),
+            (ids[2], "0", "dead_lettered"),
+            (ids[3], "2", "dead_lettered"),
+            (ids[4], "0", "dead_lettered"),
+            (ids[5], "0", "dead_lettered"),
+            (ids[6], "3", "applied"),
+        ]
+    )
+    await assert_nothing_left(client, dead=5)
+
+
+async def test_a_session_key_of_the_wrong_type_hurts_only_its_own_entries(client, workers):
+    """A per-session key of the wrong type (written by hand, or left by a bad restore) makes
+    the commands on it fail inside the intake script. Redis keeps what a failed script wrote:
+    the batch-mates' dedupe keys were written, their entries left pending, and every reclaim
+    answered them 'duplicate' without ever applying them (seen before the fix: the reclaimer
+    failed every round and the reply stream filled with duplicate events). The entries that
+    meet such a key are refused alone; the others are applied."""
+    k = client.keys
+    await client.redis.hset(k.session("x").dedupe("bad"), "not", "a string")
+    await client.redis.set(k.session("y").state, "not a hash")
+    ids = [
+        await client.redis.xadd(k.stream, e)
+        for e in [
+            {"session_id": "a", "msg_id": "m1", "text": "nama saya Budi"},
+            {"session_id": "x", "msg_id": "bad", "text": "halo"},
+            {"session_id": "y", "text": "halo"},
+            {"session_id": "a", "msg_id": "m2", "text": "saya ada kendala"},
+        ]
+    ]
+    workers.start(1, **FAST)
+    state = await wait_for(lambda: _state_at(client, "a", 2), 20, "session a at seq 2")
+    assert [t["msg_id"] for t in state["history"]] == ["m1", "m2"]
+    letters = {f["source_entry_id"]: f for f in await dead_letters(client)}
+    assert set(letters) == {ids[1], ids[2]}
+    assert all(f["error_kind"] == "malformed" for f in letters.values())
+    assert "WRONGTYPE" in letters[ids[1]]["error"] and "WRONGTYPE" in letters[ids[2]]["error"]
+    outcomes = [(f["entry_id"], f["outcome"]) for _, f in await client.redis.xrange(k.replies)]
+    assert sorted(outcomes) == sorted(
+        [
+            (ids[0], "applied"),
+            (ids[1], "dead_lettered"),
+            (ids[2], "dead_lettered"),
+            (ids[3], "applied"),
+        ]
+    )
+    # The corrupt keys are left as they were, for a human to look at.
+    assert await client.redis.type(k.session("y").state) == "string"
+    await assert_nothing_left(client, dead=2)
 
 
 async def _state_at(client, session_id: str, seq: int):
@@ -189,6 +300,7 @@ async def test_redrive_resends_and_a_message_that_fails_again_is_dead_lettered_a
     ]
     [again] = await dead_letters(client)
     assert again["text"] == "boom b" and again["msg_id"].startswith("redrive:")
+    await assert_nothing_left(client, dead=1)
     listed = await anyio.to_thread.run_sync(
         lambda: subprocess.run([*cli, "list"], env=env, capture_output=True, text=True, check=True)
     )

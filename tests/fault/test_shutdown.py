@@ -7,7 +7,8 @@ import time
 
 import anyio
 import pytest
-import redis.exceptions
+from queue_checks import assert_drained, lock_holders
+from redis_server import wait_until_async as wait_for
 
 from worker.verify import check, send_bursts, wait_applied
 
@@ -23,18 +24,16 @@ async def test_second_signal_exits_at_once_and_the_message_is_finished_elsewhere
     }
     [first] = workers.start(1, DIALOG_SHUTDOWN_GRACE_S="60", **fast)
     sent = await send_bursts(client, ["slow"], ["sleep 5 nama saya Budi", "keluhan"])
-    k = client.keys
+    sk = client.keys.session("slow")
 
-    async def started():
-        try:
-            return (await client.redis.xpending(k.stream, k.group))["pending"] > 0
-        except redis.exceptions.ResponseError:  # the worker has not created the group yet
-            return False
+    async def started() -> bool:
+        # The 5 s step runs: its attempt is counted and the first worker holds the lock.
+        return (
+            await client.redis.hget(sk.state, "n") == "1"
+            and first.name in (await lock_holders(client)).values()
+        )
 
-    deadline = time.monotonic() + 20
-    while not await started():
-        assert time.monotonic() < deadline
-        await anyio.sleep(0.05)
+    await wait_for(started, 20, "the 5 s step to start")
     first.signal(signal.SIGTERM)
     await anyio.sleep(0.3)  # pacing: the second signal must come after the first one
     assert first.alive(), "the first signal must wait for the grace period"
@@ -42,15 +41,21 @@ async def test_second_signal_exits_at_once_and_the_message_is_finished_elsewhere
     first.signal(signal.SIGTERM)
     code = await anyio.to_thread.run_sync(lambda: first.proc.wait(10))
     assert code != 0 and time.monotonic() - t0 < 5
-    # What it held is still pending (or parked): a new worker finishes it, once, in order.
+    # It left at once: nothing was handed back (a hand-back gives the attempt back, n = 0).
+    assert await client.redis.hget(sk.state, "n") == "1"
+    # The session comes back through the ready set when the lease ends: a new worker
+    # finishes it, once, in order.
     workers.start(1, **fast)
     assert await wait_applied(client, sent, timeout_s=60)
     assert await check(client, sent) == []
+    await assert_drained(client, timeout_s=20)
 
 
-async def test_messages_waiting_behind_a_long_step_are_not_reclaimed_meanwhile(client, workers):
-    """One read holds a session's burst; the first step outlasts the visibility timeout. The
-    heartbeat keeps the waiting entries fresh, so no other worker reclaims them meanwhile."""
+async def test_session_behind_a_long_step_is_not_taken_over_meanwhile(client, workers):
+    """One read holds a session's burst; the first step outlasts the lock TTL several times.
+    The heartbeat renews the lease and pushes the session's place in the ready set back, so
+    the other worker never resumes the session meanwhile: every lock token seen belongs to
+    one worker, and nobody counts a session resumed after a lease ran out."""
     fast = {
         "DIALOG_ENGINE": "fault_engine:make",
         "DIALOG_LOCK_TTL_MS": "600",
@@ -60,8 +65,18 @@ async def test_messages_waiting_behind_a_long_step_are_not_reclaimed_meanwhile(c
     }
     sent = await send_bursts(client, ["long"], ["sleep 2.5 nama saya Budi", "dua", "tiga"])
     procs = workers.start(2, metrics=True, **fast)
-    assert await wait_applied(client, sent, timeout_s=30)
+    lock = client.keys.session("long").lock
+    tokens: set[str] = set()
+
+    async def applied_watching_the_lock() -> bool:
+        token = await client.redis.get(lock)
+        if token is not None:
+            tokens.add(token)
+        return await client.redis.hget(client.keys.session("long").state, "a") == "3"
+
+    await wait_for(applied_watching_the_lock, 30, "all three applied", interval_s=0.02)
     assert await check(client, sent) == []
+    assert len({t.split(":", 1)[0] for t in tokens}) == 1, tokens
     reclaimed = sum(
         float(line.rsplit(" ", 1)[1])
         for w in procs
@@ -69,3 +84,4 @@ async def test_messages_waiting_behind_a_long_step_are_not_reclaimed_meanwhile(c
         if line.startswith("dialog_reclaimed_total ")
     )
     assert reclaimed == 0
+    await assert_drained(client, timeout_s=20)

@@ -435,3 +435,14 @@ async def test_release_sent_twice_releases_once(h):
     assert await h.release(token, "rl", 1, 0, False) == Code.RELEASED
     assert await h.release(token, "rl", 1, 0, False) == Code.FENCED_TOKEN
     assert (await h.state("rl"))[b"n"] == b"0"
+
+
+async def test_resume_skips_a_session_whose_state_key_has_the_wrong_type(h):
+    await xadd(h, "fine")
+    await h.intake()
+    await h.r.delete(h.k.session("fine").lock)
+    await h.r.set(h.k.session("corrupt").state, "not a hash")
+    await h.r.zadd(h.k.ready, {"corrupt": 0, "fine": 1})
+    [rows, _] = await h.resume()
+    assert [r[1] for r in rows] == [b"fine"]
+    assert await h.r.zscore(h.k.ready, "corrupt") > 1  # looked at again later, alone

@@ -213,15 +213,18 @@ def test_whole_pipeline_runs_as_the_restricted_users(
 ) -> None:
     """send (producer) -> run (worker) -> stats, state, session, dlq list/show/redrive/purge,
     verify (operator), and not one command denied, in both key layouts. The messages drive
-    every Lua script under the worker's ACL: acquire/commit (with parking and hand-off), retry
-    ("boom" fails every time), renew (a step longer than a third of the lock TTL), promote,
-    deadletter (an entry without session), delconsumer (an idle consumer owning nothing)."""
+    every Lua script and every direct command of the worker under its ACL: intake (a burst of
+    sessions, later entries held and handed off by the commits, refused entries, a duplicate
+    msg_id), commit, release ("boom" fails every time; "fatal" dead-letters), renew (a step
+    longer than a third of the lock TTL), resume (retries after their backoff), XAUTOCLAIM
+    (the reclaimer's intake), delconsumer (an idle consumer owning nothing), the sampler."""
     acl.admin.flushall()
     acl.admin.execute_command("ACL", "LOG", "RESET")
-    sessions = [f"acl-{i}" for i in range(5)]
-    texts = ["nama saya Budi", "pesan 2", "pesan 3", "pesan 4"]
+    sessions = [f"acl-{i}" for i in range(20)]
+    texts = ["nama saya Budi", "pesan 2", "pesan 3", "pesan 4", "pesan 5"]
     layout_env = LAYOUTS[layout]
     producer = settings_for(acl.url("producer"), **layout_env)
+    operator = settings_for(acl.url("operator"), **layout_env)
     topology = Topology.from_settings(producer)
     keys = topology.shards[0]
 
@@ -234,23 +237,25 @@ def test_whole_pipeline_runs_as_the_restricted_users(
             await c.send("acl-poison", "nama saya Ani")
             await c.send("acl-boom", "boom: fails on every attempt")
             await c.send("acl-slow", "sleep 0.8 then the usual rules")
-            # An entry that names no session (only a producer with raw XADD could write it).
+            # The same msg_id twice: the second is answered as a duplicate.
+            await c.send("acl-dup", "nama saya Budi", msg_id="once")
+            await c.send("acl-dup", "nama saya Budi", msg_id="once")
+            # An entry that names no session (a producer's raw XADD can write anything).
             await c.redis.xadd(keys.stream, {"text": "no session here", "seq": "1"})
 
     asyncio.run(produce())  # before any worker: the worker user creates the group from 0
-    as_producer = redis.Redis.from_url(acl.url("producer"), decode_responses=True)
     as_operator = redis.Redis.from_url(acl.url("operator"), decode_responses=True)
 
     def applied(sid: str) -> int:
         state_key = topology.for_session(sid).session(sid).state
-        return int(as_producer.hget(state_key, "a") or 0)
+        return int(as_operator.hget(state_key, "a") or 0)
 
     def dead_letters() -> int:
         return sum(int(as_operator.xlen(k.dlq)) for k in topology.shards)
 
     def all_applied(poison: int, boom: int) -> bool:
-        rest = (applied("acl-poison"), applied("acl-boom"), applied("acl-slow"))
-        return all(applied(s) == len(texts) for s in sessions) and rest == (poison, boom, 1)
+        rest = tuple(applied(s) for s in ("acl-poison", "acl-boom", "acl-slow", "acl-dup"))
+        return all(applied(s) == len(texts) for s in sessions) and rest == (poison, boom, 1, 1)
 
     pool = WorkerPool(
         worker_env(
@@ -262,9 +267,11 @@ def test_whole_pipeline_runs_as_the_restricted_users(
             DIALOG_BACKOFF_MAX_MS="50",
             DIALOG_RECLAIM_INTERVAL_MS="200",
             DIALOG_CONSUMER_IDLE_DELETE_S="1",
+            DIALOG_METRICS_SAMPLE_INTERVAL_S="0.1",
         ),
         tmp_path,
     )
+    w2 = None
     try:
         [w] = pool.start(1, metrics=True)
         wait_until(lambda: all_applied(2, 1), 30, what="every message applied or dead-lettered")
@@ -280,7 +287,7 @@ def test_whole_pipeline_runs_as_the_restricted_users(
         )
 
         async def states() -> dict[str, Any]:
-            async with DialogClient(settings=producer) as c:
+            async with DialogClient(settings=operator) as c:
                 return {sid: await c.state(sid) for sid in [*sessions, "acl-poison"]}
 
         got = asyncio.run(states())
@@ -292,8 +299,11 @@ def test_whole_pipeline_runs_as_the_restricted_users(
         assert poison[0]["bot"] == producer.fallback_reply
         assert poison[1]["bot"] == "Halo Ani, ada yang bisa dibantu?"
         metrics = w.metrics_text()
-        assert metric(metrics, "dialog_lease_renewals_total") > 0  # renew-3.lua ran
-        assert metric(metrics, "dialog_retries_total") > 0  # retry-5.lua ran
+        assert metric(metrics, "dialog_lease_renewals_total") > 0  # renew-2.lua ran
+        assert metric(metrics, "dialog_retries_total") > 0  # release-2.lua ran
+        assert metric(metrics, "dialog_handoffs_total") > 0  # commit-5.lua handed off
+        duplicates = [line for line in metrics.splitlines() if 'outcome="duplicate"' in line]
+        assert duplicates and float(duplicates[0].rsplit(" ", 1)[1]) == 1.0
 
         op_env = worker_env(acl.url("operator"), **layout_env)
         stats = cli(op_env, "stats")
@@ -304,7 +314,7 @@ def test_whole_pipeline_runs_as_the_restricted_users(
         dead = {d.get("session_id"): d for d in map(json.loads, listed.stdout.splitlines())}
         assert dead["acl-poison"]["error_kind"] == "permanent"
         assert dead["acl-boom"]["error_kind"] == "exhausted"
-        assert None in dead  # the entry without a session
+        assert dead[None]["error_kind"] == "malformed"  # the entry without a session
         shown = cli(op_env, "dlq", "show", dead["acl-poison"]["id"])
         assert shown.returncode == 0, shown.stderr
         assert json.loads(shown.stdout)["text"].startswith("fatal")
@@ -333,18 +343,121 @@ def test_whole_pipeline_runs_as_the_restricted_users(
         assert released.returncode == 0, released.stderr
         verified = cli(op_env, "verify", "--sessions", "3", "--burst", "3", "--timeout", "60")
         assert verified.returncode == 0, verified.stdout + verified.stderr
-        purged = cli(op_env, "dlq", "purge")
-        assert purged.returncode == 0, purged.stderr
-        assert json.loads(purged.stdout) == {"purged": 3}
+        # One by one with --id (purging everything at once asks for confirmation).
+        left = cli(op_env, "dlq", "list")
+        for entry_id in [json.loads(line)["id"] for line in left.stdout.splitlines()]:
+            purged = cli(op_env, "dlq", "purge", "--id", entry_id)
+            assert purged.returncode == 0, purged.stderr
+            assert json.loads(purged.stdout) == {"purged": 1}
         assert dead_letters() == 0
 
         assert acl.acl_log() == [], "a role was denied a command it needs"
         assert w2.terminate() == 0
     finally:
         pool.stop_all()
-        as_producer.close()
         as_operator.close()
-    assert acl.passwords["worker"] not in w.log_text() + w2.log_text()
+    logs = w.log_text() + (w2.log_text() if w2 is not None else "")
+    assert acl.passwords["worker"] not in logs
+
+
+def session_keys(layout: str) -> dict[str, str]:
+    """One session's keys and its shard's ready set and streams, in the given layout."""
+    settings = Settings(**({"shards": 3} if layout == "sharded" else {}))
+    keys = Topology.from_settings(settings).for_session("sess")
+    sk = keys.session("sess")
+    return {
+        "state": sk.state,
+        "lock": sk.lock,
+        "dedupe": sk.dedupe("m1"),
+        "dedupe_brace": sk.dedupe("m}"),  # ends in "}" like a sharded stream name
+        "ready": keys.ready,
+        "stream": keys.stream,
+        "replies": keys.replies,
+        "dlq": keys.dlq,
+    }
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_producer_can_append_to_the_inbound_stream_and_touch_nothing_else(
+    acl: AclRedis, layout: str
+) -> None:
+    """Real commands on a real connection as `producer`: XADD to its session's inbound stream
+    works; every command on a session key, the ready set, the reply and dead-letter streams
+    is refused, including XADD to a key that is not a stream of the deployment."""
+    acl.admin.flushall()
+    k = session_keys(layout)
+    acl.admin.hset(k["state"], mapping={"a": "1", "s": "1", "v": "1", "d": "{}"})
+    acl.admin.set(k["lock"], "token", px=60_000)
+    acl.admin.set(k["dedupe"], "1", ex=600)
+    acl.admin.zadd(k["ready"], {"sess": 1})
+    before = {key: acl.admin.dump(key) for key in (k["state"], k["lock"], k["dedupe"], k["ready"])}
+    r = redis.Redis.from_url(acl.url("producer"), decode_responses=True)
+    try:
+        assert r.xadd(k["stream"], {"session_id": "sess", "text": "hello"})
+        refused = []
+        for name in ("state", "lock", "dedupe", "ready"):
+            key = k[name]
+            for command in (
+                ("GET", key),
+                ("SET", key, "x"),
+                ("HINCRBY", key, "s", "1"),
+                ("HGET", key, "d"),
+                ("EXPIRE", key, "1"),
+                ("PERSIST", key),
+                ("DEL", key),
+                ("ZADD", key, "1", "x"),
+                ("XADD", key, "*", "f", "v"),
+            ):
+                try:
+                    r.execute_command(*command)
+                except redis.exceptions.NoPermissionError:
+                    refused.append(command[0])
+                else:
+                    pytest.fail(f"producer ran {command} on its {name} key")
+        for command in (
+            ("XADD", k["dedupe_brace"], "*", "f", "v"),  # would make a session key a stream
+            ("XADD", k["replies"], "*", "f", "v"),
+            ("XADD", k["dlq"], "*", "f", "v"),
+            ("XRANGE", k["stream"], "-", "+"),
+            ("XREADGROUP", "GROUP", "g", "c", "STREAMS", k["stream"], ">"),
+            ("EVALSHA", "0" * 40, "1", k["state"]),
+            ("SCRIPT", "LOAD", "return 1"),
+            ("SET", "dialog:shards", "9"),
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                r.execute_command(*command)
+        assert r.get("dialog:shards") is None  # what the client reads: allowed
+    finally:
+        r.close()
+    assert len(refused) == 4 * 9
+    # Nothing changed, and no stream appeared where a session key could be.
+    assert {key: acl.admin.dump(key) for key in before} == before
+    assert acl.admin.exists(k["dedupe_brace"]) == 0
+
+
+def test_operator_can_reshard_there_and_back_with_nothing_denied(acl: AclRedis) -> None:
+    """reshard as `operator`, 1 -> 2 -> 1 shards: every key moved with its selectors (DUMP,
+    RESTORE, DEL, the dead-letter script, SET dialog:shards), ACL LOG empty."""
+    acl.admin.flushall()
+    acl.admin.execute_command("ACL", "LOG", "RESET")
+    plain = Keys.from_settings(Settings())
+    acl.admin.xgroup_create(plain.stream, plain.group, id="0", mkstream=True)
+    for sid in ("r1", "r{2}", "r3"):
+        sk = plain.session(sid)
+        acl.admin.hset(sk.state, mapping={"a": "2", "s": "2", "v": "2", "d": "{}"})
+        acl.admin.expire(sk.state, 600)
+        acl.admin.set(sk.dedupe("m1"), "1", ex=600)
+        acl.admin.xadd(plain.dlq, {"session_id": sid, "text": "t", "error": "e"})
+    env = worker_env(acl.url("operator"))
+    there = cli(env, "reshard", "--to", "2", "--yes")
+    assert there.returncode == 0, there.stderr
+    assert json.loads(there.stdout)["sessions"] == 3
+    back = cli({**env, "DIALOG_SHARDS": "2"}, "reshard", "--to", "1", "--yes")
+    assert back.returncode == 0, back.stderr
+    assert json.loads(back.stdout)["dead_letters"] == 3
+    assert acl.admin.get("dialog:shards") == "1"
+    assert acl.admin.ttl(plain.session("r{2}").dedupe("m1")) > 0
+    assert acl.acl_log() == [], "the operator was denied a command reshard needs"
 
 
 def test_worker_user_gets_noperm_outside_its_job(acl: AclRedis) -> None:
@@ -376,7 +489,11 @@ def test_worker_user_gets_noperm_outside_its_job(acl: AclRedis) -> None:
 
 
 # Commands each role may or may not run, checked with ACL DRYRUN (nothing is executed).
-S = "dialog:s:{sess}"
+# Plain-layout names; `sharded_names` maps them to shard 1 of 3.
+S = "dialog:{dialog}:s:{sess}"  # a session's key prefix
+READY = "dialog:{dialog}:ready"
+PREFIX = "dialog:{dialog}:s:"  # the session key prefix the scripts are given
+MOVED = "dialog:{dialog}:reshard"  # reshard's progress set of a shard
 SHA = "0" * 40
 FORBIDDEN_TO_ALL = [
     "FLUSHALL",
@@ -416,52 +533,82 @@ ALLOWED_TO_ALL = [
 ]
 MATRIX: dict[str, list[tuple[str, bool]]] = {
     "worker": [
-        (f"EVALSHA {SHA} 1 dialog", True),
+        (f"EVALSHA {SHA} 5 dialog {READY} {PREFIX} dialog-dlq dialog-replies", True),
+        (f"EVALSHA {SHA} 5 dialog {READY} {PREFIX} dialog-replies dialog-dlq", True),
+        (f"EVALSHA {SHA} 3 dialog {READY} {PREFIX}", True),
+        (f"EVALSHA {SHA} 2 {READY} {PREFIX}", True),
         ("XREADGROUP GROUP dialog-workers c COUNT 1 STREAMS dialog >", True),
         ("XAUTOCLAIM dialog dialog-workers c 1000 0-0", True),
+        ("XREAD COUNT 1 BLOCK 1000 STREAMS dialog 0-0", True),
         ("XGROUP CREATE dialog dialog-workers 0 MKSTREAM", True),
+        ("XGROUP DELCONSUMER dialog dialog-workers c", True),
         ("XGROUP DESTROY dialog dialog-workers", False),
         ("XGROUP SETID dialog dialog-workers $", False),
         ("XTRIM dialog MAXLEN 0", False),
-        ("ZADD dialog:delayed 1 x", True),
-        (f"SET {S}:lock t PX 5000", True),
+        (f"ZADD {READY} 1 x", True),
+        (f"ZRANGEBYSCORE {READY} -inf 1 LIMIT 0 1", True),
+        (f"SET {S}:lock t PX 5000 NX", True),
+        (f"PTTL {S}:lock", True),
+        (f"PERSIST {S}:state", True),
+        (f"HSET {S}:state a 1", True),
+        (f"TYPE {READY}", True),
+        ("SET dialog:shards 1 NX", True),
         ("XADD dialog-dlq * f v", True),
         ("XADD dialog-other * f v", False),
+        ("SET other:lock t", False),
     ],
     "producer": [
-        (f"EVALSHA {SHA} 3 {S}:state {S}:msg:m1 dialog", True),
-        (f"HGET {S}:state d", True),
-        ("XADD dialog * f v", True),
+        ("XADD dialog * session_id s text t", True),
+        ("GET dialog:shards", True),
+        ("SET dialog:shards 2", False),
         ("XRANGE dialog - +", False),
         ("XREADGROUP GROUP dialog-workers c STREAMS dialog >", False),
+        ("XLEN dialog", False),
         (f"GET {S}:lock", False),
         (f"SET {S}:lock t", False),
         (f"DEL {S}:state", False),
+        (f"HGET {S}:state d", False),
         (f"HSET {S}:state a 9", False),
-        (f"EVALSHA {SHA} 1 {S}:lock", False),
+        (f"HINCRBY {S}:state s 1", False),
+        (f"EXPIRE {S}:state 1", False),
+        (f"GET {S}:msg:m1", False),
+        (f"SET {S}:msg:m1 1", False),
+        (f"XADD {S}:msg:m}} * f v", False),
+        (f"XADD {S}:state * f v", False),
+        (f"EVALSHA {SHA} 1 dialog", False),
+        ("SCRIPT LOAD return", False),
         ("XADD dialog-dlq * f v", False),
         ("XADD dialog-replies * f v", False),
-        ("ZADD dialog:delayed 1 x", False),
+        (f"ZADD {READY} 1 x", False),
+        (f"ZRANGE {READY} 0 -1", False),
     ],
     "operator": [
         ("XRANGE dialog-dlq - +", True),
         ("XREVRANGE dialog-replies + - COUNT 1", True),
         ("XINFO GROUPS dialog", True),
+        ("XINFO CONSUMERS dialog dialog-workers", True),
         (f"HGETALL {S}:state", True),
-        ("HSCAN dialog:delayed:data 0", True),
-        (f"EVALSHA {SHA} 3 {S}:state {S}:msg:m1 dialog", True),
+        (f"ZSCORE {READY} sess", True),
+        ("XADD dialog * session_id s text t", True),  # redrive, verify
         ("XDEL dialog-dlq 1-1", True),
         ("DEL dialog-dlq", True),
         (f"DEL {S}:lock", True),
+        ("SCAN 0 MATCH dialog:* COUNT 10", True),  # reshard
+        (f"DUMP {S}:state", True),
+        (f"RESTORE {S}:state 0 x", True),
+        (f"DEL {S}:state", True),
+        (f"DEL {READY}", True),
+        (f"EVALSHA {SHA} 2 dialog-dlq {MOVED}", True),
+        ("SET dialog:shards 2", True),
         ("XDEL dialog 1-1", False),
-        ("DEL dialog", False),
-        (f"DEL {S}:state", False),
         (f"HSET {S}:state a 9", False),
         (f"SET {S}:lock t", False),
-        ("XADD dialog-dlq * f v", False),
+        (f"ZREM {READY} x", False),
+        (f"ZADD {READY} 1 x", False),
         ("XACK dialog dialog-workers 1-1", False),
         ("XREADGROUP GROUP dialog-workers c STREAMS dialog >", False),
-        ("ZREM dialog:delayed x", False),
+        ("XADD dialog-replies * f v", False),
+        (f"EVALSHA {SHA} 3 dialog {READY} {PREFIX}", False),
     ],
     "keda": [
         ("XINFO GROUPS dialog", True),
@@ -471,6 +618,7 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
         ("XADD dialog * f v", False),
         ("XLEN dialog-dlq", False),
         (f"HGET {S}:state d", False),
+        (f"XLEN {S}:msg:m}}", False),
     ],
 }
 
@@ -479,11 +627,10 @@ def sharded_names() -> dict[str, str]:
     """Plain key name -> the same key of shard 1 of 3 in the sharded layout."""
     plain = Keys.from_settings(Settings())
     sharded = Topology.from_settings(Settings(shards=3)).shards[1]
-    names = {
-        getattr(plain, f): getattr(sharded, f)
-        for f in ("stream", "replies", "dlq", "delayed", "delayed_data")
-    }
+    names = {getattr(plain, f): getattr(sharded, f) for f in ("stream", "replies", "dlq", "ready")}
+    names[PREFIX] = sharded.session_prefix
     names[S] = sharded.session("sess").state.removesuffix(":state")
+    names[MOVED] = f"{sharded.prefix}:{{{sharded.tag}}}:reshard"
     return names
 
 
@@ -497,6 +644,7 @@ def test_each_role_has_exactly_its_rights(acl: AclRedis, role: str, layout: str)
     for command, allowed in cases:
         args = [names.get(a, a) for a in command.split()]
         args = [a.replace(S, names[S]) if names and a.startswith(S) else a for a in args]
+        args = [a.replace(READY, names[READY]) if names and a == READY else a for a in args]
         if args[0] == "EVAL":
             args = ["EVAL", "return 1", "0"]
         answer = acl.admin.execute_command("ACL", "DRYRUN", role, *args)
