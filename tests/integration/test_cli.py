@@ -36,6 +36,7 @@ async def acli(env, *args, **extra_env):
         ("DIALOG_LOCK_TTL_MS", "-5"),
         ("DIALOG_LOG_FORMAT", "xml"),
         ("REDIS_URL", "http://user:s3cret@host"),
+        ("REDIS_URL", "redis://localhost:notaport/0"),
     ],
 )
 def test_invalid_setting_fails_with_one_line_naming_it_and_exit_2(env, name, value):
