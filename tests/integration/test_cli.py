@@ -48,6 +48,64 @@ def test_invalid_setting_fails_with_one_line_naming_it_and_exit_2(env, name, val
     assert "s3cret" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["dlq", "list", "--limit", "-5"],
+        ["dlq", "show", "nonsense"],
+        ["dlq", "redrive", "--id", "nonsense"],
+        ["dlq", "purge"],
+        ["send", "   ", "hi"],
+        ["state", "  "],
+        ["session", " "],
+        ["stats", "--shard", "x"],
+        ["verify", "--sessions", "0"],
+        ["frobnicate"],
+        [],
+    ],
+    ids=lambda a: " ".join(a) or "nothing",
+)
+def test_bad_input_is_one_line_on_stderr_and_exit_2(env, args):
+    result = cli(env, *args)
+    assert result.returncode == 2, result
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("dialog-worker: "), result.stderr
+
+
+async def test_purge_of_everything_needs_yes(env, client):
+    await client.redis.xadd(client.keys.dlq, {"session_id": "p", "error": "x"})
+    refused = await acli(env, "dlq", "purge")
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    assert await client.redis.xlen(client.keys.dlq) == 1
+    done = await acli(env, "dlq", "purge", "--yes")
+    assert done.returncode == 0 and json.loads(done.stdout) == {"purged": 1}
+    assert await client.redis.xlen(client.keys.dlq) == 0
+
+
+def test_version_and_help_for_every_argument(env):
+    import argparse
+
+    from worker import __version__
+    from worker.cli import _parser
+
+    result = cli(env, "--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"dialog-worker {__version__}"
+
+    def walk(parser: argparse.ArgumentParser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    yield from ((f"{name} {where}", a) for where, a in walk(child))
+            elif not isinstance(action, argparse._HelpAction | argparse._VersionAction):
+                yield "", action
+
+    missing = [
+        f"{where}{a.dest}" for where, a in walk(_parser()) if not a.help or a.help == "==SUPPRESS=="
+    ]
+    assert missing == []
+
+
 def test_run_with_unloadable_engine_exits_2(env):
     result = cli(env, "run", DIALOG_ENGINE="no_such_module:make")
     assert result.returncode == 2
