@@ -333,7 +333,7 @@ def test_whole_pipeline_runs_as_the_restricted_users(
         assert released.returncode == 0, released.stderr
         verified = cli(op_env, "verify", "--sessions", "3", "--burst", "3", "--timeout", "60")
         assert verified.returncode == 0, verified.stdout + verified.stderr
-        purged = cli(op_env, "dlq", "purge")
+        purged = cli(op_env, "dlq", "purge", "--yes")
         assert purged.returncode == 0, purged.stderr
         assert json.loads(purged.stdout) == {"purged": 3}
         assert dead_letters() == 0
