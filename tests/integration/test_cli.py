@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -104,6 +105,23 @@ def test_version_and_help_for_every_argument(env):
         f"{where}{a.dest}" for where, a in walk(_parser()) if not a.help or a.help == "==SUPPRESS=="
     ]
     assert missing == []
+
+
+def test_run_with_metrics_port_in_use_is_one_line_naming_it_and_exit_2(env):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        result = cli(
+            env,
+            "run",
+            DIALOG_METRICS_HOST="127.0.0.1",
+            DIALOG_METRICS_PORT=port,
+        )
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "DIALOG_METRICS_PORT" in lines[0] and port in lines[0]
 
 
 def test_run_with_unloadable_engine_exits_2(env):
