@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import traceback
@@ -180,16 +179,17 @@ def _report(exc: BaseException, settings: Settings | None) -> int:
 
 
 def _run(settings: Settings) -> int:
+    from worker import embedded as local
     from worker.daemon import run_worker
-    from worker.embedded import ensure_local_redis
     from worker.engine import load_engine
     from worker.log import configure
 
     configure(settings.log_level, settings.log_format, settings.consumer)
     engine = load_engine(settings.engine or None, settings.rules_file or None)
     embedded = None
-    if "REDIS_URL" not in os.environ and settings.redis_url == "redis://localhost:6379/0":
-        embedded = ensure_local_redis()
+    if local.wanted(settings.redis_url):
+        embedded = local.ensure_local_redis()
+        settings = settings.replace(redis_url=local.url())
     try:
         run_worker(settings, engine)
     except ConfigError:
@@ -199,9 +199,8 @@ def _run(settings: Settings) -> int:
         structlog.get_logger("dialog_worker").exception("worker_crashed")
         return EXIT_FAILURE
     finally:
-        if embedded is not None:
-            embedded.terminate()
-            embedded.wait(timeout=10)
+        if embedded is not None:  # only now: the worker has finished its graceful shutdown
+            local.stop(embedded)
     return EXIT_OK
 
 
