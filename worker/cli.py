@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import traceback
@@ -47,6 +48,14 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _processes(raw: str) -> int:
+    if raw == "auto":
+        from worker.supervisor import cpu_count
+
+        return cpu_count()
+    return _positive_int(raw)
+
+
 def _session_id(raw: str) -> str:
     """Refused here as well as by the client: a blank id names no conversation."""
     if not raw.strip():
@@ -73,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
         "--concurrency", type=_positive_int, help="messages in flight (DIALOG_CONCURRENCY)"
     )
     run.add_argument("--consumer", help="consumer name, unique per process (DIALOG_CONSUMER)")
+    run.add_argument(
+        "--processes",
+        type=_processes,
+        default=1,
+        help="worker processes on this host under one supervisor that restarts them and "
+        "serves one /metrics for all ('auto': one per CPU; default 1: no supervisor)",
+    )
 
     send = sub.add_parser("send", help="enqueue one message")
     send.add_argument("session", type=_session_id, help="session id")
@@ -146,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(overrides)
         if args.command == "run":
-            return _run(settings)
+            return _run(settings, args.processes, overrides)
         return int(anyio.run(_COMMANDS[args.command], settings, args))
     except KeyboardInterrupt:
         print("dialog-worker: interrupted", file=sys.stderr)
@@ -178,9 +194,8 @@ def _report(exc: BaseException, settings: Settings | None) -> int:
     return code
 
 
-def _run(settings: Settings) -> int:
+def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
     from worker import embedded as local
-    from worker.daemon import run_worker
     from worker.engine import load_engine
     from worker.log import configure
 
@@ -190,7 +205,14 @@ def _run(settings: Settings) -> int:
     if local.wanted(settings.redis_url):
         embedded = local.ensure_local_redis()
         settings = settings.replace(redis_url=local.url())
+        flags = {**flags, "redis_url": settings.redis_url}  # children use ours, start none
     try:
+        if processes > 1:
+            return _supervise(settings, processes, flags)
+        from worker.daemon import run_worker
+        from worker.supervisor import watch_supervisor
+
+        watch_supervisor()
         run_worker(settings, engine)
     except ConfigError:
         raise
@@ -202,6 +224,25 @@ def _run(settings: Settings) -> int:
         if embedded is not None:  # only now: the worker has finished its graceful shutdown
             local.stop(embedded)
     return EXIT_OK
+
+
+def _supervise(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
+    from worker.config import default_consumer, env_name
+    from worker.supervisor import Supervisor, run_supervisor
+
+    # Children read the same environment and config file; what only we know goes into theirs.
+    env = dict(os.environ)
+    env.update({env_name(k): str(v) for k, v in flags.items() if v is not None})
+    explicit = settings.consumer != default_consumer()
+    supervisor = Supervisor(
+        processes,
+        child_env=env,
+        metrics_host=settings.metrics_host,
+        metrics_port=settings.metrics_port,
+        shutdown_grace_s=settings.shutdown_grace_s,
+        consumer=settings.consumer if explicit else None,
+    )
+    return run_supervisor(supervisor)
 
 
 async def _send(settings: Settings, args: argparse.Namespace) -> int:

@@ -257,10 +257,15 @@ def load_settings(
 
     values = {field: _PARSERS[field](label, value) for field, (label, value) in raw.items()}
     if not values.get("consumer"):
-        values["consumer"] = f"{socket.gethostname()}-{os.getpid()}"
+        values["consumer"] = default_consumer()
     settings = Settings(**values)
     _check_relations(settings)
     return settings
+
+
+def default_consumer() -> str:
+    """Unique per process on a host, and stable for its life."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _read_config_file(env: Mapping[str, str]) -> dict[str, Any]:

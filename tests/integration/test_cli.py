@@ -61,6 +61,8 @@ def test_invalid_setting_fails_with_one_line_naming_it_and_exit_2(env, name, val
         ["session", " "],
         ["stats", "--shard", "x"],
         ["verify", "--sessions", "0"],
+        ["run", "--processes", "0"],
+        ["run", "--processes", "many"],
         ["frobnicate"],
         [],
     ],
@@ -107,7 +109,8 @@ def test_version_and_help_for_every_argument(env):
     assert missing == []
 
 
-def test_run_with_metrics_port_in_use_is_one_line_naming_it_and_exit_2(env):
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_run_with_metrics_port_in_use_is_one_line_naming_it_and_exit_2(env, processes):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -115,6 +118,8 @@ def test_run_with_metrics_port_in_use_is_one_line_naming_it_and_exit_2(env):
         result = cli(
             env,
             "run",
+            "--processes",
+            processes,
             DIALOG_METRICS_HOST="127.0.0.1",
             DIALOG_METRICS_PORT=port,
         )
