@@ -72,34 +72,37 @@ def _session(
     state: dict[str, Any] | None,
     stateful: bool,
 ) -> Counter[str]:
+    """`msgs` in the order they were sent, which is the session's order: replies and history
+    turns are placed by msg_id in it (no seq needed)."""
     c: Counter[str] = Counter()
-    msgs.sort(key=lambda m: m.seq)
-    keys = [(sid, m.seq) for m in msgs]
+    position = {m.msg_id: i for i, m in enumerate(msgs)}
+    keys = [(sid, m.msg_id) for m in msgs]
     dead = sum(1 for k in keys if k in reader.dead_lettered)
     c["dead_lettered"] += dead
     c["missing_replies"] += sum(1 for k in keys if reader.count[k] == 0)
     c["extra_replies"] += sum(max(0, reader.count[k] - 1) for k in keys)
-    late = inversions(reader.order.get(sid, []))
+    late = inversions([position[m] for m in reader.order.get(sid, []) if m in position])
     lost = dup = 0
     if stateful:
         if state is None:
             lost = len(msgs) - dead
         else:
             history = state.get("history", [])
-            hseqs = [int(turn["seq"]) for turn in history]
-            late = max(late, inversions(hseqs))
+            turns = [position[t["msg_id"]] for t in history if t.get("msg_id") in position]
+            late = max(late, inversions(turns))
             hcount = Counter(turn["msg_id"] for turn in history)
             dup = sum(v - 1 for v in hcount.values() if v > 1)
             version = int(state.get("version", 0))
             # version counts the writes that survived; one per applied message
             lost = max(0, len(msgs) - dead - version)
             dup = max(dup, version - (len(msgs) - dead))
-            applied = [m for m in msgs if (sid, m.seq) not in reader.dead_lettered]
+            applied = [m for m in msgs if (sid, m.msg_id) not in reader.dead_lettered]
             limit = target.settings.history_limit
             if len(applied) <= len(history) or len(history) < limit:
                 # history is not truncated: every applied message must be in it
                 lost = max(lost, sum(1 for m in applied if m.msg_id not in hcount))
-            if target.system == "ours" and int(state.get("applied_seq", 0)) != msgs[-1].seq:
+            # A fresh session's seqs are 1..n in send order: the last one applied is n.
+            if target.system == "ours" and int(state.get("applied_seq", 0)) != len(msgs):
                 c["not_applied"] += 1
     c["lost"] += lost
     c["duplicated"] += dup

@@ -59,16 +59,18 @@ async def snapshot(target: Target, metrics_urls: list[str]) -> Snapshot:
 
 class ReplyReader:
     """Reads the reply stream (XREAD BLOCK from the last ID before the run) and records, per
-    (session, seq), when each reply reached the bench and its Redis time."""
+    (session, msg_id), when each reply reached the bench and its Redis time, and per session
+    the order of the msg_ids replied to. Keyed by msg_id, not seq: the bench knows every
+    msg_id when it sends, while a seq is the worker's to assign."""
 
     def __init__(self, target: Target, after: str, prefix: str) -> None:
         self.target = target
         self.after = after
         self.prefix = prefix
-        self.first: dict[tuple[str, int], tuple[float, int]] = {}
-        self.count: Counter[tuple[str, int]] = Counter()
-        self.order: dict[str, list[int]] = defaultdict(list)
-        self.dead_lettered: set[tuple[str, int]] = set()
+        self.first: dict[tuple[str, str], tuple[float, int]] = {}
+        self.count: Counter[tuple[str, str]] = Counter()
+        self.order: dict[str, list[str]] = defaultdict(list)
+        self.dead_lettered: set[tuple[str, str]] = set()
         self.stop = False
 
     async def run(self) -> None:
@@ -84,13 +86,11 @@ class ReplyReader:
                     sid = f.get("session_id", "")
                     if not sid.startswith(self.prefix):
                         continue
-                    try:
-                        key = (sid, int(f.get("seq", "")))
-                    except ValueError:
-                        continue
+                    key = (sid, f.get("msg_id", ""))
                     self.count[key] += 1
                     self.order[sid].append(key[1])
-                    if f.get("dead_lettered") == "1":
+                    # v2 replies say `outcome`; the seed comparison marks `dead_lettered=1`
+                    if f.get("outcome") == "dead_lettered" or f.get("dead_lettered") == "1":
                         self.dead_lettered.add(key)
                     if key not in self.first:
                         self.first[key] = (now, id_ms(entry_id))

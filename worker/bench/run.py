@@ -53,7 +53,7 @@ class Run:
             t_sent = time.perf_counter()
             deadline = time.monotonic() + self.args.timeout
             while True:
-                missing = sum(1 for s in self.sent if (s.session_id, s.seq) not in reader.first)
+                missing = sum(1 for s in self.sent if (s.session_id, s.msg_id) not in reader.first)
                 if not missing:
                     break
                 if time.monotonic() > deadline:
@@ -99,7 +99,7 @@ class Run:
         n = len(self.sent) or 1
         lat, lat_redis = [], []
         for s in self.sent:
-            got = reader.first.get((s.session_id, s.seq))
+            got = reader.first.get((s.session_id, s.msg_id))
             if got is not None:
                 lat.append((got[0] - s.t_send) * 1000)
                 lat_redis.append(float(got[1] - s.enq_ms))

@@ -34,10 +34,11 @@ def summarize(values: Sequence[float]) -> dict[str, float | None]:
     }
 
 
-def inversions(seqs: Sequence[int]) -> int:
-    """Messages applied after one with a higher seq (each counted once)."""
+def inversions(positions: Sequence[int]) -> int:
+    """Messages handled after one that was sent later: `positions` are send positions in
+    the order they were handled (each late message counted once)."""
     late, highest = 0, -1
-    for s in seqs:
+    for s in positions:
         if s < highest:
             late += 1
         highest = max(highest, s)
