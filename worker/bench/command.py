@@ -37,6 +37,7 @@ from typing import Any
 
 import anyio
 
+from worker.bench import namespace
 from worker.bench.counting import COUNTER
 from worker.bench.machine import machine_info
 from worker.bench.redis_server import EmbeddedRedis
@@ -71,7 +72,15 @@ def add_parser(sub: Any) -> None:
         "--workers",
         type=int,
         default=2,
-        help="worker processes to spawn per system (0: use running workers; ours only)",
+        help="worker processes to spawn per system (0: measure running workers, ours only; "
+        "needs --namespace naming their stream)",
+    )
+    p.add_argument(
+        "--namespace",
+        metavar="STREAM",
+        help=f"inbound stream to run in; group, replies, DLQ and key prefix derive from it "
+        f"(default {namespace.DEFAULT!r}, or {namespace.DEFAULT}-<system> per compared "
+        "system; a stream that a consumer group reads is refused unless named here)",
     )
     p.add_argument("--concurrency", type=int, help="DIALOG_CONCURRENCY of spawned workers")
     p.add_argument(
@@ -118,7 +127,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--warmup", type=int, default=200, help="unreported warm-up messages per system (0: none)"
     )
-    p.add_argument("--keep-data", action="store_true", help="keep the comparison namespaces")
+    p.add_argument(
+        "--keep-data", action="store_true", help="keep what the bench wrote (default: removed)"
+    )
 
 
 def _validate(args: argparse.Namespace) -> list[str]:
@@ -132,6 +143,11 @@ def _validate(args: argparse.Namespace) -> list[str]:
         raise ValidationError("--workers must be >= 0")
     if args.workers == 0 and systems != ["ours"]:
         raise ValidationError("--workers 0 (running workers) works only with --compare ours")
+    if args.workers == 0 and args.namespace is None:
+        raise ValidationError(
+            "--workers 0 measures running workers: name their stream with --namespace STREAM "
+            "(their reply consumers see the bench's replies until the bench removes them)"
+        )
     if args.rate is not None and args.rate <= 0:
         raise ValidationError("--rate must be positive")
     if args.mode == "rate" and args.rate is None:
@@ -208,7 +224,7 @@ async def bench_command(settings: Settings, args: argparse.Namespace) -> int:
         for system in systems:
             try:
                 runs, reference_max = await _bench_system(
-                    system, settings, args, run_id, len(systems) > 1, reference_max
+                    system, settings, args, run_id, len(systems) > 1, reference_max, report
                 )
             except (RuntimeError, OSError, ImportError) as exc:
                 if system == "ours":
@@ -238,18 +254,12 @@ async def _bench_system(
     settings: Settings,
     args: argparse.Namespace,
     run_id: str,
-    namespaced: bool,
+    several: bool,
     reference_max: float | None,
+    report: dict[str, Any],
 ) -> tuple[list[dict[str, Any]], float | None]:
-    if namespaced:
-        ns = f"bench-{run_id}-{system}"
-        settings = settings.replace(
-            stream=ns,
-            group=f"{ns}-group",
-            reply_stream=f"{ns}-replies",
-            dlq_stream=f"{ns}-dlq",
-            key_prefix=ns,
-        )
+    base = args.namespace or namespace.DEFAULT
+    settings = namespace.settings_for(settings, base, system, several)
     target = Target(system, settings, args, run_id)
     runs: list[dict[str, Any]] = []
 
@@ -263,7 +273,11 @@ async def _bench_system(
         progress(line(result))
         return float(result["throughput_msg_s"] or 0.0)
 
+    ns: namespace.Namespace | None = None
     try:
+        ns = await namespace.claim(target.redis, settings, explicit=args.namespace is not None)
+        if ns.groups:
+            progress(f"{system}: running in {ns.keys.stream}, read by group(s) {ns.groups}")
         if args.workers:
             progress(f"{system}: starting {args.workers} worker process(es)")
         await target.workers.start(args.workers)
@@ -290,7 +304,14 @@ async def _bench_system(
             await one("burst", "burst")
         await target.producer.close()
     finally:
-        await target.close(args.keep_data, namespaced)
+        target.workers.stop()
+        where = {"stream": settings.stream, "kept": bool(args.keep_data)}
+        if ns is not None and not args.keep_data:
+            consumers = [w.name for w in target.procs]
+            removed = await namespace.clean(target.redis, ns, f"bench-{run_id}-", consumers)
+            where.update(own=ns.own, removed=removed)
+        report.setdefault("namespaces", {})[system] = where
+        await target.close()
     for r in runs:
         r["reference_max_msg_s"] = reference_max
         if r["offered_rate"] and reference_max:

@@ -1,5 +1,5 @@
-"""One system under test (ours or a comparison worker): its settings and key namespace, its
-worker processes, its producer, and what is removed when it is done."""
+"""One system under test (ours or a comparison worker): its settings (see namespace.py), its
+worker processes and its producer."""
 
 from __future__ import annotations
 
@@ -36,12 +36,8 @@ class Target:
     async def send(self, items: list[tuple[str, str]]) -> list[Sent]:
         return await self.producer.send(items)
 
-    async def close(self, keep_data: bool, namespaced: bool) -> None:
+    async def close(self) -> None:
+        """Stop the workers and let go; what was written is namespace.clean's to remove."""
         self.workers.stop()
-        if namespaced and not keep_data:
-            # Everything of this system's namespace: streams, session keys, delayed set.
-            for pattern in (f"{self.settings.prefix}*", f"{self.settings.stream}*"):
-                async for key in self.redis.scan_iter(match=pattern, count=1000):
-                    await self.redis.unlink(key)
         await self.redis.aclose()
         shutil.rmtree(self.tmp, ignore_errors=True)
