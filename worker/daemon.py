@@ -4,7 +4,7 @@
              reclaimer (XAUTOCLAIM of entries idle past the visibility timeout; consumer hygiene)
     work     one task per message, at most DIALOG_CONCURRENCY at once (pipeline.py)
     side     promoter (delayed set -> stream), heartbeat (lease renewal), sampler (gauges,
-             readiness), HTTP (/metrics, /healthz, /readyz; http.py, own thread), signals
+             readiness), HTTP (/metrics, /healthz, /readyz), signals
 
 Shutdown (SIGTERM/SIGINT): intake stops at once; in-flight work gets DIALOG_SHUTDOWN_GRACE_S;
 what is still running then is cancelled and handed back to the queue; locks are released;
