@@ -12,9 +12,10 @@ from typing import Any
 
 import anyio
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import wait_until
-from worker_procs import Supervisor
+from worker_procs import Supervisor, WorkerPool
 
 from worker.client import DialogClient
 from worker.verify import check, send_bursts, wait_applied
@@ -156,3 +157,31 @@ def _ready_pids(text: str) -> list[str]:
         for s in family.samples
         if s.name == "dialog_ready"
     ]
+
+
+async def test_a_second_signal_stops_every_child_at_once_and_loses_nothing(
+    env: dict[str, str], client: DialogClient, workers: WorkerPool, tmp_path: Path
+) -> None:
+    sup = supervisor(env, tmp_path)
+    try:
+        pids = sup.wait_ready()
+        sent = await send_bursts(client, ["held"], ["sleep 4 nama saya Budi", "pesan 2"])
+        r = redis.Redis.from_url(env["REDIS_URL"])
+        wait_until(lambda: r.xpending("dialog", "dialog-workers")["pending"], 10, what="pickup")
+        sup.signal(signal.SIGTERM)
+
+        def asked() -> bool:
+            return [e["event"] for e in events(sup)].count("shutdown_requested") == 3
+
+        wait_until(asked, 10, what="the stop forwarded to both children")
+        started = time.monotonic()
+        sup.signal(signal.SIGTERM)
+        assert sup.proc is not None and sup.proc.wait(10) == 1
+        assert time.monotonic() - started < 3  # neither the 4 s step nor the 5 s grace
+        assert not any(map(alive, pids))
+    finally:
+        if sup.alive():
+            sup.kill()
+    # What the children held stays pending and is taken over: nothing is lost.
+    workers.start(1, **FAST)
+    assert await wait_applied(client, sent, timeout_s=60)
