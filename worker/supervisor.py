@@ -112,11 +112,11 @@ class Supervisor:
 
     async def run(self) -> int:
         http = None
-        if self.metrics_port:  # bound first: a port in use stops us before any child starts
-            http = serve(self.metrics_host, self.metrics_port, self.registry, self.ready)
-            log.info("http_listening", host=self.metrics_host, port=http.port)
-        log.info("supervisor_starting", processes=len(self.children))
         try:
+            if self.metrics_port:  # bound first: a port in use stops us before any child starts
+                http = serve(self.metrics_host, self.metrics_port, self.registry, self.ready)
+                log.info("http_listening", host=self.metrics_host, port=http.port)
+            log.info("supervisor_starting", processes=len(self.children))
             async with anyio.create_task_group() as side:
                 side.start_soon(self._signals)
                 side.start_soon(self._deadline)

@@ -110,7 +110,7 @@ def test_version_and_help_for_every_argument(env):
 
 
 @pytest.mark.parametrize("processes", ["1", "2"])
-def test_run_with_metrics_port_in_use_is_one_line_naming_it_and_exit_2(env, processes):
+def test_run_with_metrics_port_in_use_is_one_line_naming_it_and_exit_2(env, processes, tmp_path):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -122,8 +122,10 @@ def test_run_with_metrics_port_in_use_is_one_line_naming_it_and_exit_2(env, proc
             processes,
             DIALOG_METRICS_HOST="127.0.0.1",
             DIALOG_METRICS_PORT=port,
+            TMPDIR=str(tmp_path),
         )
     assert result.returncode == 2, result
+    assert list(tmp_path.iterdir()) == []  # the supervisor's metrics directory is gone too
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "DIALOG_METRICS_PORT" in lines[0] and port in lines[0]

@@ -37,7 +37,10 @@ FAST = {
 
 
 def supervisor(env: dict[str, str], tmp_path: Path, processes: int = 2) -> Supervisor:
-    return Supervisor("pool", {**env, **FAST}, tmp_path, processes).start()
+    """Its temporary files (the metrics directory) go under `tmp_path/tmp`."""
+    (tmp_path / "tmp").mkdir()
+    env = {**env, **FAST, "TMPDIR": str(tmp_path / "tmp")}
+    return Supervisor("pool", env, tmp_path, processes).start()
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -104,6 +107,7 @@ async def test_two_processes_share_one_scrape_survive_kill_9_and_stop_within_the
         took = time.monotonic() - started
         assert took < GRACE_S, took
         assert not any(alive(pid) for pid in after)
+        assert list((tmp_path / "tmp").iterdir()) == []  # metrics directory removed
         print(f"\npool of 2: stopped in {took:.2f}s")
     finally:
         if sup.alive():
