@@ -6,16 +6,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import traceback
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import redis.exceptions
+import structlog
 
-from worker import bench
+from worker import __version__, bench
 from worker.client import DialogClient
-from worker.config import Settings, load_settings
+from worker.config import Settings, load_settings, redact_url
 from worker.errors import ConfigError, ValidationError
 from worker.keys import Keys
 
@@ -26,24 +29,77 @@ def _emit(obj: Any) -> None:
     print(json.dumps(obj, ensure_ascii=False), flush=True)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error format: one line on stderr, exit 2 (argparse's default
+    prints the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"dialog-worker: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {raw!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _processes(raw: str) -> int:
+    if raw == "auto":
+        from worker.supervisor import cpu_count
+
+        return cpu_count()
+    return _positive_int(raw)
+
+
+def _session_id(raw: str) -> str:
+    """Refused here as well as by the client: a blank id names no conversation."""
+    if not raw.strip():
+        raise argparse.ArgumentTypeError("a session id must not be empty or blank")
+    return raw
+
+
+_STREAM_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
+
+
+def _entry_id(raw: str) -> str:
+    if not _STREAM_ID.fullmatch(raw):
+        raise argparse.ArgumentTypeError(f"not a stream entry id (like 1718000000000-0): {raw!r}")
+    return raw
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dialog-worker", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="dialog-worker", description=__doc__)
+    p.add_argument("--version", action="version", version=f"dialog-worker {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the worker daemon")
-    run.add_argument("--concurrency", type=int)
-    run.add_argument("--consumer")
+    run.add_argument(
+        "--concurrency", type=_positive_int, help="messages in flight (DIALOG_CONCURRENCY)"
+    )
+    run.add_argument("--consumer", help="consumer name, unique per process (DIALOG_CONSUMER)")
+    run.add_argument(
+        "--processes",
+        type=_processes,
+        default=1,
+        help="worker processes on this host under one supervisor that restarts them and "
+        "serves one /metrics for all ('auto': one per CPU; default 1: no supervisor)",
+    )
 
     send = sub.add_parser("send", help="enqueue one message")
-    send.add_argument("session")
-    send.add_argument("text")
-    send.add_argument("--msg-id")
+    send.add_argument("session", type=_session_id, help="session id")
+    send.add_argument("text", help="message text")
+    send.add_argument("--msg-id", help="idempotency key (default: a random id)")
 
     state = sub.add_parser("state", help="print a session's dialog state (or null)")
-    state.add_argument("session")
+    state.add_argument("session", type=_session_id, help="session id")
 
     session = sub.add_parser("session", help="inspect one session: lock, seqs, waiting messages")
-    session.add_argument("session")
+    session.add_argument("session", type=_session_id, help="session id")
     session.add_argument(
         "--release-lock",
         action="store_true",
@@ -53,28 +109,37 @@ def _parser() -> argparse.ArgumentParser:
     session.add_argument("--yes", action="store_true", help="confirm --release-lock")
 
     stats = sub.add_parser("stats", help="queue statistics (all shards, or --shard N)")
-    stats.add_argument("--format", choices=["json", "table"], default="json")
-    stats.add_argument("--shard", type=int)
+    stats.add_argument(
+        "--format", choices=["json", "table"], default="json", help="output (default json)"
+    )
+    stats.add_argument("--shard", type=int, help="only this shard (default: all, summed)")
 
     dlq = sub.add_parser("dlq", help="dead-letter stream: list, show, redrive, purge")
     dlq.add_argument("--shard", type=int, help="only this shard (default: all)")
-    dsub = dlq.add_subparsers(dest="dlq_command", required=True)
+    dsub = dlq.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
     dlist = dsub.add_parser("list", help="one line per dead letter, oldest first")
-    dlist.add_argument("--limit", type=int, default=100)
+    dlist.add_argument(
+        "--limit", type=_positive_int, default=100, help="at most this many (default 100)"
+    )
     dshow = dsub.add_parser("show", help="every field of one dead letter")
-    dshow.add_argument("id")
-    dre = dsub.add_parser("redrive", help="re-send dead letters through send")
-    dre.add_argument("--limit", type=int)
+    dshow.add_argument("id", type=_entry_id, help="dead-letter entry id (from dlq list)")
+    dre = dsub.add_parser(
+        "redrive", help="re-send dead letters to the stream they came from (source_stream)"
+    )
+    dre.add_argument("--limit", type=_positive_int, help="at most this many (default: all)")
     dre.add_argument("--rate", type=float, help="at most this many per second")
-    dre.add_argument("--id", dest="entry_id")
-    dpurge = dsub.add_parser("purge", help="delete dead letters (all, or --id)")
-    dpurge.add_argument("--id", dest="entry_id")
+    dre.add_argument("--id", dest="entry_id", type=_entry_id, help="only this dead letter")
+    dpurge = dsub.add_parser("purge", help="delete dead letters (all with --yes, or --id)")
+    dpurge.add_argument("--id", dest="entry_id", type=_entry_id, help="only this dead letter")
+    dpurge.add_argument("--yes", action="store_true", help="confirm deleting every dead letter")
 
     reshard = sub.add_parser(
         "reshard", help="offline: move a drained deployment from DIALOG_SHARDS to --to N shards"
     )
-    reshard.add_argument("--to", type=int, required=True, dest="to_shards")
-    reshard.add_argument("--dry-run", action="store_true")
+    reshard.add_argument(
+        "--to", type=_positive_int, required=True, dest="to_shards", help="new shard count"
+    )
+    reshard.add_argument("--dry-run", action="store_true", help="report, change nothing")
     reshard.add_argument(
         "--yes", action="store_true", help="move the keys (without it: report what would move)"
     )
@@ -85,9 +150,13 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     verify = sub.add_parser("verify", help="concurrency verification against running workers")
-    verify.add_argument("--sessions", type=int, default=50)
-    verify.add_argument("--burst", type=int, default=10)
-    verify.add_argument("--timeout", type=float, default=120.0)
+    verify.add_argument("--sessions", type=_positive_int, default=50, help="sessions (default 50)")
+    verify.add_argument(
+        "--burst", type=_positive_int, default=10, help="messages per session (default 10)"
+    )
+    verify.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for replies (default 120)"
+    )
     bench.add_parser(sub)
     return p
 
@@ -97,59 +166,91 @@ def main(argv: list[str] | None = None) -> int:
     overrides: dict[str, Any] = {}
     if args.command == "run":
         overrides = {"concurrency": args.concurrency, "consumer": args.consumer}
+    settings: Settings | None = None
     try:
         settings = load_settings(overrides)
-    except ConfigError as exc:
-        print(f"dialog-worker: invalid setting {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    if args.command == "run":
-        return _run(settings)
-    handler = _COMMANDS[args.command]
-    try:
-        return int(anyio.run(handler, settings, args))
-    except ValidationError as exc:
-        print(f"dialog-worker: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ConfigError as exc:  # e.g. a shard count that does not match the deployment's
-        print(f"dialog-worker: invalid setting {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
-        print(
-            f"dialog-worker: redis error at {settings.redacted_url()}: {type(exc).__name__}: {exc}",
-            file=sys.stderr,
-        )
+        if args.command == "run":
+            return _run(settings, args.processes, overrides)
+        return int(anyio.run(_COMMANDS[args.command], settings, args))
+    except KeyboardInterrupt:
+        print("dialog-worker: interrupted", file=sys.stderr)
         return EXIT_FAILURE
+    except Exception as exc:
+        return _report(exc, settings)
 
 
-def _run(settings: Settings) -> int:
-    from worker.daemon import run_worker
-    from worker.embedded import ensure_local_redis
+def _report(exc: BaseException, settings: Settings | None) -> int:
+    """Every error as one line on stderr; the exit code says whose problem it is."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]  # raised inside a task group
+    code = EXIT_FAILURE
+    if isinstance(exc, ConfigError):
+        line, code = f"invalid setting {exc}", EXIT_USAGE
+    elif isinstance(exc, ValidationError):
+        line, code = str(exc), EXIT_USAGE
+    elif isinstance(exc, redis.exceptions.RedisError | redis.exceptions.RedisClusterException):
+        where = settings.redacted_url() if settings else "Redis"
+        line = f"redis error at {where}: {type(exc).__name__}: {exc}"
+    elif isinstance(exc, OSError | RuntimeError):  # their text says enough
+        line = str(exc)
+    else:
+        line = f"{type(exc).__name__}: {exc}"
+        if settings is not None and settings.log_level == "debug":
+            traceback.print_exception(exc, file=sys.stderr)
+    line = " ".join(redact_url(w) if "://" in w else w for w in line.split())
+    print(f"dialog-worker: {line}", file=sys.stderr)
+    return code
+
+
+def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
+    from worker import embedded as local
     from worker.engine import load_engine
     from worker.log import configure
 
     configure(settings.log_level, settings.log_format, settings.consumer)
-    try:
-        engine = load_engine(settings.engine or None, settings.rules_file or None)
-    except ConfigError as exc:
-        print(f"dialog-worker: invalid setting {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    engine = load_engine(settings.engine or None, settings.rules_file or None)
     embedded = None
-    if "REDIS_URL" not in os.environ and settings.redis_url == "redis://localhost:6379/0":
-        try:
-            embedded = ensure_local_redis()
-        except RuntimeError as exc:
-            print(f"dialog-worker: {exc}", file=sys.stderr)
-            return EXIT_FAILURE
+    if local.wanted(settings.redis_url):
+        embedded = local.ensure_local_redis()
+        settings = settings.replace(redis_url=local.url())
+        flags = {**flags, "redis_url": settings.redis_url}  # children use ours, start none
     try:
+        if processes > 1:
+            return _supervise(settings, processes, flags)
+        from worker.daemon import run_worker
+        from worker.supervisor import watch_supervisor
+
+        watch_supervisor()
         run_worker(settings, engine)
-    except ConfigError as exc:
-        print(f"dialog-worker: invalid setting {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except ConfigError:
+        raise
+    except Exception:
+        # A daemon that dies logs why, traceback included, as one JSON line like the others.
+        structlog.get_logger("dialog_worker").exception("worker_crashed")
+        return EXIT_FAILURE
     finally:
-        if embedded is not None:
-            embedded.terminate()
-            embedded.wait(timeout=10)
+        if embedded is not None:  # only now: the worker has finished its graceful shutdown
+            local.stop(embedded)
     return EXIT_OK
+
+
+def _supervise(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
+    from worker.config import default_consumer, env_name
+    from worker.supervisor import Supervisor, run_supervisor
+
+    # Children read the same environment and config file; what only we know goes into theirs.
+    env = dict(os.environ)
+    env.update({env_name(k): str(v) for k, v in flags.items() if v is not None})
+    explicit = settings.consumer != default_consumer()
+    supervisor = Supervisor(
+        processes,
+        child_env=env,
+        metrics_host=settings.metrics_host,
+        metrics_port=settings.metrics_port,
+        shutdown_grace_s=settings.shutdown_grace_s,
+        consumer=settings.consumer if explicit else None,
+    )
+    return run_supervisor(supervisor)
 
 
 async def _send(settings: Settings, args: argparse.Namespace) -> int:
@@ -224,6 +325,8 @@ async def _dlq(settings: Settings, args: argparse.Namespace) -> int:
                 raise ValidationError("--rate must be positive")
             _emit(await dlq.redrive(_shards(c, args), c, args.limit, args.rate, args.entry_id))
         else:
+            if args.entry_id is None and not args.yes:
+                raise ValidationError("dlq purge deletes every dead letter: add --yes (or --id ID)")
             _emit({"purged": await dlq.purge(_shards(c, args), c, args.entry_id)})
     return EXIT_OK
 

@@ -13,22 +13,29 @@ import math
 import os
 import socket
 import tomllib
+import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import redis.connection
+
 from worker.errors import ConfigError
 
 DEFAULT_CONFIG_FILE = Path("config/worker.toml")
+# Names that default to the stream name plus a suffix unless set explicitly (contract v2 §2).
+DERIVED_NAMES = {"group": "-workers", "reply_stream": "-replies", "dlq_stream": "-dlq"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Settings:
     redis_url: str = "redis://localhost:6379/0"
     stream: str = "dialog"
-    group: str = "dialog-workers"
-    reply_stream: str = "dialog-replies"
-    dlq_stream: str = "dialog-dlq"
+    # "" means derived from the stream (see DERIVED_NAMES): two deployments with different
+    # streams on one Redis then never share a group, replies or dead letters.
+    group: str = ""
+    reply_stream: str = ""
+    dlq_stream: str = ""
     # Prefix of every per-session key and of the delayed set; defaults to the stream name so
     # two deployments with different streams on one Redis never share state.
     key_prefix: str = ""
@@ -64,6 +71,11 @@ class Settings:
     consumer_idle_delete_s: int = 3600
     redis_ca_path: str = ""
 
+    def __post_init__(self) -> None:
+        for field, suffix in DERIVED_NAMES.items():
+            if not getattr(self, field):
+                object.__setattr__(self, field, f"{self.stream}{suffix}")
+
     @property
     def prefix(self) -> str:
         return self.key_prefix or self.stream
@@ -74,6 +86,11 @@ class Settings:
     def replace(self, **overrides: Any) -> Settings:
         """A copy with some values changed, validated like any other source."""
         values = {k: _PARSERS[k](k, v) for k, v in overrides.items() if _known(k)}
+        if "stream" in values:
+            # A name that was derived from the old stream follows the new one.
+            for field, suffix in DERIVED_NAMES.items():
+                if field not in values and getattr(self, field) == f"{self.stream}{suffix}":
+                    values[field] = ""
         changed = dataclasses.replace(self, **values)
         _check_relations(changed)
         return changed
@@ -164,6 +181,16 @@ def _url(name: str, raw: Any) -> str:
         # The value may hold a password: show only the scheme part, if there is one.
         scheme = value.split("://", 1)[0] if "://" in value else "no scheme"
         raise ConfigError(name, f"must start with redis://, rediss:// or unix://, got {scheme!r}")
+    # Found now rather than as a traceback at the first connection. The messages never
+    # repeat the value: a mistyped URL can hold a password where the port should be.
+    try:
+        urllib.parse.urlsplit(value).port  # noqa: B018 (parsing the port is the check)
+    except ValueError:
+        raise ConfigError(name, "the port must be a number between 0 and 65535") from None
+    try:
+        redis.connection.parse_url(value)  # type: ignore[no-untyped-call]  # redis-py: untyped
+    except ValueError as exc:  # e.g. "Invalid value for 'socket_timeout' in connection URL."
+        raise ConfigError(name, str(exc)) from None
     return value
 
 
@@ -236,10 +263,15 @@ def load_settings(
 
     values = {field: _PARSERS[field](label, value) for field, (label, value) in raw.items()}
     if not values.get("consumer"):
-        values["consumer"] = f"{socket.gethostname()}-{os.getpid()}"
+        values["consumer"] = default_consumer()
     settings = Settings(**values)
     _check_relations(settings)
     return settings
+
+
+def default_consumer() -> str:
+    """Unique per process on a host, and stable for its life."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _read_config_file(env: Mapping[str, str]) -> dict[str, Any]:

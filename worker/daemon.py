@@ -17,7 +17,6 @@ exit 0. A second signal exits at once (whatever was in flight stays pending for 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import secrets
@@ -31,7 +30,6 @@ import anyio
 import anyio.abc
 import redis.exceptions
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
 
 from worker import __version__
@@ -39,6 +37,7 @@ from worker.codec import MAX_EXTRA_FIELDS, fields_dict, text
 from worker.config import Settings
 from worker.engine import Engine
 from worker.errors import ConfigError
+from worker.http import serve as serve_http
 from worker.keys import Keys, Topology
 from worker.metrics import Metrics
 from worker.pipeline import Committer, Job, Pipeline
@@ -135,12 +134,19 @@ class Worker:
             group=self.settings.group,
             concurrency=self.settings.concurrency,
         )
+        http = None
+        if self.settings.metrics_port:
+            # Up before Redis is: /healthz answers and /readyz says 503 meanwhile.
+            http = serve_http(
+                self.settings.metrics_host,
+                self.settings.metrics_port,
+                self.metrics.registry,
+                ready=lambda: self.ready and not self.stopping.is_set(),
+            )
+            log.info("http_listening", host=self.settings.metrics_host, port=http.port)
         try:
             async with anyio.create_task_group() as side:
                 side.start_soon(self._signals, side.cancel_scope)
-                if self.settings.metrics_port:
-                    # Up before Redis is: /healthz answers and /readyz says 503 meanwhile.
-                    await side.start(self._http)
                 await self._prepare()
                 if self.stopping.is_set():  # told to stop before Redis was ever reachable
                     side.cancel_scope.cancel()
@@ -181,6 +187,8 @@ class Worker:
             with anyio.CancelScope(shield=True):
                 await self.raw.aclose()
                 await self.redis.aclose()
+            if http is not None:
+                http.close()
             log.info("worker_stopped")
             if self.refused is not None:
                 raise self.refused
@@ -504,46 +512,6 @@ class Worker:
                 for group, lag in (await reply_group_lags(self.redis, shard.keys)).items():
                     m.reply_group_lag.labels(label, group).set(lag / self.settings.reply_maxlen)
         return self.settings.metrics_sample_interval_s
-
-    # ------------------------------------------------------------------------------------
-    # HTTP: /metrics, /healthz, /readyz
-
-    async def _http(
-        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        listener = await anyio.create_tcp_listener(
-            local_host=self.settings.metrics_host,
-            local_port=self.settings.metrics_port,
-            reuse_port=False,
-        )
-        log.info("http_listening", host=self.settings.metrics_host, port=self.settings.metrics_port)
-        task_status.started()
-        await listener.serve(self._serve_http)
-
-    async def _serve_http(self, stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            with contextlib.suppress(Exception), anyio.fail_after(5):
-                request = b""
-                while b"\r\n\r\n" not in request and len(request) < 8192:
-                    request += await stream.receive(4096)
-                path = request.split(b" ", 2)[1].decode() if request.count(b" ") >= 2 else "/"
-                status, ctype, body = self._route(path.split("?", 1)[0])
-                head = (
-                    f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-                )
-                await stream.send(head.encode() + body)
-
-    def _route(self, path: str) -> tuple[str, str, bytes]:
-        if path == "/metrics":
-            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.metrics.registry)
-        if path == "/healthz":
-            return "200 OK", "text/plain", b"ok\n"
-        if path == "/readyz":
-            if self.ready and not self.stopping.is_set():
-                return "200 OK", "text/plain", b"ready\n"
-            return "503 Service Unavailable", "text/plain", b"not ready\n"
-        return "404 Not Found", "text/plain", b"not found\n"
 
 
 def run_worker(settings: Settings, engine: Engine, **kwargs: Any) -> None:

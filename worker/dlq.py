@@ -1,6 +1,10 @@
 """Dead-letter stream tools: list, show, redrive, purge.
 
-Redrive re-sends a dead letter through `send` with the msg_id ``redrive:<dead-letter id>``:
+Redrive re-sends a dead letter to the stream it came from (its ``source_stream`` field; the
+configured stream when the field is absent) through `send` with the msg_id
+``redrive:<dead-letter id>``:
+- a dead letter from another deployment's stream (a DLQ shared on purpose) is skipped and
+  stays: this deployment's engine must not answer it;
 - it gets a new seq, so it is applied after whatever the session received meanwhile (its
   original turn already holds the fallback reply and stays in history);
 - the derived msg_id makes a repeated redrive of the same dead letter (a crash between the
@@ -106,11 +110,7 @@ async def redrive(
                     break
                 started = time.monotonic()
                 try:
-                    await client.send(
-                        fields.get("session_id", ""),
-                        fields.get("text", ""),
-                        msg_id=f"redrive:{entry_id}",
-                    )
+                    await resend(client, keys, entry_id, fields)
                 except ValidationError as exc:
                     # Cannot be re-sent as it is (no session, oversized): it stays for a human.
                     skipped += 1
@@ -127,6 +127,21 @@ async def redrive(
                 break
             cursor = f"({rows[-1][0]}"
     return {"redriven": done, "skipped": skipped}
+
+
+async def resend(client: DialogClient, keys: Keys, entry_id: str, fields: dict[str, str]) -> None:
+    """Send one dead letter back to its source stream. Raises ValidationError when it cannot
+    be re-sent as it is."""
+    source = fields.get("source_stream") or keys.stream
+    own = {k.stream for k in client.topology.shards}
+    if source not in own:
+        raise ValidationError(
+            f"it came from stream {source!r}, not from this deployment's "
+            f"({', '.join(sorted(own))}): redrive it with DIALOG_STREAM set to its deployment"
+        )
+    await client.send(
+        fields.get("session_id", ""), fields.get("text", ""), msg_id=f"redrive:{entry_id}"
+    )
 
 
 async def purge(shards: Sequence[Keys], client: DialogClient, only_id: str | None) -> int:

@@ -52,6 +52,9 @@ def configure(level: str = "info", fmt: str = "json", consumer: str | None = Non
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        # One write per line (PrintLogger writes the newline apart): under `run --processes N`
+        # every child shares the supervisor's stdout, and with PYTHONUNBUFFERED set, lines
+        # written in two pieces interleave into invalid JSON.
+        logger_factory=structlog.WriteLoggerFactory(sys.stdout),
         cache_logger_on_first_use=True,
     )

@@ -1,4 +1,12 @@
-"""Prometheus metrics (contract section 7). No per-session labels: cardinality stays bounded."""
+"""Prometheus metrics (contract section 7). No per-session labels: cardinality stays bounded.
+
+Under `run --processes N` each child writes its metrics to PROMETHEUS_MULTIPROC_DIR and the
+supervisor serves them together (prometheus-client's multiprocess mode). Counters and
+histograms are summed over the children; each gauge says how (ignored in a single process):
+queue gauges, which every child samples alike, report the latest sample of a live child;
+in-flight is the sum over live children; ready is one series per live child (``pid`` label),
+which is how the supervisor knows that every child is ready.
+"""
 
 from __future__ import annotations
 
@@ -67,28 +75,28 @@ class Metrics:
             registry=r,
         )
         # Queue-level gauges, per inbound stream shard (shard="0" with one stream).
-        shard = ["shard"]
-        self.stream_length = Gauge(
-            "dialog_stream_length", "XLEN of the inbound stream", shard, registry=r
-        )
-        self.group_lag = Gauge(
-            "dialog_group_lag", "Entries not yet read by the group", shard, registry=r
-        )
-        self.pending = Gauge("dialog_pending", "Entries read but not acked", shard, registry=r)
-        self.oldest_pending_age = Gauge(
+
+        def queue_gauge(name: str, documentation: str) -> Gauge:
+            return Gauge(
+                name, documentation, ["shard"], registry=r, multiprocess_mode="livemostrecent"
+            )
+
+        self.stream_length = queue_gauge("dialog_stream_length", "XLEN of the inbound stream")
+        self.group_lag = queue_gauge("dialog_group_lag", "Entries not yet read by the group")
+        self.pending = queue_gauge("dialog_pending", "Entries read but not acked")
+        self.oldest_pending_age = queue_gauge(
             "dialog_oldest_pending_age_seconds",
-            "Age of the oldest pending entry (since it entered the stream)",
-            shard,
-            registry=r,
+            "Age of the oldest unfinished message (the first entry of the inbound stream)",
         )
-        self.delayed = Gauge(
-            "dialog_delayed",
-            "Sessions with messages outstanding (the ready set)",
-            shard,
-            registry=r,
+        self.delayed = queue_gauge(
+            "dialog_delayed", "Sessions with messages outstanding (the ready set)"
         )
-        self.dlq_length = Gauge(
-            "dialog_dlq_length", "XLEN of the dead-letter stream", shard, registry=r
+        self.dlq_length = queue_gauge("dialog_dlq_length", "XLEN of the dead-letter stream")
+        self.in_flight = Gauge(
+            "dialog_in_flight",
+            "Messages being processed here",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.reply_group_lag = Gauge(
             "dialog_reply_group_lag_ratio",
@@ -96,8 +104,8 @@ class Metrics:
             "DIALOG_REPLY_MAXLEN (at 1 the trim starts dropping events it has not read)",
             ["shard", "group"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
-        self.in_flight = Gauge("dialog_in_flight", "Messages being processed here", registry=r)
         self.loop_lag = Histogram(
             "dialog_event_loop_lag_seconds",
             "How late a 100 ms timer fires on the worker's event loop (blocking code shows here)",
@@ -108,6 +116,7 @@ class Metrics:
             "dialog_ready",
             "1 while this worker reaches Redis and its group (as /readyz)",
             registry=r,
+            multiprocess_mode="liveall",
         )
         for outcome in ("applied", "duplicate", "dead_lettered"):
             self.messages.labels(outcome)

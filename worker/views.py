@@ -73,9 +73,7 @@ async def reply_group_lags(redis: Redis, keys: Keys) -> dict[str, int]:
     for group in groups:
         lag = group.get("lag")
         if lag is None:  # Redis cannot tell after deletions: count what follows its position
-            lag = len(
-                await scan_all(redis, keys.replies, start=f"({group['last-delivered-id']}")
-            )
+            lag = len(await scan_all(redis, keys.replies, start=f"({group['last-delivered-id']}"))
         lags[str(group["name"])] = int(lag)
     return lags
 

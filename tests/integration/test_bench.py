@@ -7,10 +7,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
+import redis
+from redis_server import wait_until
+from worker_procs import WorkerPool
 
 from worker.bench import inversions, percentile, summarize
+from worker.client import DialogClient
+from worker.verify import send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 
@@ -110,3 +117,87 @@ def test_bench_small_run_reports_documented_keys_and_no_violation(env: dict[str,
     assert run["redis"]["worker_round_trips_per_msg"] > 0
     assert run["cpu"]["workers_ms_per_msg"] > 0
     assert "bench:" in proc.stderr  # progress and summary on stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Namespaces: the bench never touches a deployment it was not pointed at, and cleans up after
+# itself where it was.
+
+
+def bench(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    small = ["--sessions", "5", "--burst", "3", "--warmup", "5", "--timeout", "30"]
+    return subprocess.run(
+        [sys.executable, "-m", "worker", "bench", *small, *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def contents(r: redis.Redis) -> dict[str, Any]:
+    """Every key with what it holds (stream entries, hash fields, string values...)."""
+    read = {
+        "stream": lambda k: r.xrange(k),
+        "hash": lambda k: r.hgetall(k),
+        "string": lambda k: r.get(k),
+        "zset": lambda k: r.zrange(k, 0, -1, withscores=True),
+        "set": lambda k: sorted(r.smembers(k)),
+        "list": lambda k: r.lrange(k, 0, -1),
+    }
+    # Receipts of the workers' own calls live one lock lease (they answer a re-sent call):
+    # they come and go with the deployment, not with the bench.
+    keys = [key for key in sorted(r.scan_iter(count=1000)) if ":receipt:" not in key]
+    return {key: read[r.type(key)](key) for key in keys}
+
+
+async def test_bench_against_a_live_deployment_leaves_its_streams_and_keys_untouched(
+    env: dict[str, str], client: DialogClient, workers: WorkerPool
+) -> None:
+    workers.start(1, DIALOG_ENGINE="fault_engine:make")
+    sent = await send_bursts(client, ["app-1", "app-2"], ["nama saya Budi", "keluhan", "fatal x"])
+    assert await wait_applied(client, sent, timeout_s=30)
+    r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
+    r.xgroup_create("dialog-replies", "app", id="0")  # the application's reply consumer
+    before = contents(r)
+    assert before["dialog-replies"] and before["dialog-dlq"]
+
+    # By default the bench runs in a namespace of its own and removes it.
+    own = await anyio.to_thread.run_sync(lambda: bench(env, "--workers", "1"))
+    assert own.returncode == 0, own.stderr[-3000:]
+    report = json.loads(own.stdout)
+    assert report["ok"] and report["runs"][0]["messages"] == 15
+    assert report["namespaces"]["ours"]["stream"] == "bench"
+    assert report["namespaces"]["ours"]["own"] is True
+    assert contents(r) == before
+
+    # Pointed at the running workers, it writes there and removes exactly what it wrote.
+    live = await anyio.to_thread.run_sync(
+        lambda: bench(env, "--workers", "0", "--namespace", "dialog")
+    )
+    assert live.returncode == 0, live.stderr[-3000:]
+    report = json.loads(live.stdout)
+    assert report["ok"] and report["runs"][0]["messages"] == 15
+    where = report["namespaces"]["ours"]
+    assert (where["stream"], where["own"]) == ("dialog", False)
+    assert where["removed"]["entries"] >= 15 + 5  # its replies (warm-up included)
+    assert where["removed"]["keys"] >= 5
+    assert contents(r) == before
+    assert r.xinfo_groups("dialog-replies")[0]["entries-read"] in (None, 0)
+
+
+def test_bench_refuses_a_namespace_that_a_group_reads_unless_named(
+    env: dict[str, str], workers: WorkerPool
+) -> None:
+    workers.start(1, DIALOG_STREAM="bench")  # something live in the default namespace
+    r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
+    wait_until(lambda: r.exists("bench"), 20, what="the group on stream bench")
+    before = contents(r)
+    for args in (["--workers", "1"], ["--workers", "0"]):
+        refused = bench(env, *args)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and "--namespace" in lines[0], refused.stderr
+        assert refused.stdout == ""
+    assert contents(r) == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ async def acli(env, *args, **extra_env):
         ("DIALOG_LOCK_TTL_MS", "-5"),
         ("DIALOG_LOG_FORMAT", "xml"),
         ("REDIS_URL", "http://user:s3cret@host"),
+        ("REDIS_URL", "redis://localhost:notaport/0"),
     ],
 )
 def test_invalid_setting_fails_with_one_line_naming_it_and_exit_2(env, name, value):
@@ -45,6 +47,88 @@ def test_invalid_setting_fails_with_one_line_naming_it_and_exit_2(env, name, val
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and name in lines[0]
     assert "s3cret" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["dlq", "list", "--limit", "-5"],
+        ["dlq", "show", "nonsense"],
+        ["dlq", "redrive", "--id", "nonsense"],
+        ["dlq", "purge"],
+        ["send", "   ", "hi"],
+        ["state", "  "],
+        ["session", " "],
+        ["stats", "--shard", "x"],
+        ["verify", "--sessions", "0"],
+        ["run", "--processes", "0"],
+        ["run", "--processes", "many"],
+        ["frobnicate"],
+        [],
+    ],
+    ids=lambda a: " ".join(a) or "nothing",
+)
+def test_bad_input_is_one_line_on_stderr_and_exit_2(env, args):
+    result = cli(env, *args)
+    assert result.returncode == 2, result
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("dialog-worker: "), result.stderr
+
+
+async def test_purge_of_everything_needs_yes(env, client):
+    await client.redis.xadd(client.keys.dlq, {"session_id": "p", "error": "x"})
+    refused = await acli(env, "dlq", "purge")
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    assert await client.redis.xlen(client.keys.dlq) == 1
+    done = await acli(env, "dlq", "purge", "--yes")
+    assert done.returncode == 0 and json.loads(done.stdout) == {"purged": 1}
+    assert await client.redis.xlen(client.keys.dlq) == 0
+
+
+def test_version_and_help_for_every_argument(env):
+    import argparse
+
+    from worker import __version__
+    from worker.cli import _parser
+
+    result = cli(env, "--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"dialog-worker {__version__}"
+
+    def walk(parser: argparse.ArgumentParser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    yield from ((f"{name} {where}", a) for where, a in walk(child))
+            elif not isinstance(action, argparse._HelpAction | argparse._VersionAction):
+                yield "", action
+
+    missing = [
+        f"{where}{a.dest}" for where, a in walk(_parser()) if not a.help or a.help == "==SUPPRESS=="
+    ]
+    assert missing == []
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_run_with_metrics_port_in_use_is_one_line_naming_it_and_exit_2(env, processes, tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        result = cli(
+            env,
+            "run",
+            "--processes",
+            processes,
+            DIALOG_METRICS_HOST="127.0.0.1",
+            DIALOG_METRICS_PORT=port,
+            TMPDIR=str(tmp_path),
+        )
+    assert result.returncode == 2, result
+    assert list(tmp_path.iterdir()) == []  # the supervisor's metrics directory is gone too
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "DIALOG_METRICS_PORT" in lines[0] and port in lines[0]
 
 
 def test_run_with_unloadable_engine_exits_2(env):

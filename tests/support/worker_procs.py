@@ -16,8 +16,20 @@ REPO_DIR = SUPPORT_DIR.parent.parent
 
 
 class WorkerProc:
-    def __init__(self, name: str, env: dict[str, str], logdir: Path, metrics: bool) -> None:
+    # Its own process group, as a shell gives a foreground job, so `interrupt` can signal it
+    # the way a terminal's Ctrl-C does.
+    new_session = False
+
+    def __init__(
+        self,
+        name: str,
+        env: dict[str, str],
+        logdir: Path,
+        metrics: bool,
+        args: tuple[str, ...] = (),
+    ) -> None:
         self.name = name
+        self.args = args
         self.metrics_port = free_port() if metrics else 0
         self.env = {
             **env,
@@ -31,11 +43,12 @@ class WorkerProc:
     def start(self) -> WorkerProc:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "run"],
+            [sys.executable, "-m", "worker", "run", *self.args],
             env=self.env,
             cwd=REPO_DIR,
             stdout=log,
             stderr=subprocess.STDOUT,
+            start_new_session=self.new_session,
         )
         log.close()
         if self.metrics_port:
@@ -53,6 +66,11 @@ class WorkerProc:
     def signal(self, sig: int) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, sig)
+
+    def interrupt(self) -> None:
+        """Ctrl-C in a terminal: SIGINT to the whole foreground process group."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGINT)
 
     def kill(self) -> None:
         if self.alive():
@@ -89,6 +107,42 @@ class WorkerProc:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+class Supervisor(WorkerProc):
+    """`dialog-worker run --processes N`: one supervisor, its children found through the
+    per-child `dialog_ready{pid=...}` series of its /metrics."""
+
+    new_session = True
+
+    def __init__(self, name: str, env: dict[str, str], logdir: Path, processes: int) -> None:
+        super().__init__(name, env, logdir, metrics=True, args=("--processes", str(processes)))
+        self.processes = processes
+
+    def readyz(self) -> int | None:
+        got = self._get("/readyz")
+        return None if got is None else got[0]
+
+    def child_pids(self) -> set[int]:
+        got = self._get("/metrics")
+        if got is None or got[0] != 200:
+            return set()
+        return {
+            int(line.split('pid="', 1)[1].split('"', 1)[0])
+            for line in got[1].splitlines()
+            if line.startswith("dialog_ready{")
+        }
+
+    def wait_ready(self, timeout_s: float = 30) -> set[int]:
+        """Every child ready: /readyz 200 with `processes` children reporting."""
+
+        def ready() -> set[int] | None:
+            assert self.alive(), self.log_text()[-3000:]
+            pids = self.child_pids()
+            return pids if self.readyz() == 200 and len(pids) == self.processes else None
+
+        pids: set[int] = wait_until(ready, timeout_s, what=f"{self.name} /readyz 200")
+        return pids
 
 
 class WorkerPool:

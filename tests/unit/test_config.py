@@ -99,6 +99,23 @@ def test_settings_are_frozen() -> None:
         s.concurrency = 1  # type: ignore[misc]
 
 
+def test_group_reply_and_dlq_names_derive_from_the_stream_unless_set() -> None:
+    s = load_settings(environ={"DIALOG_STREAM": "echo"})
+    assert (s.group, s.reply_stream, s.dlq_stream, s.prefix) == (
+        "echo-workers",
+        "echo-replies",
+        "echo-dlq",
+        "echo",
+    )
+    s = load_settings(environ={"DIALOG_STREAM": "echo", "DIALOG_DLQ_STREAM": "shared-dlq"})
+    assert (s.group, s.reply_stream, s.dlq_stream) == ("echo-workers", "echo-replies", "shared-dlq")
+
+
+def test_replacing_the_stream_moves_derived_names_and_keeps_explicit_ones() -> None:
+    s = load_settings(environ={"DIALOG_GROUP": "mine"}).replace(stream="other")
+    assert (s.group, s.reply_stream, s.dlq_stream) == ("mine", "other-replies", "other-dlq")
+
+
 # ---------------------------------------------------------------------------------------------
 # Environment names
 
@@ -391,6 +408,21 @@ def test_bad_url_scheme_error_does_not_echo_the_password(url: str) -> None:
     exc = config_error({"redis_url": url})
     assert exc.setting == "--redis-url"
     assert "s3cret" not in str(exc)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://localhost:notaport/0",
+        "redis://localhost:99999/0",
+        "redis://h:s3cret/0",  # a password where the port belongs
+        "redis://h:6379/0?socket_timeout=soon",
+    ],
+)
+def test_malformed_url_is_a_config_error_that_does_not_echo_the_value(url: str) -> None:
+    exc = config_error(environ={"REDIS_URL": url})
+    assert exc.setting == "REDIS_URL"
+    assert "s3cret" not in str(exc) and "notaport" not in str(exc)
 
 
 @pytest.mark.parametrize("url", ["user:s3cret@localhost:6379/0", "redis:/user:s3cret@h:6379/0"])

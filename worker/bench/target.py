@@ -1,0 +1,43 @@
+"""One system under test (ours or a comparison worker): its settings (see namespace.py), its
+worker processes and its producer."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+
+from redis.asyncio import Redis
+
+from worker.bench.spawn import WorkerProcess, Workers
+from worker.bench.workload import Producer, Sent
+from worker.config import Settings
+from worker.keys import Keys
+from worker.redis_conn import connect
+
+
+class Target:
+    def __init__(self, system: str, settings: Settings, args: argparse.Namespace, run: str):
+        self.system = system
+        self.settings = settings
+        self.args = args
+        self.run = run
+        self.keys = Keys.from_settings(settings)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"dialog-bench-{system}-"))
+        self.redis: Redis = connect(settings, max_connections=16)
+        self.workers = Workers(system, settings, run, self.tmp, args.concurrency)
+        self.producer = Producer(system, settings, self.redis, run, args.senders)
+
+    @property
+    def procs(self) -> list[WorkerProcess]:
+        return self.workers.procs
+
+    async def send(self, items: list[tuple[str, str]]) -> list[Sent]:
+        return await self.producer.send(items)
+
+    async def close(self) -> None:
+        """Stop the workers and let go; what was written is namespace.clean's to remove."""
+        self.workers.stop()
+        await self.redis.aclose()
+        shutil.rmtree(self.tmp, ignore_errors=True)
