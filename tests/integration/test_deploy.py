@@ -321,7 +321,7 @@ def test_burst_through_dialog_worker_run_from_the_installed_venv(
             timeout=60,
         )
         assert first.returncode == 0, first.stderr
-        assert json.loads(first.stdout)["seq"] == 1
+        assert json.loads(first.stdout)["session_id"] == sessions[0]
         sender = (
             "import asyncio, json, sys\n"
             "from worker.client import DialogClient\n"

@@ -31,6 +31,9 @@ from worker.cli import main
 raise SystemExit(main(["run", *sys.argv[3:]]))
 """
 
+# The lock of the session the test sends to: it exists while a worker holds the session.
+HELD_LOCK = "dialog:{dialog}:s:{c1}:lock"
+
 
 def test_ctrl_c_lets_the_worker_finish_before_the_embedded_redis_stops(
     env: dict[str, str], tmp_path: Path
@@ -60,8 +63,8 @@ def test_ctrl_c_lets_the_worker_finish_before_the_embedded_redis_stops(
                 return False
 
         wait_until(group_ready, 20, what="the worker's group on the embedded server")
-        r.xadd("dialog", {"session_id": "c1", "msg_id": "m1", "seq": "1", "text": "sleep 1.5 x"})
-        wait_until(lambda: r.xpending("dialog", "dialog-workers")["pending"], 10, what="pickup")
+        r.xadd("dialog", {"session_id": "c1", "msg_id": "m1", "text": "sleep 1.5 x"})
+        wait_until(lambda: r.exists(HELD_LOCK), 10, what="pickup")  # a worker holds it
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
         assert proc.wait(30) == 0
     finally:
