@@ -9,8 +9,10 @@ inside a loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import secrets
 import socket
 import tomllib
 import urllib.parse
@@ -269,9 +271,11 @@ def load_settings(
     return settings
 
 
+@functools.cache
 def default_consumer() -> str:
-    """Unique per process on a host, and stable for its life."""
-    return f"{socket.gethostname()}-{os.getpid()}"
+    """Unique per process, and stable for its life. Containers on the host network share the
+    host's name and often run the worker as pid 1: the random part keeps replicas apart."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
 def _read_config_file(env: Mapping[str, str]) -> dict[str, Any]:

@@ -73,12 +73,13 @@ def test_default_backoff_bounds_are_ordered_and_grace_is_positive() -> None:
 
 
 def test_consumer_defaults_to_hostname_dash_pid_when_unset() -> None:
-    assert load_settings(environ={}).consumer == f"{socket.gethostname()}-{os.getpid()}"
+    assert load_settings(environ={}).consumer.startswith(f"{socket.gethostname()}-{os.getpid()}-")
+    assert load_settings(environ={}).consumer == load_settings(environ={}).consumer
 
 
 def test_consumer_defaults_to_hostname_dash_pid_when_env_is_empty() -> None:
     s = load_settings(environ={"DIALOG_CONSUMER": ""})
-    assert s.consumer == f"{socket.gethostname()}-{os.getpid()}"
+    assert s.consumer.startswith(f"{socket.gethostname()}-{os.getpid()}-")
 
 
 def test_consumer_from_env_and_flag_is_kept() -> None:
