@@ -5,8 +5,8 @@ One JSON object on stdout; progress and a human summary on stderr. Exit 0, or 1 
 of dialog-worker ("ours") breaks a guarantee (lost, duplicated, out of order, missing or extra
 reply, not applied), or 2 for a usage problem (e.g. --plot without matplotlib).
 
-Workload. N sessions x B messages ("nama saya Budi", then "pesan 2".."pesan B"), sent through
-lua/send-3.lua in pipelines on one connection, so a session's messages are enqueued in order.
+Workload. N sessions x B messages ("nama saya Budi", then "pesan 2".."pesan B"), sent as plain
+XADDs in pipelines on one connection, so a session's messages are enqueued in order.
 `--mode burst` sends everything at once while the workers run, sessions in groups of
 `--senders` with a group's messages interleaved (a session's consecutive messages are about
 `--senders` entries apart, as `dialog-worker verify` sends them). `--rate R --duration S` sends
@@ -22,7 +22,7 @@ Redis cost. INFO commandstats deltas over the run. Top-level commands and round 
 worker processes are counted inside them: spawned workers run under a counting shim
 (`python -m worker.bench _count MODULE ...`, which wraps redis-py's pack_command and
 send_packed_command) and the bench counts its own the same way, so commands inside scripts =
-all commands - top-level commands (the producer's send script is calibrated once). CPU: INFO cpu
+all commands - top-level commands (a producer's XADD runs nothing inside). CPU: INFO cpu
 delta for Redis, /proc/<pid>/stat utime+stime for the spawned workers, getrusage for the bench.
 """
 

@@ -51,7 +51,8 @@ def requeues(a: Snapshot, b: Snapshot, n: int) -> dict[str, Any]:
 
 
 def redis_cost(a: Snapshot, b: Snapshot, n: int, producer_inside: float) -> dict[str, Any]:
-    """`producer_inside`: commands the producer's send script ran inside Redis in the window."""
+    """`producer_inside`: commands a producer's script ran inside Redis in the window (0 with
+    plain XADDs; kept for producers that do run scripts)."""
     delta = {
         k: v - a.calls.get(k, 0)
         for k, v in b.calls.items()
