@@ -11,7 +11,7 @@ of the reply stream. Answers:
 - 400 for a request the client must fix (not JSON, missing or invalid session_id or text);
 - 504 when no reply came within ASK_TIMEOUT_S (default 25): the message was sent and may
   still be answered; posting again with the returned ``msg_id`` waits for that same message
-  instead of sending it twice;
+  (never applied twice);
 - 503 when Redis cannot be reached.
 """
 

@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds to wait for the reply (default 30); on timeout, ask again with the same "
-        "--msg-id to keep waiting without a second message",
+        "--msg-id to keep waiting (a seen msg_id is never applied twice)",
     )
     ask.add_argument("--msg-id", help="message id (default: a new random one)")
 

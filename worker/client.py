@@ -133,8 +133,8 @@ class DialogClient:
         """Send a message and wait for its reply event: whatever the outcome (``applied``,
         ``dead_lettered`` with the fallback text, or ``duplicate`` when ``msg_id`` was seen
         before). Raises `ReplyTimeout` after ``timeout`` seconds (send included); the message
-        may still be processed, and asking again with the same ``msg_id`` waits for it
-        without a second message.
+        may still be processed, and asking again with the same ``msg_id`` waits for it (a
+        resend of a seen ``msg_id`` is never applied twice: its event says ``duplicate``).
 
         Every ask of a client shares one reader per reply stream: waiting costs a dictionary
         entry, not a connection. The waiter is registered before the message is sent, so a

@@ -46,8 +46,8 @@ class EngineHookError(DialogWorkerError):
 
 class ReplyTimeout(DialogWorkerError, TimeoutError):
     """`DialogClient.ask` saw no reply in time. The message was sent and may still be
-    answered: ask again with the same ``msg_id`` to wait for that same message without
-    sending a second one (it is recognised as a duplicate)."""
+    answered: ask again with the same ``msg_id`` to wait for that same message (a resent
+    ``msg_id`` is never applied twice)."""
 
     def __init__(self, session_id: str, msg_id: str, timeout_s: float, note: str = "") -> None:
         detail = f" ({note})" if note else ""
