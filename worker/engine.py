@@ -85,7 +85,7 @@ async def run_step(
     *,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> StepResult:
-    """Run one step of any engine and hold it to the contract.
+    """Run one step of any engine and check what it returns.
 
     An ``async def`` step is awaited on the event loop. A plain ``def`` step runs in a worker
     thread (``limiter`` bounds how many at once; size it to the worker's concurrency), so a

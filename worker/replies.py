@@ -266,6 +266,9 @@ class _Done:
     error: BaseException | None = None
 
 
+_CLOSED = _Done()  # put by aclose(): compared by identity
+
+
 class ReplySubscription:
     """Reply events of every reply stream of a deployment, as an async iterator.
 
@@ -334,14 +337,18 @@ class ReplySubscription:
     async def __anext__(self) -> Reply:
         if not self._started:
             await self.start()
-        while self._running or not self._queue.empty():
+        while not self._closed and (self._running or not self._queue.empty()):
             item = await self._queue.get()
             if isinstance(item, Reply):
                 return item
+            if item is _CLOSED:
+                break
             self._running -= 1
             if item.error is not None:
                 await self.aclose()
-                raise ReplyStreamError(f"reading replies failed: {item.error!r}") from item.error
+                raise ReplyStreamError(
+                    f"reading replies failed: {_describe(item.error)}"
+                ) from item.error
         await self.aclose()
         raise StopAsyncIteration
 
@@ -380,6 +387,9 @@ class ReplySubscription:
         self._closed = True
         for task in self._tasks:
             await _stop(task)
+        # Wake an iteration waiting in another task; a full queue wakes it anyway.
+        with contextlib.suppress(asyncio.QueueFull):
+            self._queue.put_nowait(_CLOSED)
         if self._on_close is not None:
             self._on_close(self)
 

@@ -386,6 +386,30 @@ async def test_tail_from_now_sees_only_new_events(client: DialogClient):
     assert [r.id for r in got] == new
 
 
+async def test_closing_a_subscription_ends_an_iteration_waiting_in_another_task(
+    client: DialogClient,
+):
+    subscription = client.replies(group="out", consumer="c1")
+    got: list[Reply] = []
+
+    async def iterate() -> None:
+        async for rep in subscription:
+            got.append(rep)
+
+    task = asyncio.create_task(iterate())
+    await wait_until_async(lambda: _group_exists(client, "out"), 5, "the group")
+    await subscription.aclose()
+    await asyncio.wait_for(task, 5)
+    assert got == []
+
+
+async def _group_exists(client: DialogClient, group: str) -> bool:
+    if not await client.redis.exists(client.keys.replies):
+        return False
+    groups = await client.redis.xinfo_groups(client.keys.replies)
+    return any(g["name"] == group for g in groups)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
