@@ -1,7 +1,25 @@
-"""dialog-worker: lossless, per-session ordered processing of chatbot messages on Redis Streams."""
+"""dialog-worker: lossless, per-session ordered processing of chatbot messages on Redis Streams.
 
-from worker.errors import PermanentError, TransientError
+For applications: `DialogClient` (send, ask, replies, ack, state) and `Reply`. For engines:
+the `Engine` protocol, `TransientError` and `PermanentError` (docs/engine.md).
+"""
 
+# Set before the imports below: worker.pipeline reads it from here.
 __version__ = "0.1.0"
 
-__all__ = ["PermanentError", "TransientError", "__version__"]
+from worker.client import DialogClient, SendResult
+from worker.engine import Engine
+from worker.errors import PermanentError, ReplyStreamError, ReplyTimeout, TransientError
+from worker.replies import Reply
+
+__all__ = [
+    "DialogClient",
+    "Engine",
+    "PermanentError",
+    "Reply",
+    "ReplyStreamError",
+    "ReplyTimeout",
+    "SendResult",
+    "TransientError",
+    "__version__",
+]

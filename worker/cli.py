@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import traceback
 from collections.abc import Awaitable, Callable
@@ -17,9 +18,9 @@ import redis.exceptions
 import structlog
 
 from worker import __version__, bench
-from worker.client import DialogClient
+from worker.client import DEFAULT_CLAIM_IDLE_MS, DialogClient
 from worker.config import Settings, load_settings, redact_url
-from worker.errors import ConfigError, ValidationError
+from worker.errors import ConfigError, ReplyStreamError, ReplyTimeout, ValidationError
 from worker.keys import Keys
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -94,6 +95,55 @@ def _parser() -> argparse.ArgumentParser:
     send.add_argument("session", type=_session_id, help="session id")
     send.add_argument("text", help="message text")
     send.add_argument("--msg-id", help="idempotency key (default: a random id)")
+
+    ask = sub.add_parser(
+        "ask",
+        help="send one message and print its reply event (exit 1 if it was dead-lettered "
+        "or no reply came in time)",
+    )
+    ask.add_argument("session", help="session id")
+    ask.add_argument("text", help="the user's message")
+    ask.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the reply (default 30); on timeout, ask again with the same "
+        "--msg-id to keep waiting (a seen msg_id is never applied twice)",
+    )
+    ask.add_argument("--msg-id", help="message id (default: a new random one)")
+
+    replies = sub.add_parser(
+        "replies",
+        help="print reply events of every shard, one JSON line each (with --group: through a "
+        "consumer group, acknowledging each event once printed)",
+    )
+    replies.add_argument(
+        "--group",
+        help="read through this consumer group (created if missing): each event goes to one "
+        "reader of the group and is acknowledged once printed",
+    )
+    replies.add_argument(
+        "--consumer", help="consumer name within --group (default: DIALOG_CONSUMER, hostname-pid)"
+    )
+    replies.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep waiting for new events until interrupted (Ctrl-C or SIGTERM)",
+    )
+    replies.add_argument(
+        "--since",
+        help="event id to start after: 0 = the oldest kept, $ = only new ones (default: 0, "
+        "but $ for --follow without --group); with --group it only applies when the group "
+        "is created",
+    )
+    replies.add_argument("--limit", type=int, help="stop after this many events")
+    replies.add_argument(
+        "--claim-idle-ms",
+        type=int,
+        default=DEFAULT_CLAIM_IDLE_MS,
+        help="with --group: take over events another consumer left unacknowledged this long "
+        f"(default {DEFAULT_CLAIM_IDLE_MS})",
+    )
 
     state = sub.add_parser("state", help="print a session's dialog state (or null)")
     state.add_argument("session", type=_session_id, help="session id")
@@ -260,6 +310,58 @@ async def _send(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _ask(settings: Settings, args: argparse.Namespace) -> int:
+    async with DialogClient(settings=settings) as c:
+        try:
+            reply = await c.ask(args.session, args.text, msg_id=args.msg_id, timeout=args.timeout)
+        except (ReplyTimeout, ReplyStreamError) as exc:
+            print(f"dialog-worker: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+    _emit(reply.as_dict())
+    return EXIT_FAILURE if reply.outcome == "dead_lettered" else EXIT_OK
+
+
+async def _replies(settings: Settings, args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 1:
+        raise ValidationError("--limit must be a positive integer")
+    since = args.since or ("$" if args.follow and args.group is None else "0")
+    async with DialogClient(settings=settings) as c:
+        subscription = c.replies(
+            args.group,
+            args.consumer,
+            start=since,
+            follow=args.follow,
+            claim_idle_ms=args.claim_idle_ms,
+        )
+        async with anyio.create_task_group() as tg:
+            # Ctrl-C or SIGTERM ends a --follow cleanly (exit 0); an event printed but not
+            # yet acknowledged is delivered again, which a group's readers must expect anyway.
+            tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+            try:
+                printed = 0
+                async for reply in subscription:
+                    _emit(reply.as_dict())
+                    if reply.group is not None:
+                        await c.ack(reply)
+                    printed += 1
+                    if args.limit is not None and printed >= args.limit:
+                        break
+            except ReplyStreamError as exc:
+                print(f"dialog-worker: {exc}", file=sys.stderr)
+                return EXIT_FAILURE
+            finally:
+                await subscription.aclose()
+                tg.cancel_scope.cancel()
+    return EXIT_OK
+
+
+async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
 async def _state(settings: Settings, args: argparse.Namespace) -> int:
     async with DialogClient(settings=settings) as c:
         _emit(await c.state(args.session))
@@ -354,7 +456,7 @@ async def _reshard(settings: Settings, args: argparse.Namespace) -> int:
     stop = os.environ.get("DIALOG_RESHARD_STOP_AFTER")
     # Bytes in and out: dead letters are copied byte for byte. Not a DialogClient: its shard
     # count check refuses while a reshard is in progress, and this run may be its resumption.
-    redis = connect(settings, max_connections=4, decode=False)
+    redis = connect(settings, max_connections=4, decode_responses=False)
     try:
         await prepare(redis)
         report = await reshard(
@@ -382,6 +484,8 @@ async def _reshard(settings: Settings, args: argparse.Namespace) -> int:
 
 _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
     "send": _send,
+    "ask": _ask,
+    "replies": _replies,
     "state": _state,
     "session": _session,
     "stats": _stats,

@@ -1,23 +1,31 @@
-"""The application's side: ``DialogClient.send`` (one plain XADD) and ``DialogClient.state``."""
+"""The application's side: send messages, ask and wait for the reply, read replies, read
+session state (``DialogClient``)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
+import math
+import uuid
 from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
+import anyio
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
 from worker.codec import MAX_EXTRA_FIELDS, RESERVED_FIELDS, check_id, check_meta, check_text
 from worker.config import Settings, load_settings
-from worker.errors import ValidationError
+from worker.errors import ReplyTimeout, ValidationError
 from worker.keys import Keys, Topology
 from worker.redis_conn import check_topology, connect, prepare
+from worker.replies import Reply, ReplyRouter, ReplySubscription
+
+# How long `replies()` lets another consumer's event sit unacknowledged before taking it over.
+DEFAULT_CLAIM_IDLE_MS = 60_000
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,11 +39,12 @@ class SendResult:
 
 
 class DialogClient:
-    """Sends messages and reads session state.
+    """Sends messages, waits for or reads their replies, and reads session state.
 
     Reads the same settings as the worker from the environment when constructed; keyword
     arguments override them (``DialogClient(url, stream="other")``). Safe to share between
-    hundreds of coroutines: the pool blocks for a free connection instead of failing.
+    hundreds of coroutines: the pool blocks for a free connection instead of failing. Use it
+    as ``async with`` (or call `aclose`): reply readers run as background tasks until then.
     """
 
     def __init__(
@@ -58,6 +67,13 @@ class DialogClient:
         self.redis: Redis = connect(settings, max_connections)
         self._prepared = False
         self._checked = False
+        self._max_connections = max_connections
+        # Reply streams are read as bytes on their own client (see worker/replies.py), made
+        # on first use; blocked reads there never hold up sends.
+        self._reader: Redis | None = None
+        self._reader_prepared = False
+        self._routers: dict[str, ReplyRouter] = {}
+        self._subscriptions: set[ReplySubscription] = set()
 
     async def __aenter__(self) -> DialogClient:
         await self._prepare()
@@ -72,6 +88,12 @@ class DialogClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        for subscription in list(self._subscriptions):
+            await subscription.aclose()
+        for router in self._routers.values():
+            await router.aclose()
+        if self._reader is not None:
+            await self._reader.aclose()
         await self.redis.aclose()
 
     async def send(
@@ -111,6 +133,123 @@ class DialogClient:
         entry = str(entry_id)
         return SendResult(session_id, msg_id if msg_id is not None else entry, entry)
 
+    async def ask(
+        self,
+        session_id: str,
+        text: str,
+        msg_id: str | None = None,
+        # A parameter, not a cancel scope around the call: the timeout must not cut a send
+        # short, and its error names the msg_id to ask again with.
+        timeout: float = 30,  # noqa: ASYNC109
+    ) -> Reply:
+        """Send a message and wait for its reply event: whatever the outcome (``applied``,
+        ``dead_lettered`` with the fallback text, or ``duplicate`` when ``msg_id`` was seen
+        before). Raises `ReplyTimeout` after ``timeout`` seconds (send included); the message
+        may still be processed, and asking again with the same ``msg_id`` waits for it (a
+        resend of a seen ``msg_id`` is never applied twice: its event says ``duplicate``).
+
+        Every ask of a client shares one reader per reply stream: waiting costs a dictionary
+        entry, not a connection. The waiter is registered before the message is sent, so a
+        fast reply cannot be missed.
+        """
+        check_id("session_id", session_id)
+        msg_id = check_id("msg_id", msg_id) if msg_id is not None else uuid.uuid4().hex
+        check_text(text, self.settings.max_message_bytes)
+        if isinstance(timeout, bool) or not (
+            isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0
+        ):
+            raise ValidationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        deadline = anyio.current_time() + timeout
+        router = self._router(self.keys_for(session_id).replies)
+        waiter = router.expect(session_id, msg_id)
+        try:
+            await router.start()
+            await self.send(session_id, text, msg_id=msg_id)
+            with anyio.move_on_after(deadline - anyio.current_time()):
+                return await waiter
+            raise ReplyTimeout(session_id, msg_id, timeout, router.problem())
+        finally:
+            router.forget(session_id, msg_id, waiter)
+
+    @property
+    def waiting_replies(self) -> int:
+        """How many `ask` calls are waiting for their reply right now."""
+        return sum(router.waiting for router in self._routers.values())
+
+    def replies(
+        self,
+        group: str | None = None,
+        consumer: str | None = None,
+        *,
+        start: str = "$",
+        follow: bool = True,
+        count: int = 100,
+        claim_idle_ms: int = DEFAULT_CLAIM_IDLE_MS,
+        block_ms: int | None = None,
+    ) -> ReplySubscription:
+        """Reply events of every shard, as an async iterator of `Reply`.
+
+        With ``group``: a consumer group on the reply stream(s), created when the iteration
+        starts (``start="$"``: events from then on; ``"0"``: also those the stream still
+        holds). Each event goes to one consumer of the group; acknowledge it with `ack` once
+        handled. An event not acknowledged within ``claim_idle_ms`` (a consumer died) is
+        delivered to another consumer: at least once. ``consumer`` names this reader
+        (default ``DIALOG_CONSUMER``, i.e. hostname-pid); a stable name (a pod name) gets
+        its own unacknowledged events back right after a restart.
+
+        Without ``group``: every event after ``start`` (``"$"`` now, ``"0"`` the oldest kept,
+        or an event id), to every reader; nothing to acknowledge.
+
+        ``follow=False`` ends the iteration once nothing more is there.
+        """
+        if group is not None:
+            check_id("group", group)
+        consumer = check_id(
+            "consumer", consumer if consumer is not None else self.settings.consumer
+        )
+        if not _is_stream_id(start):
+            raise ValidationError(
+                f"start must be $, 0 or an event id like 1700000000000-0, got {start!r}"
+            )
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValidationError(f"count must be a positive integer, got {count!r}")
+        if (
+            isinstance(claim_idle_ms, bool)
+            or not isinstance(claim_idle_ms, int)
+            or claim_idle_ms < 1
+        ):
+            raise ValidationError(
+                f"claim_idle_ms must be a positive integer, got {claim_idle_ms!r}"
+            )
+        subscription = ReplySubscription(
+            self._reader_client(),
+            [keys.replies for keys in self.topology.shards],
+            group=group,
+            consumer=consumer,
+            start=start,
+            follow=follow,
+            count=count,
+            block_ms=block_ms if block_ms is not None else self.settings.read_block_ms,
+            claim_idle_ms=claim_idle_ms,
+            prepare=self._prepare_reader,
+            on_close=self._subscriptions.discard,
+        )
+        self._subscriptions.add(subscription)
+        return subscription
+
+    async def ack(self, *replies: Reply) -> int:
+        """Acknowledge replies read through a consumer group (`replies`); returns how many
+        were still pending. Acknowledge only once the reply is fully handled: until then a
+        crash hands it to another consumer."""
+        done = 0
+        for reply in replies:
+            if reply.group is None:
+                raise ValidationError(
+                    f"reply {reply.id} was read without a consumer group: nothing to acknowledge"
+                )
+            done += int(await self._reader_client().xack(reply.stream, reply.group, reply.id))
+        return done
+
     async def state(self, session_id: str) -> dict[str, Any] | None:
         check_id("session_id", session_id)
         with self._cluster_errors("state"):
@@ -145,6 +284,37 @@ class DialogClient:
             await check_topology(self.redis, self.settings, record=False)
             self._checked = True
 
+    def _reader_client(self) -> Redis:
+        if self._reader is None:
+            self._reader = connect(self.settings, self._max_connections, decode_responses=False)
+        return self._reader
+
+    async def _prepare_reader(self) -> None:
+        if not self._reader_prepared:
+            await prepare(self._reader_client())
+            self._reader_prepared = True
+
+    def _router(self, stream: str) -> ReplyRouter:
+        router = self._routers.get(stream)
+        if router is None:
+            router = ReplyRouter(
+                self._reader_client(),
+                stream,
+                block_ms=self.settings.read_block_ms,
+                prepare=self._prepare_reader,
+            )
+            self._routers[stream] = router
+        return router
+
     def keys_for(self, session_id: str) -> Keys:
         """The shard a session belongs to (the only one in the plain layout)."""
         return self.topology.for_session(session_id)
+
+
+def _is_stream_id(value: object) -> bool:
+    if value in ("$", "0"):
+        return True
+    if not isinstance(value, str):
+        return False
+    ms, _, seq = value.partition("-")
+    return ms.isascii() and ms.isdigit() and (not seq or (seq.isascii() and seq.isdigit()))

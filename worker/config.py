@@ -45,9 +45,9 @@ class Settings:
     concurrency: int = 64
     lock_ttl_ms: int = 5000
     visibility_timeout_ms: int = 30000
-    max_attempts: int = 3
-    backoff_base_ms: int = 50
-    backoff_max_ms: int = 5000
+    max_attempts: int = 5
+    backoff_base_ms: int = 500
+    backoff_max_ms: int = 30000
     state_ttl_s: int = 86400
     history_limit: int = 50
     dedupe_ttl_s: int = 86400

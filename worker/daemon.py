@@ -35,7 +35,7 @@ from redis.asyncio import Redis
 from worker import __version__
 from worker.codec import MAX_EXTRA_FIELDS, fields_dict, text
 from worker.config import Settings
-from worker.engine import Engine
+from worker.engine import Engine, shutdown_engine, startup_engine
 from worker.errors import ConfigError
 from worker.http import serve as serve_http
 from worker.keys import Keys, Topology
@@ -90,7 +90,7 @@ class Worker:
             settings,
             max_connections=settings.concurrency + 8 + 4 * len(self.shards),
             bounded_callers=True,
-            decode=False,
+            decode_responses=False,
         )
         self.redis: Redis = connect(settings, max_connections=4, bounded_callers=False)
         self.scripts = Scripts.register(self.raw)
@@ -151,6 +151,9 @@ class Worker:
                 if self.stopping.is_set():  # told to stop before Redis was ever reachable
                     side.cancel_scope.cancel()
                     return
+                # The engine's clients and pools, before the first message it must serve; a
+                # failure stops the worker (EngineHookError) rather than dead-letter traffic.
+                await startup_engine(self.pipeline.engine)
                 for committer in self.committers.values():
                     side.start_soon(committer.run)
                 side.start_soon(self._loop, "heartbeat", self._heartbeat_once)
@@ -182,6 +185,8 @@ class Worker:
                         anyio.current_time() + self.settings.shutdown_grace_s
                     )
                     self.pipeline.stopping = True
+                with anyio.CancelScope(shield=True):
+                    await shutdown_engine(self.pipeline.engine)  # after the last step
                 side.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):

@@ -1,43 +1,65 @@
-"""The dialog engine: state and message in, new state and reply out, no I/O.
+"""The dialog engine: state and message in, new state and reply out.
 
-The worker may run a step again for the same message after a crash or a lost lock, so the
-step must be a pure function of its inputs: no clock, no randomness, no mutation of what it
-was given. Everything that talks to Redis lives outside this module.
+The worker may run a step again for the same message after a crash or a lost lock, so a step
+should depend only on its inputs and never change them. The user's guide is docs/engine.md.
 
 Two kinds of engine exist. The built-in `RuleEngine` reads an ELIZA-style rule file (the
 format is documented in `config/rules.toml`). A deployment can replace it with its own object
-through `DIALOG_ENGINE=package.module:factory`; `load_engine` checks that object once at
-start and `run_step` checks every result, so a broken plugin fails loudly and in one place.
+through `DIALOG_ENGINE=package.module:attr`; `load_engine` checks that object once at start,
+`startup_engine` / `shutdown_engine` run its optional hooks, and `run_step` runs every step
+(``async def`` on the event loop, plain ``def`` in a worker thread) and checks its result, so a
+broken plugin fails loudly and in one place.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import inspect
+import json
 import os
 import re
+import sys
 import tomllib
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from worker.errors import ConfigError, PermanentError
+import anyio
+import anyio.to_thread
+import structlog
+
+from worker.errors import ConfigError, EngineHookError, PermanentError
 
 StepResult = tuple[dict[str, Any], str]
 
 INITIAL_STEP = "ROOT"
 RULES_SETTING = "DIALOG_RULES_FILE"
 ENGINE_SETTING = "DIALOG_ENGINE"
+# Fields of the state the worker sets after every step; the engine's values are overwritten.
+WORKER_OWNED = ("session_id", "history", "applied_seq", "version")
 
 # An installed wheel carries config/rules.toml as worker/default_rules.toml (see
 # pyproject.toml); a source checkout only has the original, so look for both.
 _PACKAGED_RULES = Path(__file__).resolve().parent / "default_rules.toml"
 _CHECKOUT_RULES = Path(__file__).resolve().parent.parent / "config" / "rules.toml"
 
+log = structlog.get_logger("dialog_worker.engine")
+
 
 class Engine(Protocol):
-    """Anything with this `step` can drive a dialog; `async def step` is accepted too."""
+    """What drives a dialog: one ``step`` per message (docs/engine.md).
+
+    ``step(state, message) -> (new_state, reply)`` may be ``async def`` (it runs on the event
+    loop: never block in it) or a plain ``def`` (it runs in a worker thread). The state is
+    ``{"session_id", "step", "memory", "history", "applied_seq", "version"}``; the engine owns
+    ``step`` (a string) and ``memory`` (any JSON value). The message is ``{"session_id",
+    "msg_id", "seq", "text", "entry_id", "enqueued_at", "attempt", "meta"}``.
+
+    Optional, not part of the protocol's type: ``async def startup(self)`` before the first
+    step (open HTTP clients, pools) and ``async def shutdown(self)`` after the last one.
+    """
 
     def step(
         self, state: dict[str, Any], message: dict[str, Any]
@@ -45,7 +67,7 @@ class Engine(Protocol):
 
 
 def initial_state(session_id: str) -> dict[str, Any]:
-    """The state of a session that has never been seen, as section 6 of the contract fixes it."""
+    """The state of a session that has never been seen."""
     return {
         "session_id": session_id,
         "step": INITIAL_STEP,
@@ -56,8 +78,19 @@ def initial_state(session_id: str) -> dict[str, Any]:
     }
 
 
-async def run_step(engine: Engine, state: dict[str, Any], message: dict[str, Any]) -> StepResult:
-    """Run one step of any engine and hold it to the contract.
+async def run_step(
+    engine: Engine,
+    state: dict[str, Any],
+    message: dict[str, Any],
+    *,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> StepResult:
+    """Run one step of any engine and check what it returns.
+
+    An ``async def`` step is awaited on the event loop. A plain ``def`` step runs in a worker
+    thread (``limiter`` bounds how many at once; size it to the worker's concurrency), so a
+    slow or blocking step never stops the loop that renews the session's lease. A cancelled
+    thread step is abandoned: the caller moves on at once, the thread finishes on its own.
 
     The inputs are deep-copied first so that a plugin which mutates its arguments cannot
     corrupt the caller's copy, which is what the worker retries from. A result of the wrong
@@ -66,57 +99,116 @@ async def run_step(engine: Engine, state: dict[str, Any], message: dict[str, Any
     class already says whether to retry.
     """
     if isinstance(engine, RuleEngine):
-        # Our own engine never mutates its inputs (tested), so it is spared the copies.
+        # Our own engine never mutates its inputs (tested) and takes microseconds (compiled
+        # patterns, bounded text), so it runs inline: a thread hop would cost it ~50x.
         result: object = engine.step(state, message)
+    elif _is_async(engine.step):
+        result = engine.step(copy.deepcopy(state), copy.deepcopy(message))  # awaited below
     else:
-        result = engine.step(copy.deepcopy(state), copy.deepcopy(message))
-    if isinstance(result, Awaitable):
-        result = await result
-    engine_name = type(engine).__qualname__
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise PermanentError(
-            f"engine {engine_name}.step returned {_describe(result)}, expected (state, reply)"
+        result = await anyio.to_thread.run_sync(
+            _copied_step, engine.step, state, message, limiter=limiter, abandon_on_cancel=True
         )
+    if inspect.isawaitable(result):
+        # An async step's coroutine, or a plain def that returned one (a wrapper): on the loop.
+        result = await result
+    return _checked(
+        type(engine).__qualname__, result, validate_json=not isinstance(engine, RuleEngine)
+    )
+
+
+def _copied_step(
+    step: Callable[[dict[str, Any], dict[str, Any]], object],
+    state: dict[str, Any],
+    message: dict[str, Any],
+) -> object:
+    """In the worker thread: the copies cost the loop nothing there."""
+    return step(copy.deepcopy(state), copy.deepcopy(message))
+
+
+def _is_async(step: object) -> bool:
+    if inspect.iscoroutinefunction(step):
+        return True
+    call = getattr(step, "__call__", None)  # noqa: B004 - an object whose __call__ is async
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+def _checked(engine_name: str, result: object, validate_json: bool) -> StepResult:
+    where = f"engine {engine_name}.step returned"
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise PermanentError(f"{where} {_describe(result)}, expected (state, reply)")
     new_state, reply = cast(tuple[object, object], result)
     if not isinstance(new_state, dict):
-        raise PermanentError(f"engine {engine_name}.step returned state {_describe(new_state)}")
+        raise PermanentError(f"{where} state {_describe(new_state)}, expected a dict")
     if not isinstance(reply, str):
-        raise PermanentError(f"engine {engine_name}.step returned reply {_describe(reply)}")
+        raise PermanentError(f"{where} reply {_describe(reply)}, expected a string")
     if not isinstance(new_state.get("step"), str):
         raise PermanentError(
-            f"engine {engine_name}.step returned state whose step is "
-            f"{_describe(new_state.get('step'))}, expected a string"
+            f"{where} state whose step is {_describe(new_state.get('step'))}, expected a string"
         )
-    memory = new_state.get("memory")
-    if not (
-        isinstance(memory, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in memory.items())
-    ):
-        raise PermanentError(
-            f"engine {engine_name}.step returned state whose memory is not a dict of strings"
-        )
+    if "memory" not in new_state:
+        raise PermanentError(f"{where} state without memory (keep it, even if empty)")
+    if validate_json:
+        # What the worker stores must read back the same, from any language: no sets, bytes,
+        # objects, NaN or infinities. The worker-owned fields are replaced after the step.
+        owned = {k: v for k, v in new_state.items() if k not in WORKER_OWNED}
+        try:
+            json.dumps(owned, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise PermanentError(f"{where} state that is not JSON: {exc}") from None
     return cast(dict[str, Any], new_state), reply
+
+
+async def startup_engine(engine: Engine) -> None:
+    """Call the engine's optional ``startup()`` (async, or plain def in a thread) before
+    the first step. A failure is an `EngineHookError`: the worker should not take messages
+    it cannot serve."""
+    try:
+        await _call_hook(engine, "startup")
+    except Exception as exc:
+        raise EngineHookError(
+            f"engine {type(engine).__qualname__}.startup() raised {_one_line(exc)}"
+        ) from exc
+
+
+async def shutdown_engine(engine: Engine) -> None:
+    """Call the engine's optional ``shutdown()`` after the last step. A failure is logged
+    with its traceback and swallowed: shutting down goes on."""
+    try:
+        await _call_hook(engine, "shutdown")
+    except Exception:
+        log.exception("engine_shutdown_failed", engine=type(engine).__qualname__)
+
+
+async def _call_hook(engine: Engine, name: str) -> None:
+    hook = getattr(engine, name, None)
+    if hook is None:
+        return
+    if not callable(hook):
+        raise TypeError(f"{name} is {_describe(hook)}, not a method")
+    if _is_async(hook):
+        await hook()
+        return
+    result = await anyio.to_thread.run_sync(hook)
+    if inspect.isawaitable(result):
+        await result
 
 
 def load_engine(spec: str | None, rules_path: str | None = None) -> Engine:
     """Build the engine named by `DIALOG_ENGINE`, or the built-in rules when it is unset.
 
-    Every failure becomes a `ConfigError` so that a typo in the setting stops the worker at
-    start with one line, instead of dead-lettering every message later.
+    ``module:attr`` names an engine object (anything with a ``step``) or a zero-argument
+    factory that returns one (a class, or a function). Every failure becomes a
+    `ConfigError` so that a typo in the setting stops the worker at start with one line,
+    instead of dead-lettering every message later.
     """
     if spec is None or not spec.strip():
         return load_rules(rules_path)
     spec = spec.strip()
     found = _ENGINE_SPEC.fullmatch(spec)
     if found is None:
-        raise ConfigError(ENGINE_SETTING, f"{spec!r} is not of the form package.module:factory")
+        raise ConfigError(ENGINE_SETTING, f"{spec!r} is not of the form package.module:attr")
     module_name, attr_path = found["module"], found["attr"]
-    try:
-        target: Any = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of a plugin is a configuration problem
-        raise ConfigError(
-            ENGINE_SETTING, f"cannot import module {module_name!r}: {_one_line(exc)}"
-        ) from exc
+    target: Any = _import_engine_module(module_name)
     for part in attr_path.split("."):
         try:
             target = getattr(target, part)
@@ -124,8 +216,27 @@ def load_engine(spec: str | None, rules_path: str | None = None) -> Engine:
             raise ConfigError(
                 ENGINE_SETTING, f"module {module_name!r} has no attribute {attr_path!r}"
             ) from exc
+    if not isinstance(target, type) and callable(getattr(target, "step", None)):
+        return cast(Engine, target)  # an engine object
     if not callable(target):
-        raise ConfigError(ENGINE_SETTING, f"{spec!r} is {_describe(target)}, not a callable")
+        raise ConfigError(
+            ENGINE_SETTING,
+            f"{spec!r} is {_describe(target)}: name an object with a step(state, message) "
+            "method or a factory that takes no arguments",
+        )
+    needed = _required_parameters(target)
+    if needed:
+        raise ConfigError(
+            ENGINE_SETTING,
+            f"factory {spec!r} needs argument(s) {', '.join(needed)}; a factory must take none "
+            "(read your own settings from the environment inside it)",
+        )
+    if inspect.iscoroutinefunction(target):
+        raise ConfigError(
+            ENGINE_SETTING,
+            f"factory {spec!r} is async; make it a plain def and do async set-up in the "
+            "engine's async startup()",
+        )
     try:
         engine: object = target()
     except Exception as exc:  # the factory is foreign code; report whatever it raised
@@ -137,6 +248,42 @@ def load_engine(spec: str | None, rules_path: str | None = None) -> Engine:
             "step(state, message)",
         )
     return cast(Engine, engine)
+
+
+def _import_engine_module(module_name: str) -> object:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise ConfigError(
+                ENGINE_SETTING,
+                f"cannot import module {module_name!r}: it is not on the Python path "
+                f"(working directory {os.getcwd()}); install its package "
+                "(pip install -e <project>) or add the folder that holds it to PYTHONPATH",
+            ) from exc
+        raise ConfigError(
+            ENGINE_SETTING,
+            f"module {module_name!r} imports {missing!r}, which is not installed "
+            f"(install it into this Python: {sys.executable} -m pip install ...)",
+        ) from exc
+    except Exception as exc:  # any import-time failure of a plugin is a configuration problem
+        raise ConfigError(
+            ENGINE_SETTING, f"importing module {module_name!r} raised {_one_line(exc)}"
+        ) from exc
+
+
+def _required_parameters(factory: Callable[..., object]) -> list[str]:
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins have no signature: let the call decide
+        return []
+    return [
+        name
+        for name, p in signature.parameters.items()
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
 
 
 def load_rules(path: str | os.PathLike[str] | None = None) -> RuleEngine:

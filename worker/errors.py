@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class DialogWorkerError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -21,8 +23,53 @@ class ValidationError(DialogWorkerError, ValueError):
 
 
 class TransientError(DialogWorkerError):
-    """Retry later with backoff: the same input may succeed (timeouts, outages)."""
+    """Retry later with backoff: the same input may succeed (timeouts, outages, rate limits).
+
+    ``retry_after`` (seconds) is the earliest useful retry, e.g. an HTTP 429's ``Retry-After``:
+    the next attempt waits at least that long (within a ceiling, see `worker.failures`). A
+    value that is not a finite number >= 0 is ignored rather than raised over, so a bad header
+    still gives an ordinary retry.
+    """
+
+    def __init__(self, message: str = "", retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = _seconds_or_none(retry_after)
 
 
 class PermanentError(DialogWorkerError):
     """Dead-letter now: the same input will fail again (bad data, refused content)."""
+
+
+class EngineHookError(DialogWorkerError):
+    """An engine's ``startup()`` failed: the worker cannot serve messages with it."""
+
+
+class ReplyTimeout(DialogWorkerError, TimeoutError):
+    """`DialogClient.ask` saw no reply in time. The message was sent and may still be
+    answered: ask again with the same ``msg_id`` to wait for that same message (a resent
+    ``msg_id`` is never applied twice)."""
+
+    def __init__(self, session_id: str, msg_id: str, timeout_s: float, note: str = "") -> None:
+        detail = f" ({note})" if note else ""
+        super().__init__(
+            f"no reply for session {session_id!r} msg_id {msg_id!r} within {timeout_s:g} s"
+            f"{detail}; ask again with the same msg_id to keep waiting"
+        )
+        self.session_id = session_id
+        self.msg_id = msg_id
+        self.timeout_s = timeout_s
+
+
+class ReplyStreamError(DialogWorkerError):
+    """Reading a reply stream failed for a reason retrying will not fix (for example a
+    missing permission); every waiting `ask` gets it instead of hanging."""
+
+
+def _seconds_or_none(value: object) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        seconds = float(value)  # type: ignore[arg-type]  # any number-like value is welcome
+    except (TypeError, ValueError):
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None

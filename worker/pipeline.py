@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
@@ -30,7 +29,8 @@ from worker import __version__
 from worker.codec import MalformedEntry, Message, decode_message, fields_dict, text
 from worker.config import Settings
 from worker.engine import Engine, initial_state, run_step
-from worker.errors import PermanentError, TransientError
+from worker.errors import PermanentError
+from worker.failures import describe_failure, retry_after_of, retry_delay_ms
 from worker.keys import Keys
 from worker.metrics import Metrics
 from worker.scripts import Code, Scripts
@@ -41,23 +41,6 @@ log = structlog.get_logger("dialog_worker.pipeline")
 HISTORY_TEXT_LIMIT = 1024
 # Most commits sent in one script call.
 COMMIT_BATCH = 256
-
-
-def backoff_ms(
-    attempt: int,
-    base_ms: int,
-    max_ms: int,
-    rng: random.Random | None = None,
-    retry_after_s: float | None = None,
-) -> int:
-    """Capped exponential backoff with equal jitter: half fixed, half random, so retries of a
-    burst spread out but never come back sooner than half the step. A `retry_after_s` the
-    engine was given (an HTTP 429's Retry-After) is waited at least, up to one hour."""
-    ceiling = min(max_ms, base_ms * 2 ** min(max(0, attempt - 1), 40))
-    delay = int(ceiling / 2 + (rng or random).uniform(0, ceiling / 2))
-    if retry_after_s is not None and retry_after_s > 0:
-        delay = max(delay, int(min(retry_after_s, 3600.0) * 1000))
-    return delay
 
 
 def now_ms() -> int:
@@ -188,6 +171,8 @@ class Pipeline:
         self.committers = committers
         # Set at shutdown: a message handed on by a commit goes back at once, unstarted.
         self.stopping = False
+        # Plain `def` steps run in threads, at most one per message slot.
+        self.step_limiter = anyio.CapacityLimiter(settings.concurrency)
 
     # ------------------------------------------------------------------------------------
     # Entry point
@@ -251,7 +236,8 @@ class Pipeline:
                 log.info("handed_back", outcome="handed_back")
                 raise
             except PermanentError as exc:
-                return await self._deadletter(job, msg, "permanent", _describe(exc))
+                log.warning("step_refused", error=_describe(exc), exc_info=exc)
+                return await self._deadletter(job, msg, "permanent", describe_failure(exc))
             except LeaseLost:
                 self.metrics.fencing_rejections.inc()
                 log.warning("lease_lost", outcome="abandoned")
@@ -263,11 +249,8 @@ class Pipeline:
                     return None
                 log.warning("step_failed", error=_describe(exc), exc_info=exc)
                 if job.attempts >= settings.max_attempts:
-                    return await self._deadletter(job, msg, "exhausted", _describe(exc))
-                retry_after = (
-                    getattr(exc, "retry_after", None) if isinstance(exc, TransientError) else None
-                )
-                await self._retry(job, _describe(exc), retry_after)
+                    return await self._deadletter(job, msg, "exhausted", describe_failure(exc))
+                await self._retry(job, describe_failure(exc), retry_after_of(exc))
                 return None
             if job.lost:
                 self.metrics.fencing_rejections.inc()
@@ -283,7 +266,12 @@ class Pipeline:
             job.scope = scope
             with anyio.fail_after(self.settings.step_timeout_s):
                 try:
-                    return await run_step(self.engine, job.load_state(), msg.as_engine_input())
+                    return await run_step(
+                        self.engine,
+                        job.load_state(),
+                        msg.as_engine_input(),
+                        limiter=self.step_limiter,
+                    )
                 except TimeoutError:
                     raise StepTimeout(
                         f"step did not finish within {self.settings.step_timeout_s:g} s"
@@ -408,11 +396,8 @@ class Pipeline:
 
     async def _retry(self, job: Job, error: str, retry_after_s: float | None) -> None:
         settings = self.settings
-        delay = backoff_ms(
-            job.attempts,
-            settings.backoff_base_ms,
-            settings.backoff_max_ms,
-            retry_after_s=retry_after_s,
+        delay = retry_delay_ms(
+            job.attempts, settings.backoff_base_ms, settings.backoff_max_ms, retry_after_s
         )
         code = await self._release(job, delay, error, counts=True)
         if code is Code.RELEASED:

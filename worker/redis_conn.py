@@ -15,9 +15,16 @@ from worker.keys import shards_key
 
 
 def connect(
-    settings: Settings, max_connections: int, bounded_callers: bool = False, decode: bool = True
+    settings: Settings,
+    max_connections: int,
+    bounded_callers: bool = False,
+    decode_responses: bool = True,
 ) -> Redis:
     """A client for `max_connections` concurrent callers.
+
+    ``decode_responses=False`` gives bytes, for reading streams whose values anyone may have
+    written: the reader decodes each value itself instead of failing a whole batch on one
+    invalid byte.
 
     By default its pool waits for a free connection instead of raising "Too many
     connections" when more coroutines than that call at once (redis-py #2517): what a client
@@ -39,10 +46,10 @@ def connect(
         if settings.redis_ca_path:
             kwargs["ssl_ca_certs"] = settings.redis_ca_path
     if settings.redis_mode == "cluster":
-        return _connect_cluster(settings, max_connections, kwargs, decode)
+        return _connect_cluster(settings, max_connections, decode_responses, kwargs)
     options: dict[str, Any] = {
         "max_connections": max_connections,
-        "decode_responses": decode,
+        "decode_responses": decode_responses,
         "socket_timeout": 5,
         "socket_connect_timeout": 5,
         "retry": Retry(NoBackoff(), 0),
@@ -63,7 +70,7 @@ CLUSTER_MAX_CONNECTIONS_PER_NODE = 1000
 
 
 def _connect_cluster(
-    settings: Settings, max_connections: int, kwargs: dict[str, object], decode: bool = True
+    settings: Settings, max_connections: int, decode_responses: bool, kwargs: dict[str, object]
 ) -> Redis:
     """redis-py's RedisCluster: it follows MOVED/ASK and, on connection errors, refreshes the
     slot map and retries, which is how a worker rides through a master failover. Those
@@ -73,7 +80,7 @@ def _connect_cluster(
     command API for everything the worker uses, hence the cast."""
     cluster = RedisCluster.from_url(
         settings.redis_url,
-        decode_responses=decode,
+        decode_responses=decode_responses,
         max_connections=max(max_connections, CLUSTER_MAX_CONNECTIONS_PER_NODE),
         socket_timeout=5,
         socket_connect_timeout=5,

@@ -299,3 +299,31 @@ async def test_reshard_3_to_2_on_the_cluster_keeps_sessions_going(cluster, clust
         assert letters == [{"session_id": "a{b}c", "error": "x"}]
         assert await c.redis.xlen(c.keys_for("a{b}c").dlq) == 1
         assert await c.redis.get(f"{two.prefix}:shards") == "2"
+
+
+async def test_ask_and_a_reply_group_work_across_the_cluster_shards(
+    cluster, cluster_env, cclient, tmp_path
+):
+    """One reply reader per shard (each reply stream lives on its own master), and a
+    consumer group that reads all of them."""
+    pool = WorkerPool(cluster_env, tmp_path)
+    try:
+        async with cclient.replies(group="outbound", consumer="o1") as outbound:
+            pool.start(1)
+            replies = await asyncio.gather(
+                *(cclient.ask(f"ask{i}", f"nama saya N{i}", timeout=60) for i in range(30))
+            )
+            assert [r.text for r in replies] == [
+                f"Halo N{i}, ada yang bisa dibantu?" for i in range(30)
+            ]
+            shards = {k.replies for k in cclient.topology.shards}
+            assert {r.stream for r in replies} == shards
+            seen: set[str] = set()
+            async for rep in outbound:
+                seen.add(rep.msg_id)
+                await cclient.ack(rep)
+                if len(seen) == 30:
+                    break
+            assert seen == {r.msg_id for r in replies}
+    finally:
+        pool.stop_all()

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 ACL_TEMPLATE = REPO / "config" / "redis-acl.conf"
 DEPLOY_DOC = REPO / "docs" / "deploy.md"
-ROLES = ("worker", "producer", "operator", "keda")
+ROLES = ("worker", "producer", "operator", "keda", "replies")
 RENDERED_PATH = "/etc/redis/users.acl"  # where the documented command writes the ACL file
 
 
@@ -610,6 +610,26 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
         ("XADD dialog-replies * f v", False),
         (f"EVALSHA {SHA} 3 dialog {READY} {PREFIX}", False),
     ],
+    "replies": [
+        ("XGROUP CREATE dialog-replies out $ MKSTREAM", True),
+        ("XREADGROUP GROUP out c COUNT 1 STREAMS dialog-replies >", True),
+        ("XACK dialog-replies out 1-1", True),
+        ("XAUTOCLAIM dialog-replies out c 1000 0-0", True),
+        ("XREAD COUNT 1 STREAMS dialog-replies 0", True),
+        ("XREVRANGE dialog-replies + - COUNT 1", True),
+        ("XINFO GROUPS dialog-replies", True),
+        ("XPENDING dialog-replies out", True),
+        ("XADD dialog-replies * f v", False),
+        ("XDEL dialog-replies 1-1", False),
+        ("XTRIM dialog-replies MAXLEN 0", False),
+        ("XGROUP DESTROY dialog-replies out", False),
+        ("DEL dialog-replies", False),
+        ("XREAD COUNT 1 STREAMS dialog 0", False),
+        ("XREADGROUP GROUP dialog-workers c STREAMS dialog >", False),
+        ("XADD dialog * f v", False),
+        (f"HGET {S}:state d", False),
+        (f"EVALSHA {SHA} 1 dialog-replies", False),
+    ],
     "keda": [
         ("XINFO GROUPS dialog", True),
         ("XPENDING dialog dialog-workers", True),
@@ -651,6 +671,41 @@ def test_each_role_has_exactly_its_rights(acl: AclRedis, role: str, layout: str)
         if (answer == "OK") != allowed:
             wrong.append((command, "should be allowed" if allowed else "should be denied", answer))
     assert wrong == []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reply_readers_run_as_the_replies_user(acl: AclRedis, layout: str) -> None:
+    """DialogClient.replies through a consumer group (create, read, ack, take over what a
+    dead reader left) and as a tail, on every shard's reply stream, with nothing denied."""
+    acl.admin.flushall()
+    acl.admin.execute_command("ACL", "LOG", "RESET")
+    settings = settings_for(acl.url("replies"), **LAYOUTS[layout])
+    streams = [k.replies for k in Topology.from_settings(settings).shards]
+
+    async def read_all() -> tuple[list[str], list[str], list[str]]:
+        async with DialogClient(settings=settings) as c:
+            async with c.replies(group="out", consumer="dead"):
+                pass  # the group exists (at "$") before the events
+            ids = [
+                acl.admin.xadd(stream, {"session_id": f"s{i}", "msg_id": f"m{i}", "reply": "r"})
+                for i, stream in enumerate(streams * 2)
+            ]
+            # "dead" reads everything and never acknowledges; "heir" takes it over.
+            dead = [r.id async for r in c.replies(group="out", consumer="dead", follow=False)]
+            heir = []
+            async for rep in c.replies(group="out", consumer="heir", claim_idle_ms=1):
+                heir.append(rep.id)
+                await c.ack(rep)
+                if len(heir) == len(ids):
+                    break
+            tail = [r.id async for r in c.replies(start="0", follow=False)]
+            return sorted(ids), sorted(dead), sorted(heir) + sorted(tail)
+
+    ids, dead, rest = asyncio.run(read_all())
+    assert dead == ids
+    assert rest == ids + ids
+    assert all(acl.admin.xpending(s, "out")["pending"] == 0 for s in streams)
+    assert acl.acl_log() == [], "the replies user was denied a command it needs"
 
 
 def test_wrong_password_never_reaches_logs_metrics_or_errors(acl: AclRedis, tmp_path: Path) -> None:

@@ -52,7 +52,8 @@ def test_defaults_match_the_contract_table() -> None:
     assert s.concurrency == 64
     assert s.lock_ttl_ms == 5000
     assert s.visibility_timeout_ms == 30000
-    assert s.max_attempts == 3
+    assert s.max_attempts == 5
+    assert (s.backoff_base_ms, s.backoff_max_ms) == (500, 30000)
     assert s.state_ttl_s == 86400
     assert s.history_limit == 50
     assert s.dedupe_ttl_s == 86400
@@ -214,7 +215,7 @@ def test_precedence_is_flag_over_env_over_file_over_default(tmp_path: Path, body
     assert s.concurrency == 30  # flag
     assert s.stream == "env-stream"  # env
     assert s.lock_ttl_ms == 4000  # file
-    assert s.max_attempts == 3  # default
+    assert s.max_attempts == 5  # default
 
     s = load_settings(environ=env)
     assert (s.concurrency, s.stream) == (20, "env-stream")

@@ -5,11 +5,15 @@ from __future__ import annotations
 import copy
 import itertools
 import textwrap
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+import structlog
 
 from worker import engine as engine_module
 from worker.engine import (
@@ -18,8 +22,10 @@ from worker.engine import (
     load_engine,
     load_rules,
     run_step,
+    shutdown_engine,
+    startup_engine,
 )
-from worker.errors import ConfigError, PermanentError
+from worker.errors import ConfigError, EngineHookError, PermanentError
 
 FALLBACK = "Maaf, saya tidak mengerti."
 
@@ -501,7 +507,11 @@ class _FixedEngine:
         pytest.param(({"step": "ROOT", "memory": {}}, None), id="reply-not-str"),
         pytest.param(("state", "r"), id="state-not-dict"),
         pytest.param(({"memory": {}}, "r"), id="no-step"),
-        pytest.param(({"step": "ROOT", "memory": {"n": 1}}, "r"), id="memory-not-str"),
+        pytest.param(({"step": 1, "memory": {}}, "r"), id="step-not-str"),
+        pytest.param(({"step": "ROOT"}, "r"), id="no-memory"),
+        pytest.param(({"step": "ROOT", "memory": {1, 2}}, "r"), id="memory-a-set"),
+        pytest.param(({"step": "ROOT", "memory": float("nan")}, "r"), id="memory-nan"),
+        pytest.param(({"step": "ROOT", "memory": {}, "extra": object()}, "r"), id="extra-object"),
     ],
 )
 async def test_run_step_rejects_a_bad_result_shape_as_permanent(result: object) -> None:
@@ -512,11 +522,12 @@ async def test_run_step_rejects_a_bad_result_shape_as_permanent(result: object) 
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        ("no_colon_here", "not of the form package.module:factory"),
+        ("no_colon_here", "not of the form package.module:attr"),
         ("a:b:c", "not of the form"),
         (":factory", "not of the form"),
         ("module:", "not of the form"),
-        ("no_such_module_for_engine_tests:make", "cannot import module"),
+        ("no_such_module_for_engine_tests:make", "add the folder that holds it to PYTHONPATH"),
+        ("no_such_package_for_engine_tests.engine:make", "install its package"),
     ],
 )
 def test_bad_engine_spec_is_a_config_error(spec: str, expected: str) -> None:
@@ -530,7 +541,7 @@ def test_bad_engine_spec_is_a_config_error(spec: str, expected: str) -> None:
     ("source", "attr", "expected"),
     [
         ("def make():\n    return object()\n", "missing", "has no attribute 'missing'"),
-        ("make = 42\n", "make", "not a callable"),
+        ("make = 42\n", "make", "name an object with a step(state, message) method"),
         ("def make():\n    raise RuntimeError('no licence')\n", "make", "RuntimeError: no licence"),
         ("class E:\n    step = 'x'\ndef make():\n    return E()\n", "make", "without a callable"),
         ("raise ImportError('broken dependency')\n", "make", "broken dependency"),
@@ -550,3 +561,219 @@ def test_broken_engine_plugin_is_a_config_error(
         load_engine(f"{plugin(source)}:{attr}")
     assert caught.value.setting == "DIALOG_ENGINE"
     assert expected in caught.value.problem
+
+
+def test_import_failure_inside_the_module_names_the_missing_dependency(
+    plugin: Callable[[str], str],
+) -> None:
+    name = plugin("import no_such_dependency_for_engine_tests\n")
+    with pytest.raises(ConfigError) as caught:
+        load_engine(f"{name}:make")
+    assert "imports 'no_such_dependency_for_engine_tests', which is not installed" in str(
+        caught.value
+    )
+    assert "\n" not in str(caught.value)
+
+
+ENGINE_OBJECTS = """
+    class Counter:
+        def step(self, state, message):
+            return {**state, "step": "COUNTING"}, "ok"
+
+    counter = Counter()
+
+    def needs_args(url, key):
+        return Counter()
+
+    async def async_factory():
+        return Counter()
+"""
+
+
+def test_spec_may_name_an_engine_object_or_a_class(plugin: Callable[[str], str]) -> None:
+    name = plugin(ENGINE_OBJECTS)
+    module = __import__(name)
+    assert load_engine(f"{name}:counter") is module.counter
+    assert type(load_engine(f"{name}:Counter")) is module.Counter
+
+
+@pytest.mark.parametrize(
+    ("attr", "expected"),
+    [
+        ("needs_args", "needs argument(s) url, key; a factory must take none"),
+        ("async_factory", "is async; make it a plain def"),
+    ],
+)
+def test_factory_that_cannot_be_called_plainly_is_a_config_error(
+    plugin: Callable[[str], str], attr: str, expected: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_engine(f"{plugin(ENGINE_OBJECTS)}:{attr}")
+    assert expected in caught.value.problem
+
+
+# --- how steps run -----------------------------------------------------------------------------
+
+
+class _ThreadProbe:
+    """A plain def step that blocks (as a synchronous HTTP call would)."""
+
+    def __init__(self, sleep_s: float = 0.0) -> None:
+        self.sleep_s = sleep_s
+        self.threads: list[int] = []
+        self.running = 0
+        self.most_running = 0
+        self._lock = threading.Lock()
+
+    def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        with self._lock:
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        self.threads.append(threading.get_ident())
+        time.sleep(self.sleep_s)
+        with self._lock:
+            self.running -= 1
+        return {**state, "step": "DONE"}, "done"
+
+
+async def test_plain_def_step_runs_in_a_thread_and_the_loop_keeps_running() -> None:
+    probe = _ThreadProbe(sleep_s=0.3)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        _, reply = await run_step(probe, initial_state("s1"), message("x"))
+        tg.cancel_scope.cancel()
+    assert reply == "done"
+    assert probe.threads[0] != threading.get_ident()
+    assert ticks >= 10, "the event loop was blocked while the step ran"
+
+
+async def test_thread_steps_are_bounded_by_the_limiter() -> None:
+    probe = _ThreadProbe(sleep_s=0.05)
+    limiter = anyio.CapacityLimiter(2)
+
+    async def one(seq: int) -> None:
+        await run_step(probe, initial_state("s1"), message("x", seq), limiter=limiter)
+
+    async with anyio.create_task_group() as tg:
+        for seq in range(1, 7):
+            tg.start_soon(one, seq)
+    assert probe.most_running == 2
+
+
+async def test_async_step_runs_on_the_event_loop() -> None:
+    seen: list[int] = []
+
+    class OnLoop:
+        async def step(
+            self, state: dict[str, Any], message: dict[str, Any]
+        ) -> tuple[dict[str, Any], str]:
+            seen.append(threading.get_ident())
+            return state, "ok"
+
+    await run_step(OnLoop(), initial_state("s1"), message("x"))
+    assert seen == [threading.get_ident()]
+
+
+async def test_a_cancelled_thread_step_is_abandoned_at_once() -> None:
+    probe = _ThreadProbe(sleep_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        with anyio.fail_after(0.1):
+            await run_step(probe, initial_state("s1"), message("x"))
+    assert time.monotonic() - started < 0.5
+
+
+async def test_plain_def_step_is_shielded_from_its_own_mutations() -> None:
+    class Mutator:
+        def step(
+            self, state: dict[str, Any], message: dict[str, Any]
+        ) -> tuple[dict[str, Any], str]:
+            state["memory"]["x"] = 1
+            message["text"] = "changed"
+            return state, "ok"
+
+    state, msg = initial_state("s1"), message("x")
+    new_state, _ = await run_step(Mutator(), state, msg)
+    assert new_state["memory"] == {"x": 1}
+    assert state["memory"] == {} and msg["text"] == "x"
+
+
+@pytest.mark.parametrize(
+    "memory",
+    [
+        pytest.param(7, id="int"),
+        pytest.param({"profile": {"name": "Budi", "tags": ["vip", 2]}, "turns": 3}, id="nested"),
+        pytest.param(["a", None, True, 1.5], id="list"),
+        pytest.param(None, id="null"),
+    ],
+)
+async def test_memory_may_be_any_json_value(memory: object) -> None:
+    class Keeps:
+        def step(
+            self, state: dict[str, Any], message: dict[str, Any]
+        ) -> tuple[dict[str, Any], str]:
+            return {**state, "step": "KEPT", "memory": memory}, "ok"
+
+    new_state, _ = await run_step(Keeps(), initial_state("s1"), message("x"))
+    assert new_state["memory"] == memory
+
+
+# --- lifecycle hooks ---------------------------------------------------------------------------
+
+
+class _Hooked:
+    def __init__(self, fail_startup: bool = False, fail_shutdown: bool = False) -> None:
+        self.calls: list[str] = []
+        self.fail_startup = fail_startup
+        self.fail_shutdown = fail_shutdown
+
+    async def startup(self) -> None:
+        self.calls.append("startup")
+        if self.fail_startup:
+            raise OSError("connection refused")
+
+    def shutdown(self) -> None:  # a plain def hook runs in a thread
+        self.calls.append(f"shutdown in thread: {threading.get_ident() != MAIN_THREAD}")
+        if self.fail_shutdown:
+            raise RuntimeError("already closed")
+
+    async def step(
+        self, state: dict[str, Any], message: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        return state, "ok"
+
+
+MAIN_THREAD = threading.get_ident()
+
+
+async def test_startup_and_shutdown_hooks_are_called_async_or_plain() -> None:
+    engine = _Hooked()
+    await startup_engine(engine)
+    await shutdown_engine(engine)
+    assert engine.calls == ["startup", "shutdown in thread: True"]
+
+
+async def test_engines_without_hooks_need_none(rules: RuleEngine) -> None:
+    await startup_engine(rules)
+    await shutdown_engine(rules)
+
+
+async def test_failed_startup_is_an_engine_hook_error_naming_the_engine() -> None:
+    with pytest.raises(EngineHookError, match=r"_Hooked\.startup\(\) raised OSError"):
+        await startup_engine(_Hooked(fail_startup=True))
+
+
+async def test_failed_shutdown_is_logged_with_its_traceback_not_raised() -> None:
+    with structlog.testing.capture_logs() as logs:
+        await shutdown_engine(_Hooked(fail_shutdown=True))
+    [entry] = logs
+    assert entry["event"] == "engine_shutdown_failed"
+    assert entry["exc_info"] is True

@@ -10,8 +10,8 @@ import pytest
 
 from worker.codec import MalformedEntry, decode_message, entry_time_ms
 from worker.config import Settings
+from worker.failures import retry_delay_ms
 from worker.keys import Keys, SessionKeys, escape_tag, stream_tag
-from worker.pipeline import backoff_ms
 
 # ---------------------------------------------------------------------------------------------
 # Redis Cluster key -> slot, as src/cluster.c keyHashSlot does it
@@ -267,7 +267,7 @@ def test_entry_time_is_the_ms_part_of_the_id(entry_id: str, ms: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# backoff_ms
+# retry_delay_ms (backoff)
 
 
 class Extreme(random.Random):
@@ -290,7 +290,7 @@ def test_backoff_is_never_above_max_and_at_least_half_the_ceiling(base: int, top
     rng = random.Random(1234)
     for attempt in range(0, 40):
         for _ in range(50):
-            value = backoff_ms(attempt, base, top, rng)
+            value = retry_delay_ms(attempt, base, top, rng=rng)
             assert value <= top
             assert ceiling(attempt, base, top) // 2 <= value <= ceiling(attempt, base, top)
 
@@ -298,15 +298,15 @@ def test_backoff_is_never_above_max_and_at_least_half_the_ceiling(base: int, top
 @pytest.mark.parametrize("high", [False, True])
 def test_backoff_bounds_hold_at_the_extremes_of_the_jitter(high: bool) -> None:
     for attempt in range(1, 30):
-        value = backoff_ms(attempt, 50, 5000, Extreme(high))
+        value = retry_delay_ms(attempt, 50, 5000, rng=Extreme(high))
         c = ceiling(attempt, 50, 5000)
         assert value == (c if high else c // 2)
         assert value <= 5000
 
 
 def test_backoff_with_a_huge_attempt_stays_at_max() -> None:
-    assert backoff_ms(10_000, 50, 5000, Extreme(True)) == 5000
-    assert 2500 <= backoff_ms(10_000, 50, 5000, random.Random(3)) <= 5000
+    assert retry_delay_ms(10_000, 50, 5000, rng=Extreme(True)) == 5000
+    assert 2500 <= retry_delay_ms(10_000, 50, 5000, rng=random.Random(3)) <= 5000
 
 
 def test_backoff_grows_with_attempt_until_the_cap() -> None:
@@ -315,23 +315,23 @@ def test_backoff_grows_with_attempt_until_the_cap() -> None:
     # Below the cap (50 * 2**6 = 3200 at attempt 7; attempt 8 is capped at 5000, whose lower
     # half starts at 2500), so the ranges of consecutive attempts only touch.
     for attempt in range(1, 7):
-        later = min(backoff_ms(attempt + 1, 50, 5000, rng) for _ in range(30))
-        earlier = max(backoff_ms(attempt, 50, 5000, rng) for _ in range(30))
+        later = min(retry_delay_ms(attempt + 1, 50, 5000, rng=rng) for _ in range(30))
+        earlier = max(retry_delay_ms(attempt, 50, 5000, rng=rng) for _ in range(30))
         assert later >= earlier
-    lows = [backoff_ms(a, 50, 5000, Extreme(False)) for a in range(1, 9)]
+    lows = [retry_delay_ms(a, 50, 5000, rng=Extreme(False)) for a in range(1, 9)]
     assert lows == sorted(lows) and len(set(lows)) == len(lows)
 
 
 def test_backoff_is_deterministic_with_a_seeded_rng() -> None:
-    one = [backoff_ms(a, 50, 5000, random.Random(42)) for a in range(1, 12)]
-    two = [backoff_ms(a, 50, 5000, random.Random(42)) for a in range(1, 12)]
+    one = [retry_delay_ms(a, 50, 5000, rng=random.Random(42)) for a in range(1, 12)]
+    two = [retry_delay_ms(a, 50, 5000, rng=random.Random(42)) for a in range(1, 12)]
     assert one == two
     rng_a, rng_b = random.Random(7), random.Random(7)
-    assert [backoff_ms(3, 50, 5000, rng_a) for _ in range(20)] == [
-        backoff_ms(3, 50, 5000, rng_b) for _ in range(20)
+    assert [retry_delay_ms(3, 50, 5000, rng=rng_a) for _ in range(20)] == [
+        retry_delay_ms(3, 50, 5000, rng=rng_b) for _ in range(20)
     ]
 
 
 def test_backoff_jitter_spreads_values() -> None:
     rng = random.Random(5)
-    assert len({backoff_ms(6, 50, 5000, rng) for _ in range(50)}) > 10
+    assert len({retry_delay_ms(6, 50, 5000, rng=rng) for _ in range(50)}) > 10

@@ -20,6 +20,11 @@ def test_worker_package_passes_mypy_strict() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_examples_pass_mypy_strict() -> None:
+    result = run("mypy", "--strict", "examples")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_ruff_lint_passes() -> None:
-    result = run("ruff", "check", "worker", "tests")
+    result = run("ruff", "check", "worker", "tests", "examples")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,106 @@
+"""examples/web_chat.py served by uvicorn in its own process, over HTTP, with real workers."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from examples_path import EXAMPLES, with_examples
+from redis_server import free_port, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def web_chat(env: dict[str, str]) -> Iterator[str]:
+    port = free_port()
+    server = ["uvicorn", "web_chat:app", "--app-dir", str(EXAMPLES), "--host", "127.0.0.1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *server, "--port", str(port), "--log-level", "warning"],
+        env=with_examples({**env, "ASK_TIMEOUT_S": "1.5"}),
+        cwd=Path(__file__).resolve().parents[2],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(up, 20, what="the web chat server")
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+async def test_chat_endpoint_answers_each_post_with_the_bots_reply(workers, web_chat: str):
+    workers.start(1, DIALOG_ENGINE="fault_engine:make")
+    async with httpx.AsyncClient(base_url=web_chat, timeout=30) as http:
+        first = await http.post("/chat", json={"session_id": "w1", "text": "nama saya Budi"})
+        assert first.status_code == 200, first.text
+        assert first.json()["reply"] == "Halo Budi, ada yang bisa dibantu?"
+        assert (first.json()["outcome"], first.json()["seq"]) == ("applied", 1)
+        second = await http.post(
+            "/chat", json={"session_id": "w1", "text": "saya ada kendala billing"}
+        )
+        assert second.json()["reply"] == (
+            'Mencatat keluhan Anda: "saya ada kendala billing". Tim kami akan meninjau.'
+        )
+
+        # Fifty users at once, each gets their own answer.
+        answers = await asyncio.gather(
+            *(
+                http.post("/chat", json={"session_id": f"u{i}", "text": f"nama saya N{i}"})
+                for i in range(50)
+            )
+        )
+        assert [a.json()["reply"] for a in answers] == [
+            f"Halo N{i}, ada yang bisa dibantu?" for i in range(50)
+        ]
+
+        refused = await http.post("/chat", json={"session_id": "w2", "text": "fatal: no"})
+        assert refused.status_code == 200
+        assert refused.json()["outcome"] == "dead_lettered"
+
+        # Slower than ASK_TIMEOUT_S: 504 with the msg_id; posting it again gets the answer.
+        slow = await http.post("/chat", json={"session_id": "w3", "text": "sleep 2 nama saya Ani"})
+        assert slow.status_code == 504
+        msg_id = slow.json()["msg_id"]
+        again = await http.post(
+            "/chat", json={"session_id": "w3", "text": "sleep 2 nama saya Ani", "msg_id": msg_id}
+        )
+        assert again.status_code == 200, again.text
+        assert again.json()["reply"] == "Halo Ani, ada yang bisa dibantu?"
+        assert again.json()["msg_id"] == msg_id
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"not json", 400),
+        (b"[1, 2]", 400),
+        (b'{"session_id": "x"}', 400),
+        (b'{"session_id": "x", "text": "   "}', 400),
+        (b'{"session_id": "x", "text": "halo", "msg_id": 5}', 400),
+    ],
+)
+def test_chat_endpoint_refuses_bad_requests_with_400(web_chat: str, body: bytes, status: int):
+    answer = httpx.post(f"{web_chat}/chat", content=body, timeout=10)
+    assert answer.status_code == status
+    assert "error" in answer.json()
