@@ -43,7 +43,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 ACL_TEMPLATE = REPO / "config" / "redis-acl.conf"
 DEPLOY_DOC = REPO / "docs" / "deploy.md"
-ROLES = ("worker", "producer", "operator", "keda", "replies")
+ROLES = ("worker", "producer", "operator", "keda", "replies", "app")
 RENDERED_PATH = "/etc/redis/users.acl"  # where the documented command writes the ACL file
 
 
@@ -629,6 +629,25 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
         ("XADD dialog * f v", False),
         (f"HGET {S}:state d", False),
         (f"EVALSHA {SHA} 1 dialog-replies", False),
+    ],
+    # The producer's rights and the reply reader's, nothing more (see config/redis-acl.conf).
+    "app": [
+        ("XADD dialog * session_id s text t", True),
+        ("GET dialog:shards", True),
+        ("XREAD COUNT 1 STREAMS dialog-replies 0", True),
+        ("XREVRANGE dialog-replies + - COUNT 1", True),
+        ("XREADGROUP GROUP out c COUNT 1 STREAMS dialog-replies >", True),
+        ("XACK dialog-replies out 1-1", True),
+        ("XADD dialog-replies * f v", False),
+        ("XADD dialog-dlq * f v", False),
+        ("XRANGE dialog - +", False),
+        ("XREAD COUNT 1 STREAMS dialog 0", False),
+        (f"HGET {S}:state d", False),
+        (f"HSET {S}:state a 9", False),
+        (f"SET {S}:lock t", False),
+        (f"SET {S}:msg:m1 1", False),
+        (f"ZADD {READY} 1 x", False),
+        (f"EVALSHA {SHA} 1 dialog", False),
     ],
     "keda": [
         ("XINFO GROUPS dialog", True),
