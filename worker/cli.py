@@ -377,7 +377,7 @@ async def _session(settings: Settings, args: argparse.Namespace) -> int:
         raise ValidationError("--release-lock deletes another worker's lock: add --yes")
     async with DialogClient(settings=settings) as c:
         keys = c.keys_for(args.session)
-        view = await session_view(c.redis, keys, args.session)
+        view = await session_view(c.redis, keys, args.session, raw=c.raw)
         if args.release_lock:
             released = await c.redis.delete(keys.session(args.session).lock)
             view["lock_released"] = bool(released)

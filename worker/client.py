@@ -284,6 +284,12 @@ class DialogClient:
             await check_topology(self.redis, self.settings, record=False)
             self._checked = True
 
+    @property
+    def raw(self) -> Redis:
+        """A client of the same server that returns bytes (for streams whose values need not
+        be UTF-8, such as dead letters)."""
+        return self._reader_client()
+
     def _reader_client(self) -> Redis:
         if self._reader is None:
             self._reader = connect(self.settings, self._max_connections, decode_responses=False)

@@ -1,5 +1,9 @@
 """Dead-letter stream tools: list, show, redrive, purge.
 
+A dead letter keeps the original entry's fields byte for byte, which need not be UTF-8 (that
+may be why it was dead-lettered): the stream is read as bytes and shown with undecodable
+bytes escaped (``\\xff``); such a letter cannot be redriven as it is and stays for a human.
+
 Redrive re-sends a dead letter to the stream it came from (its ``source_stream`` field; the
 configured stream when the field is absent) through `send` with the msg_id
 ``redrive:<dead-letter id>``:
@@ -18,14 +22,33 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
+from redis.asyncio import Redis
 
 from worker.client import DialogClient
+from worker.codec import RESERVED_FIELDS
 from worker.errors import ValidationError
 from worker.keys import Keys
-from worker.streams import xrange, xrevrange
+
+# What the worker adds to a dead letter (see lua/commit-5.lua and lua/intake-5.lua); the rest
+# are the original entry's fields.
+LETTER_FIELDS = frozenset(
+    {
+        "error",
+        "error_kind",
+        "attempts",
+        "first_failed_at",
+        "last_failed_at",
+        "consumer",
+        "worker_version",
+        "source_stream",
+        "source_entry_id",
+        "raw_entry",
+    }
+)
+Row = tuple[str, dict[str, str]]
 
 SUMMARY_FIELDS = (
     "session_id",
@@ -51,7 +74,7 @@ async def list_entries(
     for keys in shards:
         rows += [
             {**summary(i, f), "shard": keys.shard}
-            for i, f in await xrange(client.redis, keys.dlq, count=limit)
+            for i, f in await _rows(client, keys.dlq, count=limit)
         ]
     return sorted(rows, key=lambda r: _id_key(r["id"]))[:limit]
 
@@ -65,7 +88,7 @@ async def find(
     shards: Sequence[Keys], client: DialogClient, entry_id: str
 ) -> tuple[Keys, dict[str, str]] | None:
     for keys in shards:
-        rows = await xrange(client.redis, keys.dlq, entry_id, entry_id)
+        rows = await _rows(client, keys.dlq, entry_id, entry_id)
         if rows:
             return keys, rows[0][1]
     return None
@@ -93,16 +116,16 @@ async def redrive(
     for keys in shards:
         # Only what is there now: a redriven message that fails again while we run comes back
         # as a new dead letter, which this run must not redrive again.
-        newest = await xrevrange(client.redis, keys.dlq, count=1)
+        newest = await _raw(client).xrevrange(keys.dlq, count=1)
         if not newest:
             continue
-        end = newest[0][0]
+        end = _text(cast(bytes, newest[0][0]))
         cursor = "-"
         while limit is None or done + skipped < limit:
             if only_id is not None:
-                rows = await xrange(client.redis, keys.dlq, only_id, only_id)
+                rows = await _rows(client, keys.dlq, only_id, only_id)
             else:
-                rows = await xrange(client.redis, keys.dlq, cursor, end, 100)
+                rows = await _rows(client, keys.dlq, cursor, end, 100)
             if not rows:
                 break
             for entry_id, fields in rows:
@@ -139,8 +162,18 @@ async def resend(client: DialogClient, keys: Keys, entry_id: str, fields: dict[s
             f"it came from stream {source!r}, not from this deployment's "
             f"({', '.join(sorted(own))}): redrive it with DIALOG_STREAM set to its deployment"
         )
+    if "raw_entry" in fields:
+        raise ValidationError("it had too many fields and is kept whole in raw_entry")
+    meta = {k: v for k, v in fields.items() if k not in RESERVED_FIELDS | LETTER_FIELDS}
+    if any(_escaped(v) for v in (fields.get("session_id", ""), fields.get("text", ""))) or any(
+        _escaped(k) or _escaped(v) for k, v in meta.items()
+    ):
+        raise ValidationError("some of its fields are not UTF-8 text")
     await client.send(
-        fields.get("session_id", ""), fields.get("text", ""), msg_id=f"redrive:{entry_id}"
+        fields.get("session_id", ""),
+        fields.get("text", ""),
+        msg_id=f"redrive:{entry_id}",
+        meta=meta,
     )
 
 
@@ -153,3 +186,43 @@ async def purge(shards: Sequence[Keys], client: DialogClient, only_id: str | Non
             count += int(await client.redis.xlen(keys.dlq))
             await client.redis.delete(keys.dlq)
     return count
+
+
+def _raw(client: DialogClient) -> Redis:
+    return client.raw
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else value
+
+
+_UNDECODED = "\ufffd"  # marks a field that was not UTF-8 (see _rows)
+
+
+def _escaped(value: str) -> bool:
+    return value.startswith(_UNDECODED)
+
+
+async def _rows(
+    client: DialogClient, stream: str, start: str = "-", end: str = "+", count: int | None = None
+) -> list[Row]:
+    """Entries read as bytes, each field decoded alone: UTF-8 as it is, anything else with
+    its bytes escaped and marked (so it is shown, and never re-sent as if it were text)."""
+    rows = cast(
+        list[tuple[bytes, dict[bytes, bytes]]],
+        await _raw(client).xrange(stream, min=start, max=end, count=count),
+    )
+    out: list[Row] = []
+    for entry_id, fields in rows:
+        decoded: dict[str, str] = {}
+        for name, value in fields.items():
+            decoded[_field(name)] = _field(value)
+        out.append((_text(entry_id), decoded))
+    return out
+
+
+def _field(value: bytes) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return _UNDECODED + value.decode("utf-8", "backslashreplace")

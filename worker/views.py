@@ -105,7 +105,9 @@ async def _count_unread(redis: Redis, keys: Keys) -> int:
 SCAN_LIMIT = 100_000
 
 
-async def session_view(redis: Redis, keys: Keys, session_id: str) -> dict[str, Any]:
+async def session_view(
+    redis: Redis, keys: Keys, session_id: str, raw: Redis | None = None
+) -> dict[str, Any]:
     """Everything about one session: lock holder and TTL, applied vs last assigned seq, the
     next message's attempts and last error, its sequenced messages still waiting in the stream,
     when the ready set looks at it next, and its dead letters (scans bounded by SCAN_LIMIT)."""
@@ -140,7 +142,7 @@ async def session_view(redis: Redis, keys: Keys, session_id: str) -> dict[str, A
             "error_kind": f.get("error_kind"),
             "error": f.get("error"),
         }
-        for i, f in await _scan_stream(redis, keys.dlq, session_id)
+        for i, f in await _scan_letters(raw or redis, keys.dlq, session_id)
     ]
     return {
         "session_id": session_id,
@@ -164,6 +166,31 @@ async def session_view(redis: Redis, keys: Keys, session_id: str) -> dict[str, A
     }
 
 
+async def _scan_letters(redis: Redis, stream: str, session_id: str) -> list[Entry]:
+    """Dead letters keep their original bytes, which need not be UTF-8: read them with a
+    bytes client (`raw`) and decode each field alone."""
+    found: list[Entry] = []
+    start = "-"
+    want = session_id.encode()
+    while len(found) < SCAN_LIMIT:
+        batch = cast(
+            list[tuple[Any, dict[Any, Any]]], await redis.xrange(stream, min=start, count=1000)
+        )
+        for entry_id, fields in batch:
+            if fields.get(b"session_id", fields.get("session_id")) in (want, session_id):
+                found.append(
+                    (_decoded(entry_id), {_decoded(k): _decoded(v) for k, v in fields.items()})
+                )
+        if len(batch) < 1000:
+            break
+        start = f"({_decoded(batch[-1][0])}"
+    return found
+
+
+def _decoded(value: bytes | str) -> str:
+    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else value
+
+
 def _int(value: str | None) -> int | None:
     try:
         return int(value) if value is not None else None
@@ -173,11 +200,3 @@ def _int(value: str | None) -> int | None:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-async def _scan_stream(redis: Redis, stream: str, session_id: str) -> list[Entry]:
-    return [
-        e
-        for e in await scan_all(redis, stream, limit=SCAN_LIMIT)
-        if e[1].get("session_id") == session_id
-    ]

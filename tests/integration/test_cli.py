@@ -214,3 +214,33 @@ async def test_idle_consumers_are_deleted_only_when_they_own_nothing(client, wor
             break
         assert time.monotonic() < deadline, f"idle consumers not deleted: {names}"
         await anyio.sleep(0.1)
+
+
+async def test_dead_letters_that_are_not_utf8_are_shown_escaped_and_not_redriven(env, client):
+    raw = client.raw
+    bad = await raw.xadd(
+        "dialog-dlq",
+        {"session_id": "s1", "text": b"\xff\xfe", "error": "text is not valid UTF-8",
+         "error_kind": "malformed", "source_stream": "dialog"},
+    )  # fmt: skip
+    good = await raw.xadd(
+        "dialog-dlq",
+        {"session_id": "s2", "text": "halo", "channel": "web", "error": "boom",
+         "error_kind": "exhausted", "attempts": "5", "source_stream": "dialog"},
+    )  # fmt: skip
+    listed = await acli(env, "dlq", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert [json.loads(line)["session_id"] for line in listed.stdout.splitlines()] == ["s1", "s2"]
+    shown = await acli(env, "dlq", "show", bad.decode())
+    assert shown.returncode == 0, shown.stderr
+    assert "\\xff\\xfe" in json.loads(shown.stdout)["text"]
+    view = await acli(env, "session", "s1")
+    assert view.returncode == 0 and len(json.loads(view.stdout)["dead_letters"]) == 1
+    redriven = await acli(env, "dlq", "redrive")
+    assert redriven.returncode == 0, redriven.stderr
+    assert json.loads(redriven.stdout) == {"redriven": 1, "skipped": 1}
+    assert "not UTF-8" in redriven.stderr
+    assert [i for i, _ in await raw.xrange("dialog-dlq")] == [bad]  # kept for a human
+    [(_, resent)] = await client.redis.xrange("dialog")
+    assert resent == {"session_id": "s2", "text": "halo", "channel": "web",
+                      "msg_id": f"redrive:{good.decode()}"}  # fmt: skip
