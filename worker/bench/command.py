@@ -84,6 +84,13 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--concurrency", type=int, help="DIALOG_CONCURRENCY of spawned workers")
     p.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="dialog-worker's engine waits this long per message (async), like a remote model "
+        "call (ours only; default 0: the built-in rules alone)",
+    )
+    p.add_argument(
         "--redis",
         default="url",
         help="'url' (REDIS_URL, default) or 'embedded' (a redis-server of its own)",

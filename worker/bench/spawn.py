@@ -101,13 +101,20 @@ class Workers:
     """The worker processes of one system, named `bench-<system>-<i>-<run>`."""
 
     def __init__(
-        self, system: str, settings: Settings, run: str, tmp: Path, concurrency: int | None
+        self,
+        system: str,
+        settings: Settings,
+        run: str,
+        tmp: Path,
+        concurrency: int | None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.system = system
         self.settings = settings
         self.run = run
         self.tmp = tmp
         self.concurrency = concurrency
+        self.extra_env = extra_env or {}
         self.procs: list[WorkerProcess] = []
 
     def env(self, name: str, metrics_port: int, counts: Path, stats: Path) -> dict[str, str]:
@@ -136,6 +143,7 @@ class Workers:
         )
         if self.concurrency:
             env["DIALOG_CONCURRENCY"] = str(self.concurrency)
+        env.update(self.extra_env)
         return env
 
     async def start(self, n: int) -> None:

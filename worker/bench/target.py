@@ -26,7 +26,13 @@ class Target:
         self.keys = Keys.from_settings(settings)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"dialog-bench-{system}-"))
         self.redis: Redis = connect(settings, max_connections=16)
-        self.workers = Workers(system, settings, run, self.tmp, args.concurrency)
+        extra: dict[str, str] = {}
+        if system == "ours" and float(getattr(args, "step_ms", 0.0) or 0.0) > 0:
+            extra = {
+                "DIALOG_ENGINE": "worker.bench.slow_engine:make",
+                "BENCH_STEP_MS": str(args.step_ms),
+            }
+        self.workers = Workers(system, settings, run, self.tmp, args.concurrency, extra)
         self.producer = Producer(system, settings, self.redis, run, args.senders)
 
     @property
