@@ -94,7 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     send = sub.add_parser("send", help="enqueue one message")
     send.add_argument("session", type=_session_id, help="session id")
     send.add_argument("text", help="message text")
-    send.add_argument("--msg-id", help="idempotency key (default: a random id)")
+    send.add_argument(
+        "--msg-id",
+        help="idempotency key: a resend with the same one is answered as a duplicate "
+        "(default: the stream entry id)",
+    )
 
     ask = sub.add_parser(
         "ask",

@@ -112,6 +112,10 @@ class DialogClient:
         if msg_id is not None:
             check_id("msg_id", msg_id)
         check_text(text, self.settings.max_message_bytes)
+        if msg_id is None and self.settings.redis_mode == "cluster":
+            # redis-py's cluster client re-sends a command whose reply was lost in a failover:
+            # with an explicit msg_id a second append is answered as a duplicate, not applied.
+            msg_id = uuid.uuid4().hex
         fields: dict[str, str] = {"session_id": session_id, "text": text}
         if msg_id is not None:
             fields["msg_id"] = msg_id

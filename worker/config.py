@@ -229,7 +229,8 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "shutdown_grace_s": _float(0.0),
     "redis_mode": _choice("standalone", "cluster"),
     "shards": _int(1, 16384),
-    "read_block_ms": _int(1, 60_000),
+    # Below redis-py's 5 s socket timeout, or a blocked read times out (redis-py #2807).
+    "read_block_ms": _int(1, 3999),
     "promote_interval_ms": _int(1),
     "reclaim_interval_ms": _int(10),
     "consumer_idle_delete_s": _int(1),

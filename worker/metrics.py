@@ -39,10 +39,16 @@ class Metrics:
             "dialog_messages", "Messages by final outcome", ["outcome"], registry=r
         )
         self.retries = Counter(
-            "dialog_retries", "Messages re-queued, by reason", ["reason"], registry=r
+            "dialog_retries",
+            "Messages that waited: contended = queued behind the session's holder at intake, "
+            "error = released for a retry after a failed attempt",
+            ["reason"],
+            registry=r,
         )
         self.lock_contended = Counter(
-            "dialog_lock_contended", "Acquisitions that found the session locked", registry=r
+            "dialog_lock_contended",
+            "Messages that arrived while their session was held by a worker",
+            registry=r,
         )
         self.reclaimed = Counter(
             "dialog_reclaimed",
