@@ -305,3 +305,14 @@ async def test_redrive_resends_and_a_message_that_fails_again_is_dead_lettered_a
         lambda: subprocess.run([*cli, "list"], env=env, capture_output=True, text=True, check=True)
     )
     assert [json.loads(line)["msg_id"] for line in listed.stdout.splitlines()] == [again["msg_id"]]
+
+
+async def test_a_step_running_past_the_step_timeout_is_a_failed_attempt(client, workers):
+    workers.start(1, **FAST, DIALOG_STEP_TIMEOUT_S="0.3")
+    sent = await send_bursts(client, ["slowpoke"], ["sleep 30", "nama saya Budi"])
+    assert await wait_applied(client, sent, timeout_s=20)
+    [letter] = await dead_letters(client)
+    assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "3")
+    assert "did not finish within 0.3 s" in letter["error"]
+    assert (await client.state("slowpoke"))["memory"]["userName"] == "Budi"
+    await assert_nothing_left(client, dead=1)
