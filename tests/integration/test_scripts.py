@@ -606,6 +606,18 @@ async def test_intake_sent_twice_returns_the_same_jobs_and_reads_nothing_more(h)
     assert later not in [j[3] for j in again]
 
 
+async def test_intake_sent_twice_returns_only_the_jobs_whose_locks_are_still_its_own(h):
+    for sid in ["kept", "lost"]:
+        await xadd(h, sid)
+    h.calls = 0
+    _, _, jobs, _, _ = await h.intake()
+    assert [j[0] for j in jobs] == [b"kept", b"lost"]
+    await h.r.set(h.k.session("lost").lock, "the-next-holder")  # its lease ran out meanwhile
+    h.calls = 0  # the same token base again
+    _, _, again, _, _ = await h.intake()
+    assert [(j[0], j[1]) for j in again] == [(jobs[0][0], jobs[0][1])]
+
+
 async def test_resume_sent_twice_returns_the_same_jobs_and_counts_one_attempt(h):
     await xadd(h, "rs")
     await h.intake()
