@@ -117,6 +117,7 @@ async def test_step_that_kills_its_worker_is_dead_lettered_without_crash_loop(cl
                 deaths += 1
                 procs.remove(w)
                 procs += workers.start(1, **FAST)
+        assert deaths <= 3, f"a crash loop: {deaths} deaths for DIALOG_MAX_ATTEMPTS=3"
         await anyio.sleep(0.05)
     assert await wait_applied(client, sent, timeout_s=30)
     [letter] = await dead_letters(client)
@@ -326,7 +327,8 @@ async def test_a_state_larger_than_max_state_bytes_is_dead_lettered_at_once(clie
 
 async def test_a_step_running_past_the_step_timeout_is_a_failed_attempt(client, workers):
     workers.start(1, **FAST, DIALOG_STEP_TIMEOUT_S="0.3")
-    sent = await send_bursts(client, ["slowpoke"], ["sleep 30", "nama saya Budi"])
+    # 8 s: without the timeout the step would finish and be applied, well within the wait.
+    sent = await send_bursts(client, ["slowpoke"], ["sleep 8", "nama saya Budi"])
     assert await wait_applied(client, sent, timeout_s=20)
     [letter] = await dead_letters(client)
     assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "3")
