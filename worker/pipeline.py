@@ -264,18 +264,22 @@ class Pipeline:
     async def _step(self, job: Job, msg: Message) -> tuple[dict[str, Any], str]:
         with anyio.CancelScope() as scope:
             job.scope = scope
-            with anyio.fail_after(self.settings.step_timeout_s):
-                try:
+            # fail_after raises TimeoutError as it exits, so it is caught out here; the
+            # engine's own TimeoutError (its scope did not expire) stays what it was.
+            try:
+                with anyio.fail_after(self.settings.step_timeout_s) as deadline:
                     return await run_step(
                         self.engine,
                         job.load_state(),
                         msg.as_engine_input(),
                         limiter=self.step_limiter,
                     )
-                except TimeoutError:
-                    raise StepTimeout(
-                        f"step did not finish within {self.settings.step_timeout_s:g} s"
-                    ) from None
+            except TimeoutError:
+                if not deadline.cancelled_caught:
+                    raise
+                raise StepTimeout(
+                    f"step did not finish within {self.settings.step_timeout_s:g} s"
+                ) from None
         # Only a lost lease cancels this scope (the heartbeat does it).
         raise LeaseLost()
 

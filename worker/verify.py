@@ -106,6 +106,9 @@ async def check(
 ) -> list[str]:
     """Exactly once, in order, one reply each (`duplicate` events, which answer a re-sent
     entry with the same msg_id, are not counted as replies but must carry the original seq).
+    Order is checked twice: in the state's history (its last DIALOG_HISTORY_LIMIT turns) and
+    in the order of the sessions' reply events (every message: events are written by the
+    commits, so a session's events follow its apply order).
     `replies_after`: the reply stream ID before sending (one for all shards, or per shard as
     `reply_marks` returns)."""
     problems: list[str] = []
@@ -136,6 +139,7 @@ async def check(
             problems.append(f"{sid}: history seqs not increasing: {seqs[:12]}")
     counts: Counter[tuple[str, str]] = Counter()
     wanted = {(s.session_id, s.msg_id): str(s.seq) for s in sent}
+    applied_seqs: dict[str, list[int]] = defaultdict(list)
     for keys in client.topology.shards:
         after = replies_after if isinstance(replies_after, str) else replies_after[keys.shard]
         for _, f in await scan_all(client.redis, keys.replies, start=f"({after}"):
@@ -149,11 +153,16 @@ async def check(
                     )
             elif key in wanted:
                 counts[key] += 1
+                if f.get("outcome") == "applied" and f.get("seq", "").isdigit():
+                    applied_seqs[key[0]].append(int(f["seq"]))
                 if f.get("outcome") != "applied" or f.get("seq") != wanted[key]:
                     problems.append(
                         f"{key}: reply outcome {f.get('outcome')} seq {f.get('seq')}, "
                         f"expected applied seq {wanted[key]}"
                     )
+    for sid in applied_seqs:
+        if applied_seqs[sid] != sorted(applied_seqs[sid]):
+            problems.append(f"{sid}: applied out of order (reply events): {applied_seqs[sid][:12]}")
     missing = [k for k in wanted if counts[k] == 0]
     extra = [k for k, n in counts.items() if n > 1]
     if missing:

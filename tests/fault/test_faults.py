@@ -318,8 +318,15 @@ async def test_redis_kill9_mid_burst_and_restart_loses_no_accepted_message(tmp_p
         assert duplicates <= errors
         await assert_drained(client, timeout_s=30)
         assert all(w.alive() for w in procs), "a worker died with Redis"
+        # Ready again. Polled: a loop that meets a connection the kill broke (the sampler's,
+        # every 5 s) marks its worker not ready until the reader has checked the group again.
         for w in procs:
-            assert (await asyncio.to_thread(w._get, "/readyz"))[0] == 200
+
+            async def ready(w: WorkerProc = w) -> bool:
+                got = await asyncio.to_thread(w._get, "/readyz")
+                return got is not None and got[0] == 200
+
+            await poll(ready, 10, f"{w.name} /readyz 200 after the restart")
     finally:
         await client.aclose()
         pool.stop_all()

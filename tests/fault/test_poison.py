@@ -13,7 +13,8 @@ import redis.asyncio
 from queue_checks import assert_drained
 from redis_server import wait_until_async as wait_for
 
-from worker.verify import check, send_bursts, wait_applied
+from worker.dlq import redrive, resend
+from worker.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.fault
 
@@ -116,6 +117,7 @@ async def test_step_that_kills_its_worker_is_dead_lettered_without_crash_loop(cl
                 deaths += 1
                 procs.remove(w)
                 procs += workers.start(1, **FAST)
+        assert deaths <= 3, f"a crash loop: {deaths} deaths for DIALOG_MAX_ATTEMPTS=3"
         await anyio.sleep(0.05)
     assert await wait_applied(client, sent, timeout_s=30)
     [letter] = await dead_letters(client)
@@ -305,3 +307,101 @@ async def test_redrive_resends_and_a_message_that_fails_again_is_dead_lettered_a
         lambda: subprocess.run([*cli, "list"], env=env, capture_output=True, text=True, check=True)
     )
     assert [json.loads(line)["msg_id"] for line in listed.stdout.splitlines()] == [again["msg_id"]]
+
+
+async def test_a_state_larger_than_max_state_bytes_is_dead_lettered_at_once(client, workers):
+    workers.start(1, **FAST, DIALOG_MAX_STATE_BYTES="20000")
+    sent = await send_bursts(client, ["huge"], ["big 10000", "big 30000", "nama saya Ani"])
+    assert await wait_applied(client, sent, timeout_s=20)
+    [letter] = await dead_letters(client)
+    assert (letter["text"], letter["error_kind"], letter["attempts"]) == (
+        "big 30000", "permanent", "1")  # fmt: skip
+    assert "DIALOG_MAX_STATE_BYTES" in letter["error"]
+    state = await client.state("huge")
+    assert len(state["memory"]["blob"]) == 10000  # the refused state was never stored
+    assert state["memory"]["userName"] == "Ani"
+    events = [(e["seq"], e["outcome"]) for e in await reply_events(client, "huge")]
+    assert events == [("1", "applied"), ("2", "dead_lettered"), ("3", "applied")]
+    await assert_nothing_left(client, dead=1)
+
+
+async def test_a_step_running_past_the_step_timeout_is_a_failed_attempt(client, workers):
+    workers.start(1, **FAST, DIALOG_STEP_TIMEOUT_S="0.3")
+    # 8 s: without the timeout the step would finish and be applied, well within the wait.
+    sent = await send_bursts(client, ["slowpoke"], ["sleep 8", "nama saya Budi"])
+    assert await wait_applied(client, sent, timeout_s=20)
+    [letter] = await dead_letters(client)
+    assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "3")
+    assert "did not finish within 0.3 s" in letter["error"]
+    assert (await client.state("slowpoke"))["memory"]["userName"] == "Budi"
+    await assert_nothing_left(client, dead=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# dlq redrive: --id, --limit, --rate, and a dead letter re-sent twice
+
+
+async def _letters_by_hand(client, n: int) -> list[str]:
+    """Dead letters as the workers write them (original fields, source stream, error)."""
+    ids = []
+    for i in range(n):
+        ids.append(
+            await client.redis.xadd(
+                client.keys.dlq,
+                {
+                    "session_id": f"rd{i}",
+                    "text": "nama saya Budi",
+                    "error": "boom",
+                    "error_kind": "exhausted",
+                    "source_stream": client.keys.stream,
+                },
+            )
+        )
+    return ids
+
+
+async def _resent_msg_ids(client) -> list[str]:
+    return [f["msg_id"] for _, f in await client.redis.xrange(client.keys.stream)]
+
+
+async def test_redrive_only_the_named_dead_letter_or_at_most_the_limit(client, env):
+    ids = await _letters_by_hand(client, 4)
+    only = await anyio.to_thread.run_sync(
+        lambda: subprocess.run(
+            [sys.executable, "-m", "worker", "dlq", "redrive", "--id", ids[2]],
+            env=env, capture_output=True, text=True, check=True,
+        )
+    )  # fmt: skip
+    assert json.loads(only.stdout) == {"redriven": 1, "skipped": 0}
+    assert await _resent_msg_ids(client) == [f"redrive:{ids[2]}"]
+    limited = await redrive(client.topology.shards, client, limit=2, rate_per_s=None, only_id=None)
+    assert limited == {"redriven": 2, "skipped": 0}
+    assert await _resent_msg_ids(client) == [f"redrive:{i}" for i in (ids[2], ids[0], ids[1])]
+    assert [i for i, _ in await client.redis.xrange(client.keys.dlq)] == [ids[3]]
+
+
+async def test_redrive_rate_spaces_the_sends(client):
+    await _letters_by_hand(client, 4)
+    started = time.monotonic()
+    result = await redrive(client.topology.shards, client, limit=None, rate_per_s=5, only_id=None)
+    took = time.monotonic() - started
+    assert result == {"redriven": 4, "skipped": 0}
+    assert took >= 0.6  # 4 sends at 5 per second: 0.2 s apart (the last wait included)
+    assert await client.redis.xlen(client.keys.dlq) == 0
+
+
+async def test_a_dead_letter_redriven_twice_is_applied_once(client, workers):
+    """A redrive stopped after the send and before the dead letter's deletion, then run
+    again: the same dead letter is sent twice, with the same msg_id, and applied once."""
+    [entry_id] = await _letters_by_hand(client, 1)
+    [(_, fields)] = await client.redis.xrange(client.keys.dlq)
+    await resend(client, client.keys, entry_id, fields)  # the first run, stopped here
+    again = await redrive(client.topology.shards, client, limit=None, rate_per_s=None, only_id=None)
+    assert again == {"redriven": 1, "skipped": 0}
+    workers.start(1)
+    sent = [Sent("rd0", 1, f"redrive:{entry_id}", "nama saya Budi")]
+    assert await wait_applied(client, sent, timeout_s=20)
+    await assert_nothing_left(client, dead=0)
+    outcomes = [(e["seq"], e["outcome"]) for e in await reply_events(client, "rd0")]
+    assert outcomes == [("1", "applied"), ("1", "duplicate")]
+    assert [t["msg_id"] for t in (await client.state("rd0"))["history"]] == [f"redrive:{entry_id}"]

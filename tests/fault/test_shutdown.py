@@ -10,7 +10,7 @@ import pytest
 from queue_checks import assert_drained, lock_holders
 from redis_server import wait_until_async as wait_for
 
-from worker.verify import check, send_bursts, wait_applied
+from worker.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.fault
 
@@ -35,8 +35,12 @@ async def test_second_signal_exits_at_once_and_the_message_is_finished_elsewhere
 
     await wait_for(started, 20, "the 5 s step to start")
     first.signal(signal.SIGTERM)
-    await anyio.sleep(0.3)  # pacing: the second signal must come after the first one
+    # The first signal waits for the step (grace 60 s): a second later the worker still runs
+    # it, holding the lock, its attempt counted (nothing handed back).
+    await anyio.sleep(1.0)  # fault pacing: time for a wrong exit or hand-back to show
     assert first.alive(), "the first signal must wait for the grace period"
+    assert await client.redis.hget(sk.state, "n") == "1"
+    assert first.name in (await lock_holders(client)).values()
     t0 = time.monotonic()
     first.signal(signal.SIGTERM)
     code = await anyio.to_thread.run_sync(lambda: first.proc.wait(10))
@@ -84,4 +88,133 @@ async def test_session_behind_a_long_step_is_not_taken_over_meanwhile(client, wo
         if line.startswith("dialog_reclaimed_total ")
     )
     assert reclaimed == 0
+    await assert_drained(client, timeout_s=20)
+
+
+async def _holding(client, worker, session_id: str) -> bool:
+    """The worker holds the session's lock and runs its step (attempt counted)."""
+    sk = client.keys.session(session_id)
+    holders = await lock_holders(client)
+    return holders.get(sk.lock) == worker.name and await client.redis.hget(sk.state, "n") == "1"
+
+
+async def _due_now(client, session_id: str) -> bool:
+    score = await client.redis.zscore(client.keys.ready, session_id)
+    sec, usec = await client.redis.time()
+    return score is not None and score <= sec * 1000 + usec // 1000
+
+
+async def test_sigint_finishes_the_step_in_hand_within_the_grace_and_exits_zero(client, workers):
+    """Ctrl-C is a graceful stop like SIGTERM: the running step (1.5 s, inside the 10 s
+    grace) is finished and committed by this worker; the session's next message, handed on
+    by that commit after the signal, is handed back unstarted, its attempt not counted."""
+    [w] = workers.start(1, DIALOG_ENGINE="fault_engine:make", DIALOG_SHUTDOWN_GRACE_S="10")
+    sent = await send_bursts(client, ["ctrl-c"], ["sleep 1.5 nama saya Budi", "keluhan"])
+    sk = client.keys.session("ctrl-c")
+    await wait_for(lambda: _holding(client, w, "ctrl-c"), 20, "the 1.5 s step to start")
+    w.signal(signal.SIGINT)
+    t0 = time.monotonic()
+    code = await anyio.to_thread.run_sync(lambda: w.proc.wait(15))
+    took = time.monotonic() - t0
+    assert code == 0, w.log_text()[-3000:]
+    assert took < 5
+    state = await client.state("ctrl-c")
+    assert state is not None and state["applied_seq"] == 1
+    assert state["memory"]["userName"] == "Budi"
+    assert await client.redis.hget(sk.state, "n") == "0"  # seq 2: attempt given back
+    assert await client.redis.hget(sk.state, "e") is None  # not a failure
+    assert await client.redis.exists(sk.lock) == 0
+    assert await _due_now(client, "ctrl-c")  # picked up at once by whoever looks
+    assert "Traceback" not in w.log_text()
+    workers.start(1)
+    assert await wait_applied(client, sent, timeout_s=20)
+    assert await check(client, sent) == []
+    await assert_drained(client, timeout_s=20)
+
+
+async def test_a_step_running_past_the_grace_is_handed_back_with_its_attempt_given_back(
+    client, workers, tmp_path
+):
+    flag = tmp_path / "hold"
+    flag.touch()
+    fault = {"DIALOG_ENGINE": "fault_engine:make", "FAULT_FLAG_FILE": str(flag)}
+    [w] = workers.start(1, DIALOG_SHUTDOWN_GRACE_S="0.5", **fault)
+    sent = await send_bursts(client, ["past"], ["hold nama saya Budi", "keluhan"])
+    sk = client.keys.session("past")
+    await wait_for(lambda: _holding(client, w, "past"), 20, "the held step to start")
+    w.signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    code = await anyio.to_thread.run_sync(lambda: w.proc.wait(15))
+    took = time.monotonic() - t0
+    assert code == 0, w.log_text()[-3000:]
+    assert 0.4 <= took < 5  # waited for the grace, then cancelled the step
+    # Handed back: nothing applied, the lock released, the attempt given back, no error
+    # recorded, the session due at once.
+    assert await client.redis.hmget(sk.state, ["a", "n", "e", "f"]) == [None, "0", None, None]
+    assert await client.redis.exists(sk.lock) == 0
+    assert await _due_now(client, "past")
+    flag.unlink()
+    [heir] = workers.start(1, metrics=True, **fault)
+    assert await wait_applied(client, sent, timeout_s=20)
+    assert await check(client, sent) == []
+    # Taken up as a first attempt, not as a take-over from a holder that died.
+    reclaimed = [
+        line for line in heir.metrics_text().splitlines()
+        if line.startswith("dialog_reclaimed_total ")
+    ]  # fmt: skip
+    assert reclaimed == ["dialog_reclaimed_total 0.0"]
+    await assert_drained(client, timeout_s=20)
+
+
+async def test_sigterm_while_an_intake_call_is_in_flight_loses_nothing(client, workers):
+    """The race the burst tests can only hope to hit, driven: the idle reader is woken by a
+    burst, and its intake call (a write script) is held in the server by CLIENT PAUSE WRITE,
+    issued in the same transaction as the burst. SIGTERM arrives while that call is in
+    flight; the call delivers and locks after the worker began to stop. Whatever it took is
+    finished or handed back: nothing pending, no lock left, every message applied once."""
+    r, k = client.redis, client.keys
+    [w] = workers.start(1, metrics=True, DIALOG_SHUTDOWN_GRACE_S="2")
+
+    async def ready() -> bool:
+        got = await anyio.to_thread.run_sync(w._get, "/readyz")
+        return got is not None and got[0] == 200
+
+    await wait_for(ready, 20, "the worker to be ready (idle, its reader blocked in XREAD)")
+    sessions = [f"race{i}" for i in range(20)]
+    try:
+        async with r.pipeline(transaction=True) as pipe:
+            for sid in sessions:
+                pipe.xadd(k.stream, {"session_id": sid, "text": "nama saya Budi"})
+            pipe.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+            ids = (await pipe.execute())[:-1]
+
+        async def intake_in_flight() -> bool:
+            clients = await r.client_list()
+            scripts = [c for c in clients if c["cmd"] == "evalsha" and "b" in c["flags"]]
+            readers = [c for c in clients if c["cmd"] == "xread" and "b" in c["flags"]]
+            return bool(scripts) and not readers
+
+        await wait_for(intake_in_flight, 10, "the reader's intake call to wait in the server")
+        assert (await r.xinfo_groups(k.stream))[0]["lag"] == len(sessions)  # not yet delivered
+        w.signal(signal.SIGTERM)
+        await anyio.sleep(0.5)  # fault pacing: the worker is stopping while the call waits
+        assert w.alive(), "the worker must wait for the call it sent"
+    finally:
+        await r.execute_command("CLIENT", "UNPAUSE")
+    code = await anyio.to_thread.run_sync(lambda: w.proc.wait(15))
+    assert code == 0, w.log_text()[-3000:]
+    # The call went through after the signal: everything was delivered to the stopping worker.
+    assert (await r.xinfo_groups(k.stream))[0]["lag"] == 0
+    pending = await r.xpending_range(k.stream, k.group, "-", "+", 100, consumername=w.name)
+    assert pending == []
+    assert w.name not in (await lock_holders(client)).values()
+    log = w.log_text()
+    assert "redis_error" not in log and "unexpected_error" not in log, log[-3000:]
+    workers.start(1)
+    sent = [
+        Sent(sid, 1, entry_id, "nama saya Budi")
+        for sid, entry_id in zip(sessions, ids, strict=True)
+    ]
+    assert await wait_applied(client, sent, timeout_s=20)
+    assert await check(client, sent) == []
     await assert_drained(client, timeout_s=20)

@@ -15,12 +15,15 @@ pytestmark = pytest.mark.integration
 
 async def assert_drained(client: DialogClient, timeout_s: float = 20) -> None:
     """Nothing pending, no session waiting in the ready set, no lock left, inbound stream
-    empty (finished messages are deleted)."""
+    empty (finished messages are deleted). Nothing pending at any moment, not only in the
+    end: intake acks in the script that delivers, and a reclaimer's XAUTOCLAIM would quietly
+    drop entries that were deleted while still pending, hiding a missing ack."""
     r, k = client.redis, client.keys
     deadline = time.monotonic() + timeout_s
     while True:
         locks = [key async for key in r.scan_iter(match=f"{k.session_prefix}*:lock", count=1000)]
         pending = (await r.xpending(k.stream, k.group))["pending"]
+        assert pending == 0, f"{pending} entries pending: intake must ack what it delivers"
         state = (await r.xlen(k.stream), pending, await r.zcard(k.ready), len(locks))
         if state == (0, 0, 0, 0):
             return

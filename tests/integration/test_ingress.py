@@ -15,7 +15,7 @@ from redis_server import wait_until_async as poll
 
 from worker.client import DialogClient
 from worker.keys import Keys
-from worker.verify import Sent, check, wait_applied
+from worker.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 
@@ -238,3 +238,56 @@ def test_keys_of_the_plain_layout_are_documented_names() -> None:
     )
     assert k.ready == "dialog:{dialog}:ready"
     assert k.session("s1").state == "dialog:{dialog}:s:{s1}:state"
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings that bound what a session and the deployment keep
+
+
+async def test_history_keeps_the_last_history_limit_turns(client, workers):
+    workers.start(1, DIALOG_HISTORY_LIMIT="3")
+    texts = ["nama saya Budi", *(f"pesan {i}" for i in range(2, 8))]
+    sent = await send_bursts(client, ["hist"], texts)
+    assert await wait_applied(client, sent, timeout_s=20)
+    state = await client.state("hist")
+    assert [t["seq"] for t in state["history"]] == [5, 6, 7]
+    assert [t["user"] for t in state["history"]] == texts[-3:]
+    assert state["memory"]["userName"] == "Budi"  # memory is the engine's, not cut
+    client.settings = client.settings.replace(history_limit=3)  # what check() compares
+    assert await check(client, sent) == []
+
+
+async def test_the_reply_stream_is_trimmed_to_about_the_reply_maxlen(client, workers):
+    workers.start(1, DIALOG_REPLY_MAXLEN="10")
+    sent = await send_bursts(client, [f"trim{i}" for i in range(150)], ["nama saya Budi"])
+    sent += await send_bursts(client, ["trim-hot"], [f"pesan {i}" for i in range(1, 151)])
+    assert await wait_applied(client, sent, timeout_s=30)
+    # 300 reply events; MAXLEN ~ 10 drops whole nodes (100 entries) of the stream's head.
+    assert 10 <= await client.redis.xlen(client.keys.replies) <= 200
+
+
+async def test_a_msg_id_is_new_again_after_the_dedupe_window(client, workers):
+    workers.start(1, DIALOG_DEDUPE_TTL_S="1")
+    first = [Sent("dd", 1, (await client.send("dd", "nama saya Budi", msg_id="m-1")).msg_id, "")]
+    assert await wait_applied(client, first, timeout_s=20)
+    dedupe = client.keys.session("dd").dedupe("m-1")
+    assert 0 < await client.redis.pttl(dedupe) <= 1000
+    # Inside the window: a duplicate.
+    await client.send("dd", "nama saya Budi", msg_id="m-1")
+    await poll(lambda: _outcomes(client, "dd", ["applied", "duplicate"]), 10, "the duplicate")
+    await poll(lambda: _gone(client, dedupe), 5, "the dedupe window to end")
+    # After it: a new message, applied as the session's next one.
+    await client.send("dd", "saya ada kendala", msg_id="m-1")
+    again = [Sent("dd", 2, "m-1", "")]
+    assert await wait_applied(client, again, timeout_s=20)
+    assert await _outcomes(client, "dd", ["applied", "duplicate", "applied"])
+    state = await client.state("dd")
+    assert [(t["seq"], t["msg_id"]) for t in state["history"]] == [(1, "m-1"), (2, "m-1")]
+
+
+async def _outcomes(client: DialogClient, sid: str, want: list[str]) -> bool:
+    return [e["outcome"] for e in await events(client) if e["session_id"] == sid] == want
+
+
+async def _gone(client: DialogClient, key: str) -> bool:
+    return not await client.redis.exists(key)

@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
@@ -34,14 +35,14 @@ class Harness:
         await self.r.xgroup_create(self.k.stream, self.k.group, id="0", mkstream=True)
 
     async def intake(
-        self, count: int = 100, claim_idle_ms: int = 0, max_bytes: int = 65536
+        self, count: int = 100, claim_idle_ms: int = 0, max_bytes: int = 65536, maxlen: int = 0
     ) -> list[Any]:
         self.calls += 1
         k = self.k
         return await self.s.intake(
             keys=[k.stream, k.ready, k.session_prefix, k.dlq, k.replies],
             args=[
-                k.group, "c1", count, f"t{self.calls}", TTL_MS, 3600, max_bytes, 32, 0,
+                k.group, "c1", count, f"t{self.calls}", TTL_MS, 3600, max_bytes, 32, maxlen,
                 "test", claim_idle_ms, FALLBACK,
             ],
         )  # fmt: skip
@@ -54,9 +55,9 @@ class Harness:
             args=[count, f"r{self.calls}", TTL_MS, gap_ms],
         )
 
-    async def commit(self, *commits: list[Any]) -> list[Any]:
+    async def commit(self, *commits: list[Any], maxlen: int = 0) -> list[Any]:
         k = self.k
-        args: list[Any] = [TTL_MS, 3600, 0, len(commits)]
+        args: list[Any] = [TTL_MS, 3600, maxlen, len(commits)]
         for c in commits:
             args += c
         return await self.s.commit(
@@ -107,6 +108,11 @@ async def h(redis_server) -> AsyncIterator[Harness]:
 
 async def xadd(h: Harness, sid: str | bytes, text: str | bytes = "hi", **extra: Any) -> bytes:
     return await h.r.xadd(h.k.stream, {"session_id": sid, "text": text, **extra})
+
+
+async def server_ms(h: Harness) -> int:
+    sec, usec = await h.r.time()
+    return int(sec) * 1000 + int(usec) // 1000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +244,111 @@ async def test_lua_builds_the_same_session_keys_as_python(h):
         assert lua.decode() == h.k.session(sid).state
 
 
+async def test_an_entry_that_names_a_field_twice_is_refused(h):
+    await h.r.execute_command(
+        "XADD", h.k.stream, "*", "session_id", "a", "text", "x", "session_id", "b"
+    )
+    _, read, jobs, _, counts = await h.intake()
+    assert (read, jobs, [int(c) for c in counts]) == (1, [], [0, 1, 0])
+    [letter] = await h.dead()
+    assert b"session_id appears more than once" in letter[b"error"]
+    assert await h.state("a") == {} and await h.state("b") == {}
+
+
+async def test_a_copy_of_an_outstanding_message_is_answered_by_its_commit_after_it(h):
+    first = await xadd(h, "cw", "nama saya Budi", msg_id="m-1")
+    _, _, [job], _, _ = await h.intake()
+    copy = await xadd(h, "cw", "nama saya Budi", msg_id="m-1")
+    _, _, jobs, held, counts = await h.intake()
+    assert (jobs, held, [int(c) for c in counts]) == ([], [], [1, 0, 0])
+    assert await h.replies() == []  # not before the original's own event
+    [r] = await h.commit(commit_args(job))
+    assert int(r[0]) == Code.COMMITTED
+    events = [(e[b"outcome"], e[b"seq"], e[b"entry_id"], e[b"reply"]) for e in await h.replies()]
+    assert events == [(b"applied", b"1", first, b"reply-1"), (b"duplicate", b"1", copy, b"reply-1")]
+    assert await h.r.xlen(h.k.stream) == 0
+    assert b"u1" not in await h.state("cw")
+
+
+async def test_copies_waiting_for_one_message_are_bounded_and_the_rest_answered_at_once(h):
+    await xadd(h, "cb", "x", msg_id="m-1")
+    await h.intake()
+    for _ in range(100):
+        await xadd(h, "cb", "x", msg_id="m-1")
+    _, read, _, _, counts = await h.intake()
+    assert (read, int(counts[0])) == (100, 100)
+    waiting = (await h.state("cb"))[b"u1"]
+    assert len(waiting) < 1100  # about 60 entry ids, joined by commas
+    kept = waiting.count(b",") + 1
+    answered = await h.replies()
+    assert 0 < kept < 100 and len(answered) == 100 - kept
+    assert {(e[b"outcome"], e[b"seq"]) for e in answered} == {(b"duplicate", b"1")}
+    assert await h.r.xlen(h.k.stream) == 1 + kept
+
+
+async def test_a_new_message_stops_the_idle_ttl_of_its_session(h):
+    await xadd(h, "p")
+    _, _, [job], _, _ = await h.intake()
+    await h.commit(commit_args(job))
+    assert await h.r.ttl(h.k.session("p").state) > 0  # idle: expires in time
+    await xadd(h, "p")
+    await h.intake()
+    assert await h.r.ttl(h.k.session("p").state) == -1  # outstanding again: never expires
+
+
+async def test_intake_leaves_a_lock_someone_else_holds_and_looks_again_when_it_ends(h):
+    lock = h.k.session("l").lock
+    await h.r.set(lock, "someone-else", px=3000)
+    await xadd(h, "l")
+    _, read, jobs, _, counts = await h.intake()
+    assert (read, jobs, [int(c) for c in counts]) == (1, [], [0, 0, 1])
+    assert await h.r.get(lock) == b"someone-else"
+    now = await server_ms(h)
+    due = await h.r.zscore(h.k.ready, "l")
+    assert due is not None and now + 2000 < due <= now + 3000
+
+
+async def test_a_queued_message_puts_its_session_in_the_ready_set_without_moving_it(h):
+    await xadd(h, "q")
+    await h.intake()  # taken: due when its lease ends
+    await h.r.zrem(h.k.ready, "q")  # lost (written by hand, or lost in a failover)
+    await xadd(h, "q")
+    await h.intake()  # queued behind the holder: outstanding work has a place again
+    due = await h.r.zscore(h.k.ready, "q")
+    assert due is not None
+    await xadd(h, "q")
+    await h.intake()
+    assert await h.r.zscore(h.k.ready, "q") == due  # NX: the holder's lease decides
+
+
+async def test_entries_another_reader_left_pending_are_taken_over_and_sequenced(h):
+    ids = [await xadd(h, "cl", f"m{i}") for i in range(2)]
+    await h.r.xreadgroup(h.k.group, "other", {h.k.stream: ">"})  # read, never sequenced
+    _, read, jobs, _, _ = await h.intake()
+    assert (read, jobs) == (0, [])  # nothing new to read
+    await anyio.sleep(0.05)  # let them go idle
+    _, read, [job], held, _ = await h.intake(claim_idle_ms=20)
+    assert read == 2 and (job[3], int(job[2])) == (ids[0], 1)
+    assert [(x[2], int(x[1])) for x in held] == [(ids[1], 2)]
+    assert (await h.r.xpending(h.k.stream, h.k.group))["pending"] == 0
+
+
+async def test_reply_events_are_trimmed_to_about_the_reply_maxlen(h):
+    for _ in range(300):  # refused (blank text), each with a dead_lettered event
+        await h.r.xadd(h.k.stream, {"session_id": "t", "text": " "})
+    await h.intake(count=300, maxlen=10)
+    # MAXLEN ~ trims whole nodes of the stream (100 entries each by default), never below 10.
+    assert 10 <= await h.r.xlen(h.k.replies) <= 200
+    # The commit's event trims too.
+    await xadd(h, "t", "ok")
+    _, _, [job], _, _ = await h.intake()
+    await h.r.delete(h.k.replies)
+    for _ in range(150):
+        await h.r.xadd(h.k.replies, {"filler": "x"})
+    await h.commit(commit_args(job), maxlen=10)
+    assert 10 <= await h.r.xlen(h.k.replies) <= 100
+
+
 # ---------------------------------------------------------------------------------------------
 # commit
 
@@ -280,8 +391,13 @@ async def test_group_commit_fences_each_commit_alone(h):
 async def test_commit_hands_the_lock_to_the_next_entry_with_or_without_its_fields(h):
     ids = [await xadd(h, "h", f"m{i}") for i in range(3)]
     _, _, [job], _held, _ = await h.intake()
+    await h.r.pexpire(h.k.session("h").lock, 200)  # the first step used most of its lease
+    await h.r.zadd(h.k.ready, {"h": 0})
     [r] = await h.commit(commit_args(job, known_next=ids[1].decode()))
     assert (int(r[0]), int(r[2]), r[3], r[4]) == (Code.HANDOFF, 2, ids[1], [])
+    # The next message gets a whole lease, and nobody resumes the session meanwhile.
+    assert await h.r.pttl(h.k.session("h").lock) > TTL_MS - 1000
+    assert await h.r.zscore(h.k.ready, "h") > await server_ms(h) + TTL_MS - 1000
     job2 = [b"h", job[1], 2, ids[1], [], b"", b"", r[1]]
     [r] = await h.commit(commit_args(job2, version=int(r[1])))
     assert (int(r[0]), int(r[2]), r[3]) == (Code.HANDOFF, 3, ids[2])
@@ -290,12 +406,16 @@ async def test_commit_hands_the_lock_to_the_next_entry_with_or_without_its_field
     assert await h.r.pttl(h.k.session("h").lock) > TTL_MS - 1000
 
 
-async def test_commit_validates_every_argument_before_its_first_write(h):
+@pytest.mark.parametrize(
+    "bad",
+    ["[1, 2, 3", '["error"]', '["error", 1]', json.dumps(["f", "v"] * 33)],
+)
+async def test_commit_validates_every_argument_before_its_first_write(h, bad):
     for sid in ["v1", "v2"]:
         await xadd(h, sid)
     _, _, jobs, _, _ = await h.intake()
     with pytest.raises(Exception, match="dead-letter fields"):
-        await h.commit(commit_args(jobs[0]), commit_args(jobs[1], dead="[1, 2, 3"))
+        await h.commit(commit_args(jobs[0]), commit_args(jobs[1], dead=bad))
     assert await h.replies() == [] and b"d" not in await h.state("v1")
 
 
@@ -309,6 +429,43 @@ async def test_a_dead_letter_commit_copies_the_original_fields_byte_for_byte(h):
     assert letter[b"text"] == b"\xff raw \x00 bytes" and letter[b"note"] == b"\xc3"
     assert letter[b"error_kind"] == b"malformed" and letter[b"source_entry_id"] == job[3]
     assert (await h.replies())[0][b"outcome"] == b"dead_lettered"
+
+
+async def test_a_commit_for_a_seq_that_is_not_the_next_one_writes_nothing(h):
+    await xadd(h, "o")
+    second = await xadd(h, "o")
+    _, _, [job], _, _ = await h.intake()
+    skipping = [job[0], job[1], 2, second, [], b"", b"0"]  # seq 2 while seq 1 is in hand
+    [r] = await h.commit(commit_args(skipping))
+    assert int(r[0]) == Code.FENCED_VERSION
+    assert b"d" not in await h.state("o") and await h.replies() == []
+    assert await h.r.xlen(h.k.stream) == 2
+
+
+async def test_a_commit_whose_next_entry_is_missing_releases_and_leaves_the_session_due(h):
+    await xadd(h, "mn")
+    second = await xadd(h, "mn")
+    _, _, [job], _, _ = await h.intake()
+    await h.r.xdel(h.k.stream, second)  # deleted by hand, or lost
+    [r] = await h.commit(commit_args(job))
+    assert int(r[0]) == Code.COMMITTED
+    assert await h.r.exists(h.k.session("mn").lock) == 0
+    # Due at once: resume decides about the gap. The state keeps no TTL: seq 2 is outstanding.
+    assert await h.r.zscore(h.k.ready, "mn") <= await server_ms(h)
+    assert await h.r.ttl(h.k.session("mn").state) == -1
+
+
+async def test_a_commit_clears_the_failure_record_of_the_message_it_applied(h):
+    for _ in range(2):
+        await xadd(h, "fr")
+    _, _, [job], _, _ = await h.intake()
+    assert await h.release(job[1].decode(), "fr", 1, 0, True) == Code.RELEASED
+    [[row], _] = await h.resume()
+    assert row[10] == b"boom" and row[9] != b""  # the error and when it first failed
+    [r] = await h.commit(commit_args(row[1:]))
+    assert int(r[0]) == Code.HANDOFF
+    state = await h.state("fr")
+    assert b"e" not in state and b"f" not in state  # seq 2 starts with a clean record
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,6 +499,9 @@ async def test_a_missing_entry_is_a_gap_only_after_the_gap_timeout(h):
     await h.r.zadd(h.k.ready, {"gap": 0})
     [rows, _] = await h.resume(gap_ms=60_000)
     assert rows == [] and b"g" in await h.state("gap")
+    await h.r.zadd(h.k.ready, {"gap": 0})
+    [rows, _] = await h.resume(gap_ms=60_000)
+    assert rows == []  # seen a moment ago: still waiting for the gap timeout
     await h.r.hset(h.k.session("gap").state, "g", 1)  # first seen long ago
     await h.r.zadd(h.k.ready, {"gap": 0})
     [[row], _] = await h.resume(gap_ms=60_000)
@@ -353,11 +513,13 @@ async def test_release_records_the_error_or_gives_the_attempt_back(h):
     _, _, [job], _, _ = await h.intake()
     token = job[1].decode()
     assert await h.release("not-mine", "rel", 1, 0, True) == Code.FENCED_TOKEN
+    assert await h.release(token, "rel", 2, 0, True) == Code.FENCED_TOKEN  # not the seq in hand
+    assert (await h.state("rel")).get(b"e") is None
     assert await h.release(token, "rel", 1, 60_000, True) == Code.RELEASED
     state = await h.state("rel")
     assert (state[b"n"], state[b"e"]) == (b"1", b"boom")
     assert await h.r.exists(h.k.session("rel").lock) == 0
-    assert await h.r.zscore(h.k.ready, "rel") > 0
+    assert await h.r.zscore(h.k.ready, "rel") > await server_ms(h) + 59_000  # the backoff
     await h.r.zadd(h.k.ready, {"rel": 0})
     [[row], _] = await h.resume()
     assert int(row[8]) == 2 and row[10] == b"boom"
@@ -376,6 +538,51 @@ async def test_renew_extends_only_locks_that_are_still_ours(h):
     )
     assert [int(x) for x in result] == [1, 0]
     assert await h.r.pttl(h.k.session("n1").lock) > 50_000
+    # The session's place in the ready set moves with the lease: nobody looks at it meanwhile.
+    assert await h.r.zscore(h.k.ready, "n1") > await server_ms(h) + 50_000
+
+
+async def test_resume_breaks_a_lock_without_a_lease(h):
+    await xadd(h, "nl")
+    await h.intake()
+    lock = h.k.session("nl").lock
+    await h.r.set(lock, "by-hand")  # no PX: it would never expire
+    await h.r.zadd(h.k.ready, {"nl": 0})
+    [[row], _] = await h.resume()
+    assert row[1] == b"nl" and await h.r.get(lock) == row[2]
+
+
+async def test_resume_drops_a_session_with_nothing_outstanding_from_the_ready_set(h):
+    await xadd(h, "done")
+    _, _, [job], _, _ = await h.intake()
+    await h.commit(commit_args(job))
+    await h.r.zadd(h.k.ready, {"done": 0})
+    [rows, wait] = await h.resume()
+    assert rows == [] and int(wait) == -1
+    assert await h.r.zscore(h.k.ready, "done") is None
+
+
+async def test_delconsumer_deletes_only_an_idle_consumer_that_owns_nothing(h):
+    await xadd(h, "dc")
+    await h.r.xreadgroup(h.k.group, "owner", {h.k.stream: ">"})  # owns one pending entry
+    await h.r.xgroup_createconsumer(h.k.stream, h.k.group, "empty")
+
+    async def delete(name: str, idle_ms: int) -> int:
+        return int(await h.s.delconsumer(keys=[h.k.stream], args=[h.k.group, name, idle_ms]))
+
+    async def names() -> set[str]:
+        return {
+            c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            for c in await h.r.xinfo_consumers(h.k.stream, h.k.group)
+        }
+
+    assert await delete("owner", 0) == 0  # deleting it would drop its entry for good
+    assert await delete("empty", 60_000) == 0  # not idle long enough
+    assert await delete("unknown", 0) == 0
+    assert await names() == {"owner", "empty"}
+    assert await delete("empty", 0) == 1
+    assert await names() == {"owner"}
+    assert (await h.r.xpending(h.k.stream, h.k.group))["pending"] == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,6 +604,18 @@ async def test_intake_sent_twice_returns_the_same_jobs_and_reads_nothing_more(h)
     assert (await h.state("tw"))[b"n"] == b"1"  # the attempt is not counted twice
     assert (await h.r.xinfo_groups(h.k.stream))[0]["lag"] == 1  # `later` is still unread
     assert later not in [j[3] for j in again]
+
+
+async def test_intake_sent_twice_returns_only_the_jobs_whose_locks_are_still_its_own(h):
+    for sid in ["kept", "lost"]:
+        await xadd(h, sid)
+    h.calls = 0
+    _, _, jobs, _, _ = await h.intake()
+    assert [j[0] for j in jobs] == [b"kept", b"lost"]
+    await h.r.set(h.k.session("lost").lock, "the-next-holder")  # its lease ran out meanwhile
+    h.calls = 0  # the same token base again
+    _, _, again, _, _ = await h.intake()
+    assert [(j[0], j[1]) for j in again] == [(jobs[0][0], jobs[0][1])]
 
 
 async def test_resume_sent_twice_returns_the_same_jobs_and_counts_one_attempt(h):

@@ -7,6 +7,7 @@ per message:
     "sleep S ..."   sleeps S seconds, then behaves as the default rules
     "flaky ..."     raises while the file named by FAULT_FLAG_FILE exists
     "hold ..."      waits while the file named by FAULT_FLAG_FILE exists, then default rules
+    "big N ..."     returns a state whose memory holds N more bytes
     anything else   the default rules
 """
 
@@ -43,6 +44,9 @@ class FaultEngine:
             await anyio.sleep(0.02)
         if text.startswith("sleep "):
             await anyio.sleep(float(text.split()[1]))
+        if text.startswith("big "):
+            size = int(text.split()[1])
+            return {**state, "memory": {**state["memory"], "blob": "x" * size}}, "big"
         return self.rules.step(state, message)
 
 

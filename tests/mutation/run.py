@@ -1,0 +1,266 @@
+"""Mutation check: every guarantee has a test that fails without it.
+
+Each mutation of tests/mutation/mutations.toml replaces one exact piece of text in one file
+(Lua or Python) by a deliberately wrong one. The check copies the repository to a temporary
+directory, applies the mutations there one at a time and runs the tests each one names. A
+mutation is *killed* when a named test fails; it *survives* when they all pass, and then the
+check fails: some claim is no longer checked by any test.
+
+    .venv/bin/python tests/mutation/run.py                 # all of them (what .ci/run runs)
+    .venv/bin/python tests/mutation/run.py --only ID ...   # some of them
+    .venv/bin/python tests/mutation/run.py --list          # ids, files, claims
+
+The copy is what runs: pytest starts in it with PYTHONPATH pointing at it (ahead of the
+editable install, which points at the checkout), and the worker processes the integration
+tests spawn take their PYTHONPATH and working directory from the copy's tests/support, so they
+import the mutated package and read the mutated lua/ too. The first mutation of the list
+breaks every worker process at start; it is killed only if that holds. No bytecode is written
+(PYTHONDONTWRITEBYTECODE), so a mutated and a restored file can never share a stale .pyc.
+
+A run whose tests time out counts as killed (a mutation that makes a test hang is detected),
+and is reported as such. A mutation whose text is not found exactly once, or whose tests are
+not collected, is an error: the list has drifted from the code, and the check fails too.
+Last line: "mutation: N killed, M survived" (plus errors when any).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LIST = Path(__file__).resolve().parent / "mutations.toml"
+# A mutation's tests get this long; a run past it counts as killed (reported as a timeout).
+TIMEOUT_S = 240
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    id: str
+    file: str
+    find: str
+    replace: str
+    tests: tuple[str, ...]
+    claims: tuple[str, ...]
+    why: str
+
+
+@dataclasses.dataclass
+class Outcome:
+    mutation: Mutation
+    status: str  # killed | survived | error
+    seconds: float
+    detail: str
+    output: str = ""
+
+
+def load(path: Path = LIST) -> list[Mutation]:
+    with path.open("rb") as f:
+        doc = tomllib.load(f)
+    return [
+        Mutation(
+            id=m["id"],
+            file=m["file"],
+            find=m["find"],
+            replace=m["replace"],
+            tests=tuple(m["tests"]),
+            claims=tuple(m.get("claims", ())),
+            why=m.get("why", ""),
+        )
+        for m in doc["mutation"]
+    ]
+
+
+def problems(mutations: list[Mutation], root: Path = REPO) -> list[str]:
+    """What is wrong with the list itself, against the files under `root`."""
+    found = []
+    seen: set[str] = set()
+    for m in mutations:
+        if m.id in seen:
+            found.append(f"{m.id}: id used twice")
+        seen.add(m.id)
+        target = root / m.file
+        if not target.is_file():
+            found.append(f"{m.id}: no file {m.file}")
+            continue
+        n = target.read_text(encoding="utf-8").count(m.find)
+        if n != 1:
+            found.append(f"{m.id}: the text to replace occurs {n} times in {m.file}, not once")
+        if m.find == m.replace:
+            found.append(f"{m.id}: the replacement changes nothing")
+        if not m.tests:
+            found.append(f"{m.id}: names no test")
+        for test in m.tests:
+            path, _, name = test.partition("::")
+            if not (root / path).is_file():
+                found.append(f"{m.id}: no test file {path}")
+            elif name:
+                func = name.split("[", 1)[0]
+                if not re.search(rf"def {re.escape(func)}\b", (root / path).read_text("utf-8")):
+                    found.append(f"{m.id}: no test {func} in {path}")
+    return found
+
+
+def copy_repo(dest: Path) -> None:
+    """The checkout's files as they are now (tracked, plus new ones not ignored)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for rel in filter(None, listed.split("\0")):
+        src = REPO / rel
+        if not src.is_file():  # deleted in the work tree but still tracked
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+
+
+def environment(copy: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DIALOG_")}
+    env.pop("REDIS_URL", None)
+    env["PYTHONPATH"] = str(copy)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_isolation(copy: Path) -> None:
+    """The copy, not the checkout, is what `import worker` finds there."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import worker.scripts as s; print(s.lua_dir())"],
+        cwd=copy,
+        env=environment(copy),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if Path(out).resolve() != (copy / "lua").resolve():
+        raise SystemExit(f"mutation: the copy imports lua/ from {out}, not from {copy}")
+
+
+def first_failure(output: str) -> str:
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line[:300]
+    tail = output.strip().splitlines()[-1:] or [""]
+    return tail[0][:300]
+
+
+def run_one(m: Mutation, copy: Path, timeout_s: float) -> Outcome:
+    target = copy / m.file
+    original = target.read_text(encoding="utf-8")
+    if original.count(m.find) != 1:
+        return Outcome(m, "error", 0.0, "text to replace not found exactly once")
+    target.write_text(original.replace(m.find, m.replace), encoding="utf-8")
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+            cwd=copy,
+            env=environment(copy),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its redis-servers and workers go with it on a timeout
+        )
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return Outcome(
+                m, "killed", time.monotonic() - started, f"timeout after {timeout_s:g} s"
+            )
+        finally:
+            try:  # anything the tests left running in their session
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    finally:
+        target.write_text(original, encoding="utf-8")
+    seconds = time.monotonic() - started
+    if proc.returncode == 0:
+        return Outcome(m, "survived", seconds, "every named test passed", output)
+    if proc.returncode in (4, 5) or "during collection" in output:
+        # Usage error, nothing collected, or the mutated code does not even import: the list
+        # has drifted from the code, which is not a test failing.
+        return Outcome(m, "error", seconds, first_failure(output), output)
+    return Outcome(m, "killed", seconds, first_failure(output), output)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="ID", help="run only these mutations")
+    parser.add_argument("--list", action="store_true", help="print the mutations and exit")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per mutation")
+    parser.add_argument(
+        "--show", action="store_true", help="print the end of each run's pytest output"
+    )
+    args = parser.parse_args(argv)
+
+    mutations = load()
+    if args.list:
+        for m in mutations:
+            print(f"{m.id:48} {m.file:28} {','.join(m.claims)}")
+        return 0
+    if args.only:
+        unknown = set(args.only) - {m.id for m in mutations}
+        if unknown:
+            parser.error(f"unknown mutation ids: {sorted(unknown)}")
+        mutations = [m for m in mutations if m.id in args.only]
+    wrong = problems(mutations)
+    if wrong:
+        print("\n".join(wrong), file=sys.stderr)
+        print(f"mutation: the list is out of step with the code ({len(wrong)} problems)")
+        return 1
+
+    started = time.monotonic()
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="dialog-mutation-") as tmp:
+        copy = Path(tmp) / "repo"
+        copy_repo(copy)
+        check_isolation(copy)
+        print(f"mutation: {len(mutations)} mutations, each on a copy in {copy}", flush=True)
+        for i, m in enumerate(mutations, start=1):
+            outcome = run_one(m, copy, args.timeout)
+            outcomes.append(outcome)
+            print(
+                f"[{i}/{len(mutations)}] {outcome.status:8} {m.id} ({outcome.seconds:.1f} s)"
+                f"  {outcome.detail}",
+                flush=True,
+            )
+            if args.show:
+                print("\n".join(outcome.output.splitlines()[-40:]), flush=True)
+    killed = [o for o in outcomes if o.status == "killed"]
+    survived = [o for o in outcomes if o.status == "survived"]
+    errors = [o for o in outcomes if o.status == "error"]
+    timeouts = [o for o in killed if o.detail.startswith("timeout")]
+    for o in survived:
+        print(f"SURVIVED {o.mutation.id}: {o.mutation.file}: {o.mutation.why}")
+    for o in errors:
+        print(f"ERROR {o.mutation.id}: {o.detail}")
+    summary = f"mutation: {len(killed)} killed, {len(survived)} survived"
+    if timeouts:
+        summary += (
+            f" ({len(timeouts)} of the killed by timeout: {[o.mutation.id for o in timeouts]})"
+        )
+    if errors:
+        summary += f", {len(errors)} errors"
+    print(f"{summary}; {time.monotonic() - started:.0f} s")
+    return 1 if survived or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
