@@ -106,27 +106,33 @@ local function id_problem(kind, value)
   return nil
 end
 
--- Returns problem (or nil), session_id (only when valid), msg_id (or nil).
+-- Returns problem (or nil), session_id (only when valid), msg_id (or nil). An entry names a
+-- session when it has one valid session_id field, whatever else is wrong with it: that
+-- session's user gets the dead_lettered event.
 local function inspect(f)
-  local n = #f
-  local sid, msg_id, text
-  if n > 2 * (max_extra + 3) then
-    return 'too many fields: ' .. math.floor(n / 2) .. ' (at most ' .. max_extra ..
-      ' besides session_id, text and msg_id)', nil, nil
-  end
-  local size = 0
-  for i = 1, n, 2 do
+  local sid, msg_id, text, repeated
+  local sids, extra, size = 0, 0, 0
+  for i = 1, #f, 2 do
     local name, value = f[i], f[i + 1]
     size = size + #name + #value
-    if name == 'session_id' or name == 'msg_id' or name == 'text' then
-      if (name == 'session_id' and sid) or (name == 'msg_id' and msg_id) or (name == 'text' and text) then
-        return 'field ' .. name .. ' appears more than once', nil, nil
-      end
-      if name == 'session_id' then sid = value elseif name == 'msg_id' then msg_id = value else text = value end
+    if name == 'session_id' then
+      sids = sids + 1
+      sid = value
+    elseif name == 'msg_id' or name == 'text' then
+      if (name == 'msg_id' and msg_id) or (name == 'text' and text) then repeated = name end
+      if name == 'msg_id' then msg_id = value else text = value end
+    else
+      extra = extra + 1
     end
   end
+  if sids > 1 then return 'field session_id appears more than once', nil, nil end
   local problem = id_problem('session_id', sid)
   if problem then return problem, nil, nil end
+  if repeated then return 'field ' .. repeated .. ' appears more than once', sid, nil end
+  if extra > max_extra then
+    return 'too many fields: ' .. extra .. ' besides session_id, text and msg_id (at most ' ..
+      max_extra .. ')', sid, nil
+  end
   if size > max_bytes then
     return 'entry is ' .. size .. ' bytes; at most ' .. max_bytes .. ' are allowed', sid, msg_id
   end
