@@ -106,27 +106,33 @@ local function id_problem(kind, value)
   return nil
 end
 
--- Returns problem (or nil), session_id (only when valid), msg_id (or nil).
+-- Returns problem (or nil), session_id (only when valid), msg_id (or nil). An entry names a
+-- session when it has one valid session_id field, whatever else is wrong with it: that
+-- session's user gets the dead_lettered event.
 local function inspect(f)
-  local n = #f
-  local sid, msg_id, text
-  if n > 2 * (max_extra + 3) then
-    return 'too many fields: ' .. math.floor(n / 2) .. ' (at most ' .. max_extra ..
-      ' besides session_id, text and msg_id)', nil, nil
-  end
-  local size = 0
-  for i = 1, n, 2 do
+  local sid, msg_id, text, repeated
+  local sids, extra, size = 0, 0, 0
+  for i = 1, #f, 2 do
     local name, value = f[i], f[i + 1]
     size = size + #name + #value
-    if name == 'session_id' or name == 'msg_id' or name == 'text' then
-      if (name == 'session_id' and sid) or (name == 'msg_id' and msg_id) or (name == 'text' and text) then
-        return 'field ' .. name .. ' appears more than once', nil, nil
-      end
-      if name == 'session_id' then sid = value elseif name == 'msg_id' then msg_id = value else text = value end
+    if name == 'session_id' then
+      sids = sids + 1
+      sid = value
+    elseif name == 'msg_id' or name == 'text' then
+      if (name == 'msg_id' and msg_id) or (name == 'text' and text) then repeated = name end
+      if name == 'msg_id' then msg_id = value else text = value end
+    else
+      extra = extra + 1
     end
   end
+  if sids > 1 then return 'field session_id appears more than once', nil, nil end
   local problem = id_problem('session_id', sid)
   if problem then return problem, nil, nil end
+  if repeated then return 'field ' .. repeated .. ' appears more than once', sid, nil end
+  if extra > max_extra then
+    return 'too many fields: ' .. extra .. ' besides session_id, text and msg_id (at most ' ..
+      max_extra .. ')', sid, nil
+  end
   if size > max_bytes then
     return 'entry is ' .. size .. ' bytes; at most ' .. max_bytes .. ' are allowed', sid, msg_id
   end
@@ -180,16 +186,34 @@ local function refuse(id, f, problem, sid, msg_id)
   dels[#dels + 1] = id
 end
 
-local function original_reply(s, seq)
+-- A dedupe key can outlive its session's state (DIALOG_DEDUPE_TTL_S longer than
+-- DIALOG_STATE_TTL_S): its seq then names a message of the session's earlier life, and the
+-- same seq now is another message. So a copy is matched to its original by msg_id too.
+local function original_reply(s, seq, msg_id)
   if seq < 1 or seq > s.a then return '' end
   local ok, doc = pcall(cjson.decode, rcall('HGET', s.state, 'd') or '')
   if not ok or type(doc) ~= 'table' or type(doc['history']) ~= 'table' then return '' end
   for _, turn in ipairs(doc['history']) do
-    if type(turn) == 'table' and turn['seq'] == seq and type(turn['bot']) == 'string' then
+    if type(turn) == 'table' and turn['seq'] == seq and type(turn['bot']) == 'string'
+        and (turn['msg_id'] == nil or turn['msg_id'] == msg_id) then
       return turn['bot']
     end
   end
   return ''
+end
+
+-- Whether the original of a copy is still outstanding: its seq is, and that seq's message
+-- carries this msg_id (sequenced in this call, or its entry says so).
+local function original_outstanding(s, seq, msg_id)
+  if seq <= s.a or seq > s.last then return false end
+  if seq > s.last_read then return s.msg_ids[seq] == msg_id end
+  local id = rcall('HGET', s.state, 'q' .. seq)
+  local rows = id and rcall('XRANGE', stream, id, id) or {}
+  local f = rows[1] and rows[1][2] or {}
+  for i = 1, #f - 1, 2 do
+    if f[i] == 'msg_id' then return f[i + 1] == msg_id end
+  end
+  return false
 end
 
 -- The session's bookkeeping, or nil and why not: a state key of another type (written by
@@ -207,6 +231,7 @@ local function session(sid)
     end
     s = {state = state, lock = session_key(sprefix, sid, 'lock'), a = tonumber(h[1]) or 0,
          last = tonumber(h[2]) or 0, writes = {}, token = nil, h = h}
+    s.last_read, s.msg_ids = s.last, {}
     sessions[sid] = s
     order[#order + 1] = sid
   end
@@ -238,19 +263,24 @@ for _, e in ipairs(entries) do
     refuse(id, f, problem, sid, msg_id)
   else
     local seq = seen and (tonumber(seen) or 0)
-    local waiting = seq and seq > s.a and seq <= s.last and rcall('HGET', s.state, 'u' .. seq)
-    if seq and seq > s.a and seq <= s.last and #(waiting or '') < MAX_WAITING_COPIES_BYTES then
+    local outstanding = seq and original_outstanding(s, seq, msg_id)
+    local waiting = outstanding and rcall('HGET', s.state, 'u' .. seq)
+    if outstanding and #(waiting or '') < MAX_WAITING_COPIES_BYTES then
       -- The original is not applied yet: its commit answers this copy, with its reply.
       rcall('HSET', s.state, 'u' .. seq, (waiting and waiting .. ',' or '') .. id)
       dups = dups + 1
     elseif seq then
-      reply_event(replies, maxlen, sid, msg_id, seq, 'duplicate', original_reply(s, seq), now, id)
+      local reply = original_reply(s, seq, msg_id)
+      reply_event(replies, maxlen, sid, msg_id, seq, 'duplicate', reply, now, id)
       dels[#dels + 1] = id
       dups = dups + 1
     else
       local seq = s.last + 1
       s.last = seq
-      if dkey then rcall('SET', dkey, seq, 'EX', dedupe_ttl) end
+      if dkey then
+        rcall('SET', dkey, seq, 'EX', dedupe_ttl)
+        s.msg_ids[seq] = msg_id
+      end
       s.writes[#s.writes + 1] = 'q' .. seq
       s.writes[#s.writes + 1] = id
       if seq == s.a + 1 then
