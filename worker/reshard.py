@@ -74,7 +74,7 @@ class ReshardReport:
     sessions: int = 0  # state hashes copied
     dedupe_keys: int = 0  # dedupe keys copied
     dead_letters: int = 0  # dead letters re-added to another shard
-    unchanged: int = 0  # keys whose name is the same in both layouts
+    unchanged: int = 0  # sessions whose keys keep their names in the new layout
     expired: int = 0  # keys that were gone when their turn came (skipped)
     already_moved: int = 0  # keys and dead letters an interrupted run had copied already
     conflicts: list[str] = dataclasses.field(default_factory=list)
@@ -295,7 +295,8 @@ class _Mover:
         else:
             return  # a lock: refused by the drained check
         if new_key.encode() == key:
-            report.unchanged += 1
+            if role == "state":
+                report.unchanged += 1
             return
         r = self.redis
         async with r.pipeline(transaction=False) as pipe:
