@@ -313,7 +313,7 @@ class AppendMalformed(NamedTuple):
 
 class Intake(NamedTuple):
     worker: int
-    count: int
+    batch: int  # most entries to read
     resend: bool  # the reply is lost and the call sent again
 
 
@@ -460,8 +460,8 @@ class DialogScripts(RuleBasedStateMachine):
     # -------------------------------------------------------------------------------------
     # intake
 
-    def intake(self, worker: int, count: int, resend: bool) -> None:
-        self._intake(self.workers[worker], count, resend)
+    def intake(self, worker: int, batch: int, resend: bool) -> None:
+        self._intake(self.workers[worker], batch, resend)
 
     def _intake(self, w: SimWorker, count: int, resend: bool) -> int:
         base = w.token_base()
@@ -506,7 +506,7 @@ class DialogScripts(RuleBasedStateMachine):
             assert e.sid is not None
             ss = self.sessions[e.sid]
             seen = ss.dedupe.get(e.msg_id) if e.msg_id else None
-            if seen is not None:
+            if seen is not None and e.msg_id:
                 orig, life = seen
                 e.kind, e.seq = "duplicate", orig
                 dups += 1
