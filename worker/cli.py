@@ -220,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides: dict[str, Any] = {}
     if args.command == "run":
         overrides = {"concurrency": args.concurrency, "consumer": args.consumer}
+        # A stop asked for while the worker is still starting (nothing taken yet) is a clean
+        # exit 0, not a death by signal; the worker installs its graceful handlers once running.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, _stop_while_starting)
     settings: Settings | None = None
     try:
         settings = load_settings(overrides)
@@ -231,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
     except Exception as exc:
         return _report(exc, settings)
+
+
+def _stop_while_starting(signum: int, frame: object) -> None:
+    raise SystemExit(EXIT_OK)
 
 
 def _report(exc: BaseException, settings: Settings | None) -> int:

@@ -186,7 +186,9 @@ class Chaos:
 
     async def _replace(self, victim: WorkerProc) -> None:
         self.live.remove(victim)
-        self.live += await asyncio.to_thread(self.pool.start, 1)
+        # Started means serving /healthz: a SIGTERM that lands while the interpreter is still
+        # importing (before any handler exists) kills it by signal, holding nothing.
+        self.live += await asyncio.to_thread(lambda: self.pool.start(1, metrics=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +311,7 @@ async def test_chaos_total_queue(tmp_path: Path) -> None:
     )
     reader = redis.asyncio.Redis.from_url(server.url, decode_responses=True, **common)
     try:
-        live = await asyncio.to_thread(pool.start, WORKERS)
+        live = await asyncio.to_thread(lambda: pool.start(WORKERS, metrics=True))
         chaos = Chaos(server, pool, random.Random(SEED), live)
         load = Workload(sender_redis, keys.stream, random.Random(SEED + 1))
         started = time.monotonic()
