@@ -21,7 +21,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /src
 # Only what the wheel is built from (pyproject.toml: README.md is the long description,
 # lua/ and config/rules.toml are force-included into the package).
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY worker ./worker
 COPY lua ./lua
 COPY config/rules.toml ./config/rules.toml
@@ -29,6 +29,7 @@ RUN python -m pip wheel --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="dialog-worker" \
+      org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.description="Lossless, per-session ordered processing of chatbot dialog messages on Redis Streams"
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -22,9 +22,9 @@ from typing import Any
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import ResponseError
 
-from worker.config import Settings, load_settings
-from worker.engine import RuleEngine, initial_state, load_rules
-from worker.keys import Keys
+from dialog_worker.config import Settings, load_settings
+from dialog_worker.engine import RuleEngine, initial_state, load_rules
+from dialog_worker.keys import Keys
 
 Handler = Callable[[str, dict[str, str]], Awaitable[None]]
 

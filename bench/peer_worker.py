@@ -28,7 +28,7 @@ from taskiq.middlewares import SmartRetryMiddleware
 from taskiq_redis import RedisStreamBroker
 
 from bench.common import LOCK_TTL_MS, RELEASE_LOCK_LUA, Base, main
-from worker.config import Settings
+from dialog_worker.config import Settings
 
 TASK_NAME = "bench.apply"
 

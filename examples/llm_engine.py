@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from worker import PermanentError, TransientError
+from dialog_worker import PermanentError, TransientError
 
 SYSTEM_PROMPT = (
     "You are the customer support assistant of an Indonesian internet provider. "

@@ -26,7 +26,7 @@ import sys
 import anyio
 import httpx
 
-from worker import DialogClient, Reply
+from dialog_worker import DialogClient, Reply
 
 log = logging.getLogger("reply_dispatcher")
 

@@ -28,8 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from worker import DialogClient, ReplyStreamError, ReplyTimeout
-from worker.errors import ValidationError
+from dialog_worker import DialogClient, ReplyStreamError, ReplyTimeout
+from dialog_worker.errors import ValidationError
 
 ASK_TIMEOUT_S = float(os.environ.get("ASK_TIMEOUT_S", "25"))
 

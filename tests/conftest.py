@@ -14,8 +14,8 @@ sys.path.insert(0, str(SUPPORT))
 from redis_server import RedisServer  # noqa: E402
 from worker_procs import WorkerPool  # noqa: E402
 
-from worker.client import DialogClient  # noqa: E402
-from worker.config import load_settings  # noqa: E402
+from dialog_worker.client import DialogClient  # noqa: E402
+from dialog_worker.config import load_settings  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +31,13 @@ def worker_env(url: str, **extra: str) -> dict[str, str]:
     env.update(
         {
             "REDIS_URL": url,
-            "PYTHONPATH": os.pathsep.join([str(SUPPORT), str(SUPPORT.parent.parent)]),
+            # The suite's helpers and the checkout (bench/), then whatever the suite was given:
+            # the mutation check points PYTHONPATH at its copy of the package.
+            "PYTHONPATH": os.pathsep.join(
+                p
+                for p in (str(SUPPORT), str(SUPPORT.parent.parent), os.environ.get("PYTHONPATH"))
+                if p
+            ),
             "DIALOG_LOG_LEVEL": "warning",
             "DIALOG_METRICS_PORT": "0",
             "DIALOG_SHUTDOWN_GRACE_S": "10",

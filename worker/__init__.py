@@ -4,13 +4,13 @@ For applications: `DialogClient` (send, ask, replies, ack, state) and `Reply`. F
 the `Engine` protocol, `TransientError` and `PermanentError` (docs/engine.md).
 """
 
-# Set before the imports below: worker.pipeline reads it from here.
+# Set before the imports below: dialog_worker.pipeline reads it from here.
 __version__ = "0.1.0"
 
-from worker.client import DialogClient, SendResult
-from worker.engine import Engine
-from worker.errors import PermanentError, ReplyStreamError, ReplyTimeout, TransientError
-from worker.replies import Reply
+from dialog_worker.client import DialogClient, SendResult
+from dialog_worker.engine import Engine
+from dialog_worker.errors import PermanentError, ReplyStreamError, ReplyTimeout, TransientError
+from dialog_worker.replies import Reply
 
 __all__ = [
     "DialogClient",

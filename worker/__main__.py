@@ -1,3 +1,3 @@
-from worker.cli import main
+from dialog_worker.cli import main
 
 raise SystemExit(main())

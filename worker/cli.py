@@ -17,11 +17,11 @@ import anyio
 import redis.exceptions
 import structlog
 
-from worker import __version__, bench
-from worker.client import DEFAULT_CLAIM_IDLE_MS, DialogClient
-from worker.config import Settings, load_settings, redact_url
-from worker.errors import ConfigError, ReplyStreamError, ReplyTimeout, ValidationError
-from worker.keys import Keys
+from dialog_worker import __version__, bench
+from dialog_worker.client import DEFAULT_CLAIM_IDLE_MS, DialogClient
+from dialog_worker.config import Settings, load_settings, redact_url
+from dialog_worker.errors import ConfigError, ReplyStreamError, ReplyTimeout, ValidationError
+from dialog_worker.keys import Keys
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -51,7 +51,7 @@ def _positive_int(raw: str) -> int:
 
 def _processes(raw: str) -> int:
     if raw == "auto":
-        from worker.supervisor import cpu_count
+        from dialog_worker.supervisor import cpu_count
 
         return cpu_count()
     return _positive_int(raw)
@@ -265,9 +265,9 @@ def _report(exc: BaseException, settings: Settings | None) -> int:
 
 
 def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
-    from worker import embedded as local
-    from worker.engine import load_engine
-    from worker.log import configure
+    from dialog_worker import embedded as local
+    from dialog_worker.engine import load_engine
+    from dialog_worker.log import configure
 
     configure(settings.log_level, settings.log_format, settings.consumer)
     engine = load_engine(settings.engine or None, settings.rules_file or None)
@@ -279,8 +279,8 @@ def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
     try:
         if processes > 1:
             return _supervise(settings, processes, flags)
-        from worker.daemon import run_worker
-        from worker.supervisor import watch_supervisor
+        from dialog_worker.daemon import run_worker
+        from dialog_worker.supervisor import watch_supervisor
 
         watch_supervisor()
         run_worker(settings, engine)
@@ -297,8 +297,8 @@ def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
 
 
 def _supervise(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
-    from worker.config import default_consumer, env_name
-    from worker.supervisor import Supervisor, run_supervisor
+    from dialog_worker.config import default_consumer, env_name
+    from dialog_worker.supervisor import Supervisor, run_supervisor
 
     # Children read the same environment and config file; what only we know goes into theirs.
     env = dict(os.environ)
@@ -381,8 +381,8 @@ async def _state(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _session(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.codec import check_id
-    from worker.views import session_view
+    from dialog_worker.codec import check_id
+    from dialog_worker.views import session_view
 
     check_id("session_id", args.session)
     if args.release_lock and not args.yes:
@@ -398,7 +398,7 @@ async def _session(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _stats(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.views import aggregate_stats
+    from dialog_worker.views import aggregate_stats
 
     async with DialogClient(settings=settings) as c:
         stats = await aggregate_stats(c.redis, _shards(c, args))
@@ -413,7 +413,7 @@ async def _stats(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _verify(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.verify import verify
+    from dialog_worker.verify import verify
 
     async with DialogClient(settings=settings, max_connections=200) as c:
         report = await verify(c, args.sessions, args.burst, args.timeout)
@@ -422,7 +422,7 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _dlq(settings: Settings, args: argparse.Namespace) -> int:
-    from worker import dlq
+    from dialog_worker import dlq
 
     async with DialogClient(settings=settings) as c:
         if args.dlq_command == "list":
@@ -456,8 +456,8 @@ def _shards(client: DialogClient, args: argparse.Namespace) -> list[Keys]:
 
 
 async def _reshard(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.redis_conn import connect, prepare
-    from worker.reshard import Interrupted, Refused, reshard, stop_after
+    from dialog_worker.redis_conn import connect, prepare
+    from dialog_worker.reshard import Interrupted, Refused, reshard, stop_after
 
     try:
         target = settings.replace(shards=args.to_shards)

@@ -17,12 +17,12 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
-from worker.codec import MAX_EXTRA_FIELDS, RESERVED_FIELDS, check_id, check_meta, check_text
-from worker.config import Settings, load_settings
-from worker.errors import ReplyTimeout, ValidationError
-from worker.keys import Keys, Topology
-from worker.redis_conn import check_topology, connect, prepare
-from worker.replies import Reply, ReplyRouter, ReplySubscription
+from dialog_worker.codec import MAX_EXTRA_FIELDS, RESERVED_FIELDS, check_id, check_meta, check_text
+from dialog_worker.config import Settings, load_settings
+from dialog_worker.errors import ReplyTimeout, ValidationError
+from dialog_worker.keys import Keys, Topology
+from dialog_worker.redis_conn import check_topology, connect, prepare
+from dialog_worker.replies import Reply, ReplyRouter, ReplySubscription
 
 # How long `replies()` lets another consumer's event sit unacknowledged before taking it over.
 DEFAULT_CLAIM_IDLE_MS = 60_000

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from worker.errors import ValidationError
+from dialog_worker.errors import ValidationError
 
 MAX_ID_BYTES = 256
 # Fields a producer may add besides session_id, text and msg_id (they reach the engine as

@@ -22,7 +22,7 @@ from typing import Any
 
 import redis.connection
 
-from worker.errors import ConfigError
+from dialog_worker.errors import ConfigError
 
 DEFAULT_CONFIG_FILE = Path("config/worker.toml")
 # Names that default to the stream name plus a suffix unless set explicitly (contract v2 §2).

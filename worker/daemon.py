@@ -32,18 +32,18 @@ import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
-from worker import __version__
-from worker.codec import MAX_EXTRA_FIELDS, fields_dict, text
-from worker.config import Settings
-from worker.engine import Engine, shutdown_engine, startup_engine
-from worker.errors import ConfigError
-from worker.http import serve as serve_http
-from worker.keys import Keys, Topology
-from worker.metrics import Metrics
-from worker.pipeline import Committer, Job, Pipeline
-from worker.redis_conn import check_topology, connect, prepare
-from worker.scripts import Scripts
-from worker.views import queue_stats, reply_group_lags
+from dialog_worker import __version__
+from dialog_worker.codec import MAX_EXTRA_FIELDS, fields_dict, text
+from dialog_worker.config import Settings
+from dialog_worker.engine import Engine, shutdown_engine, startup_engine
+from dialog_worker.errors import ConfigError
+from dialog_worker.http import serve as serve_http
+from dialog_worker.keys import Keys, Topology
+from dialog_worker.metrics import Metrics
+from dialog_worker.pipeline import Committer, Job, Pipeline
+from dialog_worker.redis_conn import check_topology, connect, prepare
+from dialog_worker.scripts import Scripts
+from dialog_worker.views import queue_stats, reply_group_lags
 
 log = structlog.get_logger("dialog_worker.daemon")
 

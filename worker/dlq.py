@@ -27,10 +27,10 @@ from typing import Any, cast
 import anyio
 from redis.asyncio import Redis
 
-from worker.client import DialogClient
-from worker.codec import RESERVED_FIELDS
-from worker.errors import ValidationError
-from worker.keys import Keys
+from dialog_worker.client import DialogClient
+from dialog_worker.codec import RESERVED_FIELDS
+from dialog_worker.errors import ValidationError
+from dialog_worker.keys import Keys
 
 # What the worker adds to a dead letter (see lua/commit-5.lua and lua/intake-5.lua); the rest
 # are the original entry's fields.

@@ -30,7 +30,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from worker.errors import ConfigError, EngineHookError, PermanentError
+from dialog_worker.errors import ConfigError, EngineHookError, PermanentError
 
 StepResult = tuple[dict[str, Any], str]
 
@@ -40,9 +40,9 @@ ENGINE_SETTING = "DIALOG_ENGINE"
 # Fields of the state the worker sets after every step; the engine's values are overwritten.
 WORKER_OWNED = ("session_id", "history", "applied_seq", "version")
 
-# An installed wheel carries config/rules.toml as worker/default_rules.toml (see
+# An installed wheel carries config/rules.toml as dialog_worker/defaults/rules.toml (see
 # pyproject.toml); a source checkout only has the original, so look for both.
-_PACKAGED_RULES = Path(__file__).resolve().parent / "default_rules.toml"
+_PACKAGED_RULES = Path(__file__).resolve().parent / "defaults" / "rules.toml"
 _CHECKOUT_RULES = Path(__file__).resolve().parent.parent / "config" / "rules.toml"
 
 log = structlog.get_logger("dialog_worker.engine")

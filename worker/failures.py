@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import traceback
 
-from worker.errors import TransientError
+from dialog_worker.errors import TransientError
 
 # A `retry_after` longer than this is cut to it: the session's later messages wait behind a
 # message in backoff, so an upstream that asks for an hour must not hold a conversation an hour.

@@ -19,8 +19,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from worker.config import env_name
-from worker.errors import ConfigError
+from dialog_worker.config import env_name
+from dialog_worker.errors import ConfigError
 
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]

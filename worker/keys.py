@@ -29,7 +29,7 @@ import dataclasses
 import zlib
 from functools import cache
 
-from worker.config import Settings
+from dialog_worker.config import Settings
 
 SLOTS = 16384
 _ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})

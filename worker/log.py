@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from worker.config import redact_url
+from dialog_worker.config import redact_url
 
 
 def _static(**fields: Any) -> structlog.types.Processor:

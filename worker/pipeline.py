@@ -25,15 +25,15 @@ import anyio
 import redis.exceptions
 import structlog
 
-from worker import __version__
-from worker.codec import MalformedEntry, Message, decode_message, fields_dict, text
-from worker.config import Settings
-from worker.engine import Engine, initial_state, run_step
-from worker.errors import PermanentError
-from worker.failures import describe_failure, retry_after_of, retry_delay_ms
-from worker.keys import Keys
-from worker.metrics import Metrics
-from worker.scripts import Code, Scripts
+from dialog_worker import __version__
+from dialog_worker.codec import MalformedEntry, Message, decode_message, fields_dict, text
+from dialog_worker.config import Settings
+from dialog_worker.engine import Engine, initial_state, run_step
+from dialog_worker.errors import PermanentError
+from dialog_worker.failures import describe_failure, retry_after_of, retry_delay_ms
+from dialog_worker.keys import Keys
+from dialog_worker.metrics import Metrics
+from dialog_worker.scripts import Code, Scripts
 
 log = structlog.get_logger("dialog_worker.pipeline")
 

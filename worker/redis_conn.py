@@ -9,9 +9,9 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from worker.config import Settings
-from worker.errors import ConfigError
-from worker.keys import shards_key
+from dialog_worker.config import Settings
+from dialog_worker.errors import ConfigError
+from dialog_worker.keys import shards_key
 
 
 def connect(
@@ -110,7 +110,7 @@ async def check_topology(redis: Redis, settings: Settings, record: bool) -> None
     if stored is None:
         return
     value = stored.decode() if isinstance(stored, bytes) else str(stored)
-    if value.startswith("resharding"):  # worker.reshard.in_progress_marker
+    if value.startswith("resharding"):  # dialog_worker.reshard.in_progress_marker
         raise ConfigError(
             "DIALOG_SHARDS",
             f"a reshard is in progress (Redis key {key!r} says {value!r}); nothing may run "

@@ -32,7 +32,7 @@ import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
-from worker.errors import ReplyStreamError
+from dialog_worker.errors import ReplyStreamError
 
 log = structlog.get_logger("dialog_worker.replies")
 

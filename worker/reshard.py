@@ -43,9 +43,9 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from worker.config import Settings
-from worker.keys import Keys, Topology, shards_key
-from worker.scripts import Script, source
+from dialog_worker.config import Settings
+from dialog_worker.keys import Keys, Topology, shards_key
+from dialog_worker.scripts import Script, source
 
 _UNESCAPE = re.compile(r"%(25|7B|7D)")
 _CHARS = {"25": "%", "7B": "{", "7D": "}"}

@@ -25,7 +25,7 @@ class Code(enum.IntEnum):
 
 
 def lua_dir() -> Path:
-    """The installed wheel carries the scripts in worker/lua; a checkout has them in lua/."""
+    """The installed wheel carries the scripts in dialog_worker/lua; a checkout has them in lua/."""
     installed = Path(__file__).resolve().parent / "lua"
     if installed.is_dir():
         return installed

@@ -1,8 +1,8 @@
 """`dialog-worker run --processes N`: one supervisor keeps N worker processes running on a host.
 
-    children   `python -m worker run`, each in a process group of its own (a terminal's Ctrl-C
-               reaches the supervisor alone, which forwards one SIGTERM), with the metrics port
-               off and PROMETHEUS_MULTIPROC_DIR set to a fresh directory of this supervisor
+    children   `python -m dialog_worker run`, each in a process group of its own (a terminal's
+               Ctrl-C reaches the supervisor alone, which forwards one SIGTERM), with the metrics
+               port off and PROMETHEUS_MULTIPROC_DIR set to a fresh directory of this supervisor
     restart    a child that exits unasked is started again after a capped exponential backoff
                (`restart_delay_s`, reset once a child stayed up RESET_AFTER_S), each restart
                counted in dialog_worker_restarts_total
@@ -38,7 +38,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from worker.http import serve
+from dialog_worker.http import serve
 
 log = structlog.get_logger("dialog_worker.supervisor")
 
@@ -157,7 +157,7 @@ class Supervisor:
     async def _keep_running(self, child: Child) -> None:
         while not self.stopping.is_set():
             process = await anyio.open_process(
-                [sys.executable, "-m", "worker", "run"],
+                [sys.executable, "-m", "dialog_worker", "run"],
                 env=self._env_for(child),
                 stdin=subprocess.DEVNULL,
                 stdout=None,  # children log to our stdout and stderr

@@ -14,8 +14,8 @@ from typing import Any
 
 import anyio
 
-from worker.client import DialogClient
-from worker.streams import scan_all, xrevrange
+from dialog_worker.client import DialogClient
+from dialog_worker.streams import scan_all, xrevrange
 
 
 @dataclasses.dataclass

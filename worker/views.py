@@ -10,8 +10,8 @@ from typing import Any, cast
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from worker.keys import Keys
-from worker.streams import Entry, scan_all, xrange
+from dialog_worker.keys import Keys
+from dialog_worker.streams import Entry, scan_all, xrange
 
 
 def entry_age_s(entry_id: str, now_ms: int) -> float:

@@ -48,8 +48,8 @@ from redis_server import RedisServer
 from redis_server import wait_until_async as poll
 from worker_procs import WorkerPool, WorkerProc
 
-from worker.config import load_settings
-from worker.keys import Keys
+from dialog_worker.config import load_settings
+from dialog_worker.keys import Keys
 
 pytestmark = pytest.mark.chaos
 

@@ -15,8 +15,8 @@ from examples_path import with_examples
 from http_stub import Answer, HttpStub
 from llm_engine import LLMEngine, retry_after_s
 
-from worker import DialogClient, PermanentError, TransientError
-from worker.engine import initial_state, run_step, shutdown_engine, startup_engine
+from dialog_worker import DialogClient, PermanentError, TransientError
+from dialog_worker.engine import initial_state, run_step, shutdown_engine, startup_engine
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ from examples_path import EXAMPLES, with_examples
 from http_stub import Answer, HttpStub
 from redis_server import wait_until_async
 
-from worker import DialogClient
-from worker.verify import send_bursts
+from dialog_worker import DialogClient
+from dialog_worker.verify import send_bursts
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ import redis.asyncio
 from queue_checks import assert_drained
 from redis_server import wait_until_async as wait_for
 
-from worker.dlq import redrive, resend
-from worker.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.dlq import redrive, resend
+from dialog_worker.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.fault
 
@@ -278,7 +278,7 @@ async def test_redrive_resends_and_a_message_that_fails_again_is_dead_lettered_a
     assert len(await dead_letters(client)) == 2
 
     flag.unlink()  # the dependency is fixed: "flaky" now succeeds, "boom" still fails
-    cli = [sys.executable, "-m", "worker", "dlq"]
+    cli = [sys.executable, "-m", "dialog_worker", "dlq"]
     result = await anyio.to_thread.run_sync(
         lambda: subprocess.run(
             [*cli, "redrive", "--rate", "50"], env=env, capture_output=True, text=True, check=True
@@ -368,7 +368,7 @@ async def test_redrive_only_the_named_dead_letter_or_at_most_the_limit(client, e
     ids = await _letters_by_hand(client, 4)
     only = await anyio.to_thread.run_sync(
         lambda: subprocess.run(
-            [sys.executable, "-m", "worker", "dlq", "redrive", "--id", ids[2]],
+            [sys.executable, "-m", "dialog_worker", "dlq", "redrive", "--id", ids[2]],
             env=env, capture_output=True, text=True, check=True,
         )
     )  # fmt: skip

@@ -16,7 +16,7 @@ import pytest
 from redis_server import wait_until_async
 from worker_procs import WorkerPool
 
-from worker import DialogClient, Reply
+from dialog_worker import DialogClient, Reply
 
 pytestmark = pytest.mark.integration
 
@@ -91,7 +91,7 @@ async def test_asking_again_with_a_seen_msg_id_ends_with_the_duplicate_event(
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
+        [sys.executable, "-m", "dialog_worker", *args],
         env=env,
         cwd=REPO,
         capture_output=True,

@@ -27,10 +27,10 @@ from fake_replier import FALLBACK, fake_replier
 from redis.asyncio import Redis
 from redis_server import wait_until_async
 
-from worker import DialogClient, Reply, ReplyStreamError, ReplyTimeout
-from worker.config import load_settings
-from worker.errors import ValidationError
-from worker.keys import Topology
+from dialog_worker import DialogClient, Reply, ReplyStreamError, ReplyTimeout
+from dialog_worker.config import load_settings
+from dialog_worker.errors import ValidationError
+from dialog_worker.keys import Topology
 
 pytestmark = pytest.mark.integration
 
@@ -292,7 +292,7 @@ async def test_events_a_killed_consumer_read_but_never_acked_go_to_another(
     await client.redis.xgroup_create(client.keys.replies, "out", id="$", mkstream=True)
     script = (
         "import asyncio\n"
-        "from worker import DialogClient\n"
+        "from dialog_worker import DialogClient\n"
         "async def main():\n"
         "    async with DialogClient() as c:\n"
         "        async for rep in c.replies(group='out', consumer='doomed', count=10):\n"
@@ -431,7 +431,7 @@ def test_replies_refuses_bad_arguments(client: DialogClient, kwargs: dict[str, A
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
+        [sys.executable, "-m", "dialog_worker", *args],
         env=env,
         cwd=REPO,
         capture_output=True,
@@ -525,7 +525,7 @@ async def test_cli_replies_follow_prints_new_events_until_sigterm(
     client: DialogClient, env: dict[str, str]
 ):
     await client.redis.xgroup_create(client.keys.replies, "live", id="$", mkstream=True)
-    proc = spawn(env, "-m", "worker", "replies", "--group", "live", "--follow")
+    proc = spawn(env, "-m", "dialog_worker", "replies", "--group", "live", "--follow")
     try:
         [new] = await add_events(client, 1)
         assert proc.stdout is not None

@@ -15,9 +15,9 @@ import redis
 from redis_server import wait_until
 from worker_procs import WorkerPool
 
-from worker.bench import inversions, percentile, summarize
-from worker.client import DialogClient
-from worker.verify import send_bursts, wait_applied
+from dialog_worker.bench import inversions, percentile, summarize
+from dialog_worker.client import DialogClient
+from dialog_worker.verify import send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 
@@ -127,7 +127,7 @@ def test_bench_small_run_reports_documented_keys_and_no_violation(env: dict[str,
 def bench(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     small = ["--sessions", "5", "--burst", "3", "--warmup", "5", "--timeout", "30"]
     return subprocess.run(
-        [sys.executable, "-m", "worker", "bench", *small, *args],
+        [sys.executable, "-m", "dialog_worker", "bench", *small, *args],
         env=env,
         cwd=REPO,
         capture_output=True,

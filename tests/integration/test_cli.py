@@ -11,14 +11,14 @@ import time
 import anyio
 import pytest
 
-from worker.verify import check, send_bursts, wait_applied
+from dialog_worker.verify import check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 
 
 def cli(env: dict[str, str], *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
+        [sys.executable, "-m", "dialog_worker", *args],
         env={**env, **extra_env},
         capture_output=True,
         text=True,
@@ -89,8 +89,8 @@ async def test_purge_of_everything_needs_yes(env, client):
 def test_version_and_help_for_every_argument(env):
     import argparse
 
-    from worker import __version__
-    from worker.cli import _parser
+    from dialog_worker import __version__
+    from dialog_worker.cli import _parser
 
     result = cli(env, "--version")
     assert result.returncode == 0 and result.stdout.strip() == f"dialog-worker {__version__}"

@@ -19,11 +19,11 @@ from redis_cluster import RedisCluster
 from redis_server import free_port, wait_until
 from worker_procs import WorkerPool
 
-from worker.client import DialogClient
-from worker.config import load_settings
-from worker.keys import key_slot
-from worker.reshard import idle_threshold_ms
-from worker.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.client import DialogClient
+from dialog_worker.config import load_settings
+from dialog_worker.keys import key_slot
+from dialog_worker.reshard import idle_threshold_ms
+from dialog_worker.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 
@@ -76,7 +76,7 @@ async def test_burst_500x10_over_three_shards_exactly_once_in_order(
         await assert_drained(cclient, timeout_s=30)
         stats = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "worker", "stats"],
+            [sys.executable, "-m", "dialog_worker", "stats"],
             env=cluster_env,
             capture_output=True,
             text=True,
@@ -267,7 +267,7 @@ async def test_reshard_3_to_2_on_the_cluster_keeps_sessions_going(cluster, clust
                 await c.redis.xadd(c.keys_for("a{b}c").dlq, {"session_id": "a{b}c", "error": "x"})
             moved = await asyncio.to_thread(
                 subprocess.run,
-                [sys.executable, "-m", "worker", "reshard", "--to", "2", "--yes"],
+                [sys.executable, "-m", "dialog_worker", "reshard", "--to", "2", "--yes"],
                 env={**quick, "DIALOG_SHARDS": "3"},
                 capture_output=True,
                 text=True,

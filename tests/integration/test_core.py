@@ -7,8 +7,8 @@ import time
 import anyio
 import pytest
 
-from worker.client import DialogClient
-from worker.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.client import DialogClient
+from dialog_worker.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 

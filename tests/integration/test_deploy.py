@@ -36,9 +36,9 @@ import redis
 import yaml
 from redis_server import free_port, wait_until
 
-from worker.client import DialogClient
-from worker.config import Settings, env_name, load_settings
-from worker.keys import Keys
+from dialog_worker.client import DialogClient
+from dialog_worker.config import Settings, env_name, load_settings
+from dialog_worker.keys import Keys
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ SETTING_ENV_NAMES = {env_name(f.name) for f in dataclasses.fields(Settings)} | {
 def check_env_names(env: dict[str, Any], where: str) -> None:
     """Every DIALOG_* variable names a setting, and the values pass the worker's validation."""
     unknown = sorted(n for n in env if n.startswith("DIALOG_") and n not in SETTING_ENV_NAMES)
-    assert unknown == [], f"{where}: not settings of worker.config: {unknown}"
+    assert unknown == [], f"{where}: not settings of dialog_worker.config: {unknown}"
     load_settings(environ={k: str(v) for k, v in env.items()})
 
 
@@ -290,7 +290,7 @@ def test_burst_through_dialog_worker_run_from_the_installed_venv(
         return done.returncode == 0
 
     assert not healthy()  # nothing listens yet: the check must be able to fail
-    log = (tmp_path / "worker.log").open("wb")
+    log = (tmp_path / "dialog_worker.log").open("wb")
     proc = subprocess.Popen(
         [str(bin_dir / "dialog-worker"), "run"],
         env=venv_env,
@@ -324,7 +324,7 @@ def test_burst_through_dialog_worker_run_from_the_installed_venv(
         assert json.loads(first.stdout)["session_id"] == sessions[0]
         sender = (
             "import asyncio, json, sys\n"
-            "from worker.client import DialogClient\n"
+            "from dialog_worker.client import DialogClient\n"
             "async def main():\n"
             "    async with DialogClient() as c:\n"
             "        for sid, text in json.loads(sys.argv[1]):\n"

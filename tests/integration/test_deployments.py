@@ -12,10 +12,10 @@ import anyio
 import pytest
 from worker_procs import WorkerPool
 
-from worker.client import DialogClient
-from worker.config import load_settings
-from worker.streams import xrange
-from worker.verify import send_bursts, wait_applied
+from dialog_worker.client import DialogClient
+from dialog_worker.config import load_settings
+from dialog_worker.streams import xrange
+from dialog_worker.verify import send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,7 @@ ENGINE = {"DIALOG_ENGINE": "fault_engine:make"}  # "fatal ..." is dead-lettered 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
+        [sys.executable, "-m", "dialog_worker", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -13,9 +13,9 @@ import pytest
 import redis
 from redis_server import wait_until_async as poll
 
-from worker.client import DialogClient
-from worker.keys import Keys
-from worker.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.client import DialogClient
+from dialog_worker.keys import Keys
+from dialog_worker.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 
@@ -142,7 +142,7 @@ async def test_forged_internal_fields_are_ignored(client, workers, env):
 
 def run_cli(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
+        [sys.executable, "-m", "dialog_worker", *args],
         env={**env, **extra},
         capture_output=True,
         text=True,
@@ -227,7 +227,7 @@ async def test_a_deleted_predecessor_is_skipped_as_a_gap(client, workers, env):
 
 
 def test_keys_of_the_plain_layout_are_documented_names() -> None:
-    from worker.config import Settings
+    from dialog_worker.config import Settings
 
     k = Keys.from_settings(Settings())
     assert (k.stream, k.replies, k.dlq, k.group) == (

@@ -20,11 +20,11 @@ from prometheus_client.samples import Sample
 from redis_server import RedisServer, free_port
 from worker_procs import WorkerPool, WorkerProc
 
-from worker.client import DialogClient
-from worker.config import load_settings
-from worker.daemon import Worker
-from worker.engine import load_engine
-from worker.verify import check, send_bursts, wait_applied
+from dialog_worker.client import DialogClient
+from dialog_worker.config import load_settings
+from dialog_worker.daemon import Worker
+from dialog_worker.engine import load_engine
+from dialog_worker.verify import check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 

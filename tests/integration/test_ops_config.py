@@ -1,8 +1,8 @@
 """Operator configuration (issue 4): config/prometheus.yml, config/alerts.yml (with its
 promtool unit tests in config/alerts.test.yml), the Grafana dashboard and docs/runbook.md are
 checked against the product itself: promtool validates and unit-tests the rules, every metric
-name they use exists in worker.metrics, every runbook command parses with the real CLI parser,
-and a real Prometheus server scrapes a real worker with the alert rules loaded."""
+name they use exists in dialog_worker.metrics, every runbook command parses with the real CLI
+parser, and a real Prometheus server scrapes a real worker with the alert rules loaded."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import anyio
 import pytest
 from redis_server import free_port
 
-from worker.cli import _parser
-from worker.metrics import Metrics
+from dialog_worker.cli import _parser
+from dialog_worker.metrics import Metrics
 
 pytestmark = pytest.mark.integration
 

@@ -12,9 +12,9 @@ import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
-from worker.config import Settings
-from worker.keys import Keys
-from worker.scripts import Code, Scripts, source
+from dialog_worker.config import Settings
+from dialog_worker.keys import Keys
+from dialog_worker.scripts import Code, Scripts, source
 
 pytestmark = pytest.mark.integration
 

@@ -33,10 +33,10 @@ from conftest import worker_env
 from redis_server import RedisServer, free_port, wait_until
 from worker_procs import WorkerPool
 
-from worker.client import DialogClient
-from worker.config import Settings, load_settings
-from worker.keys import Keys, Topology
-from worker.redis_conn import connect
+from dialog_worker.client import DialogClient
+from dialog_worker.config import Settings, load_settings
+from dialog_worker.keys import Keys, Topology
+from dialog_worker.redis_conn import connect
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ RENDERED_PATH = "/etc/redis/users.acl"  # where the documented command writes th
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
+        [sys.executable, "-m", "dialog_worker", *args],
         env=env,
         cwd=REPO,
         capture_output=True,

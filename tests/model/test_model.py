@@ -59,10 +59,10 @@ from hypothesis.stateful import (
 )
 from redis_server import RedisServer
 
-from worker.codec import MAX_EXTRA_FIELDS
-from worker.config import Settings
-from worker.keys import Keys
-from worker.scripts import Code, source
+from dialog_worker.codec import MAX_EXTRA_FIELDS
+from dialog_worker.config import Settings
+from dialog_worker.keys import Keys
+from dialog_worker.scripts import Code, source
 
 pytestmark = pytest.mark.integration
 

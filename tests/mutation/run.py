@@ -128,18 +128,28 @@ def copy_repo(dest: Path) -> None:
         shutil.copy2(src, target)
 
 
+def import_folder(copy: Path) -> Path:
+    """A folder in which `dialog_worker` is the copy's worker/ (the import package's source
+    folder has another name, so the copy itself on PYTHONPATH would not be found)."""
+    folder = copy / ".mutation-import"
+    if not (folder / "dialog_worker").exists():
+        folder.mkdir(exist_ok=True)
+        (folder / "dialog_worker").symlink_to(copy / "worker", target_is_directory=True)
+    return folder
+
+
 def environment(copy: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DIALOG_")}
     env.pop("REDIS_URL", None)
-    env["PYTHONPATH"] = str(copy)
+    env["PYTHONPATH"] = os.pathsep.join([str(import_folder(copy)), str(copy)])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
 
 def check_isolation(copy: Path) -> None:
-    """The copy, not the checkout, is what `import worker` finds there."""
+    """The copy, not the checkout, is what `import dialog_worker` finds there."""
     out = subprocess.run(
-        [sys.executable, "-c", "import worker.scripts as s; print(s.lua_dir())"],
+        [sys.executable, "-c", "import dialog_worker.scripts as s; print(s.lua_dir())"],
         cwd=copy,
         env=environment(copy),
         capture_output=True,

@@ -9,8 +9,8 @@ import os
 import time
 from typing import Any
 
-from worker import TransientError
-from worker.engine import load_rules
+from dialog_worker import TransientError
+from dialog_worker.engine import load_rules
 
 
 def record(event: str, **fields: Any) -> None:

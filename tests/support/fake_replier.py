@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 from redis.asyncio import Redis
 
-from worker.config import Settings
-from worker.keys import Topology
+from dialog_worker.config import Settings
+from dialog_worker.keys import Topology
 
 FALLBACK = "Maaf, pesan Anda tidak dapat diproses. Silakan coba lagi nanti."
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import anyio
 
-from worker.engine import load_rules
-from worker.errors import PermanentError
+from dialog_worker.engine import load_rules
+from dialog_worker.errors import PermanentError
 
 
 class FaultEngine:

@@ -15,8 +15,8 @@ from typing import Any
 import redis.exceptions
 from redis_server import wait_until_async
 
-from worker.client import DialogClient
-from worker.keys import Keys
+from dialog_worker.client import DialogClient
+from dialog_worker.keys import Keys
 
 
 async def _scan(r: Any, pattern: str) -> list[str]:
@@ -88,7 +88,7 @@ async def lock_holders(client: DialogClient) -> dict[str, str]:
 
 async def wait_consumers_idle(r: Any, shards: Iterable[Keys], threshold_ms: int) -> None:
     """Until every consumer of every shard's group has been idle for `threshold_ms` (stopped
-    workers: what `reshard` waits to see, worker.reshard.idle_threshold_ms)."""
+    workers: what `reshard` waits to see, dialog_worker.reshard.idle_threshold_ms)."""
     shards = list(shards)
 
     async def idle() -> bool:

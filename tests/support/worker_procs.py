@@ -43,7 +43,7 @@ class WorkerProc:
     def start(self) -> WorkerProc:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "run", *self.args],
+            [sys.executable, "-m", "dialog_worker", "run", *self.args],
             env=self.env,
             cwd=REPO_DIR,
             stdout=log,

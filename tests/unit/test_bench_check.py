@@ -7,8 +7,8 @@ from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
-from worker.bench.check import _session
-from worker.bench.workload import Sent
+from dialog_worker.bench.check import _session
+from dialog_worker.bench.workload import Sent
 
 
 class Reader:

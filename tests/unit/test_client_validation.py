@@ -17,10 +17,10 @@ import pytest_asyncio
 import redis.exceptions
 from fakeredis.aioredis import FakeRedis
 
-from worker import client as client_module
-from worker.client import DialogClient
-from worker.config import load_settings
-from worker.errors import ConfigError, ValidationError
+from dialog_worker import client as client_module
+from dialog_worker.client import DialogClient
+from dialog_worker.config import load_settings
+from dialog_worker.errors import ConfigError, ValidationError
 
 DEAD_URL = "redis://127.0.0.1:1/0"
 # The limit is on the whole entry: field names and values. Sending ("s1", "m1", text) costs

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from worker.config import Settings, env_name, load_settings, redact_url
-from worker.errors import ConfigError
+from dialog_worker.config import Settings, env_name, load_settings, redact_url
+from dialog_worker.errors import ConfigError
 
 
 @pytest.fixture(autouse=True)

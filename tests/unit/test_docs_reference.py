@@ -11,8 +11,8 @@ import re
 import shlex
 from pathlib import Path
 
-from worker.cli import _parser
-from worker.config import _PARSERS, Settings, env_name
+from dialog_worker.cli import _parser
+from dialog_worker.config import _PARSERS, Settings, env_name
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"

@@ -15,8 +15,8 @@ import anyio
 import pytest
 import structlog
 
-from worker import engine as engine_module
-from worker.engine import (
+from dialog_worker import engine as engine_module
+from dialog_worker.engine import (
     RuleEngine,
     initial_state,
     load_engine,
@@ -25,7 +25,7 @@ from worker.engine import (
     shutdown_engine,
     startup_engine,
 )
-from worker.errors import ConfigError, EngineHookError, PermanentError
+from dialog_worker.errors import ConfigError, EngineHookError, PermanentError
 
 FALLBACK = "Maaf, saya tidak mengerti."
 

@@ -1,4 +1,4 @@
-"""Retry delays and the failure text kept in dead letters (worker.failures)."""
+"""Retry delays and the failure text kept in dead letters (dialog_worker.failures)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from worker.errors import PermanentError, TransientError
-from worker.failures import (
+from dialog_worker.errors import PermanentError, TransientError
+from dialog_worker.failures import (
     FAILURE_MAX_CHARS,
     RETRY_AFTER_CEILING_MS,
     describe_failure,

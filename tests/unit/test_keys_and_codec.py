@@ -8,10 +8,10 @@ from urllib.parse import unquote
 
 import pytest
 
-from worker.codec import MalformedEntry, decode_message, entry_time_ms
-from worker.config import Settings
-from worker.failures import retry_delay_ms
-from worker.keys import Keys, SessionKeys, escape_tag, stream_tag
+from dialog_worker.codec import MalformedEntry, decode_message, entry_time_ms
+from dialog_worker.config import Settings
+from dialog_worker.failures import retry_delay_ms
+from dialog_worker.keys import Keys, SessionKeys, escape_tag, stream_tag
 
 # ---------------------------------------------------------------------------------------------
 # Redis Cluster key -> slot, as src/cluster.c keyHashSlot does it

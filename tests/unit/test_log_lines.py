@@ -10,7 +10,7 @@ import sys
 import pytest
 import structlog
 
-from worker.log import configure
+from dialog_worker.log import configure
 
 
 class Recording(io.StringIO):

@@ -9,13 +9,13 @@ measure        the instruments: snapshots of every counter, the reply reader
 cost           re-queues, Redis commands and round trips, CPU, per message
 check          correctness: lost, duplicated, out of order, replies, not applied
 report         progress, the human summary, the latency plot
-counting       the command-counting shim (`python -m worker.bench _count MODULE ...`)
+counting       the command-counting shim (`python -m dialog_worker.bench _count MODULE ...`)
 machine        machine facts, per-process CPU and RSS
 redis_server   `--redis embedded`: a redis-server of the bench's own
 stats          percentiles and inversions
 """
 
-from worker.bench.command import add_parser, bench_command
-from worker.bench.stats import inversions, percentile, summarize
+from dialog_worker.bench.command import add_parser, bench_command
+from dialog_worker.bench.stats import inversions, percentile, summarize
 
 __all__ = ["add_parser", "bench_command", "inversions", "percentile", "summarize"]

@@ -20,7 +20,7 @@ resolution.
 
 Redis cost. INFO commandstats deltas over the run. Top-level commands and round trips of the
 worker processes are counted inside them: spawned workers run under a counting shim
-(`python -m worker.bench _count MODULE ...`, which wraps redis-py's pack_command and
+(`python -m dialog_worker.bench _count MODULE ...`, which wraps redis-py's pack_command and
 send_packed_command) and the bench counts its own the same way, so commands inside scripts =
 all commands - top-level commands (a producer's XADD runs nothing inside). CPU: INFO cpu
 delta for Redis, /proc/<pid>/stat utime+stime for the spawned workers, getrusage for the bench.
@@ -37,16 +37,16 @@ from typing import Any
 
 import anyio
 
-from worker.bench import namespace
-from worker.bench.counting import COUNTER
-from worker.bench.machine import machine_info
-from worker.bench.redis_server import EmbeddedRedis
-from worker.bench.report import SYSTEMS, line, plot, progress, summary
-from worker.bench.run import Run
-from worker.bench.target import Target
-from worker.config import Settings
-from worker.errors import ValidationError
-from worker.redis_conn import connect
+from dialog_worker.bench import namespace
+from dialog_worker.bench.counting import COUNTER
+from dialog_worker.bench.machine import machine_info
+from dialog_worker.bench.redis_server import EmbeddedRedis
+from dialog_worker.bench.report import SYSTEMS, line, plot, progress, summary
+from dialog_worker.bench.run import Run
+from dialog_worker.bench.target import Target
+from dialog_worker.config import Settings
+from dialog_worker.errors import ValidationError
+from dialog_worker.redis_conn import connect
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from worker.bench.counting import ADMIN_COMMANDS
-from worker.bench.measure import Snapshot
+from dialog_worker.bench.counting import ADMIN_COMMANDS
+from dialog_worker.bench.measure import Snapshot
 
 
 def cpu(a: Snapshot, b: Snapshot, n: int) -> dict[str, Any]:

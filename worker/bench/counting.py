@@ -1,5 +1,5 @@
 """The round-trip counting shim: runs inside the spawned worker processes
-(`python -m worker.bench _count MODULE ...`) and inside the bench itself, and counts redis-py
+(`python -m dialog_worker.bench _count MODULE ...`) and inside the bench itself, and counts redis-py
 commands and round trips without adding any Redis command. Also the server-side view
 (INFO commandstats)."""
 
@@ -78,10 +78,10 @@ COUNTER = CommandCounter()
 
 
 def count_main(argv: list[str]) -> int:
-    """`python -m worker.bench _count MODULE [ARGS...]`: run MODULE as __main__ with the
+    """`python -m dialog_worker.bench _count MODULE [ARGS...]`: run MODULE as __main__ with the
     counter installed, dumping counts to $BENCH_COUNTS_FILE every 0.2 s and at exit."""
     if not argv:
-        print("usage: python -m worker.bench _count MODULE [ARGS...]", file=sys.stderr)
+        print("usage: python -m dialog_worker.bench _count MODULE [ARGS...]", file=sys.stderr)
         return EXIT_USAGE
     COUNTER.install()
     path = os.environ.get("BENCH_COUNTS_FILE", "")

@@ -12,11 +12,11 @@ from typing import Any, cast
 
 import anyio
 
-from worker.bench.counting import COUNTER, command_calls
-from worker.bench.machine import proc_cpu_s, proc_rss_kb
-from worker.bench.spawn import scrape_metrics
-from worker.bench.stats import id_ms
-from worker.bench.target import Target
+from dialog_worker.bench.counting import COUNTER, command_calls
+from dialog_worker.bench.machine import proc_cpu_s, proc_rss_kb
+from dialog_worker.bench.spawn import scrape_metrics
+from dialog_worker.bench.stats import id_ms
+from dialog_worker.bench.target import Target
 
 
 @dataclasses.dataclass

@@ -21,10 +21,10 @@ import dataclasses
 import redis.exceptions
 from redis.asyncio import Redis
 
-from worker.config import Settings
-from worker.errors import ValidationError
-from worker.keys import Keys, escape_tag
-from worker.streams import xrange, xrevrange
+from dialog_worker.config import Settings
+from dialog_worker.errors import ValidationError
+from dialog_worker.keys import Keys, escape_tag
+from dialog_worker.streams import xrange, xrevrange
 
 DEFAULT = "bench"
 

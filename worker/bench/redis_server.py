@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from worker.errors import ValidationError
+from dialog_worker.errors import ValidationError
 
 
 def free_port() -> int:

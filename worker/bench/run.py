@@ -10,13 +10,13 @@ from typing import Any, cast
 
 import anyio
 
-from worker.bench import check, cost
-from worker.bench.machine import proc_rss_kb
-from worker.bench.measure import ReplyReader, Snapshot, snapshot
-from worker.bench.report import progress
-from worker.bench.stats import summarize
-from worker.bench.target import Target
-from worker.bench.workload import Sent, send_at_rate, workload_items
+from dialog_worker.bench import check, cost
+from dialog_worker.bench.machine import proc_rss_kb
+from dialog_worker.bench.measure import ReplyReader, Snapshot, snapshot
+from dialog_worker.bench.report import progress
+from dialog_worker.bench.stats import summarize
+from dialog_worker.bench.target import Target
+from dialog_worker.bench.workload import Sent, send_at_rate, workload_items
 
 
 class Run:

@@ -17,13 +17,13 @@ from typing import Any, cast
 
 import anyio
 
-from worker.bench.redis_server import free_port
-from worker.config import Settings
-from worker.errors import ValidationError
+from dialog_worker.bench.redis_server import free_port
+from dialog_worker.config import Settings
+from dialog_worker.errors import ValidationError
 
 # How each system's worker process is started (python -m MODULE ARGS).
 WORKER_MODULES: dict[str, list[str]] = {
-    "ours": ["worker", "run"],
+    "ours": ["dialog_worker", "run"],
     "naive": ["bench.naive_worker"],
     "seed": ["bench.seed_worker"],
     "peer": ["bench.peer_worker"],
@@ -158,7 +158,13 @@ class Workers:
             port = free_port() if self.system == "ours" else 0
             counts, stats = self.tmp / f"{name}.counts.json", self.tmp / f"{name}.stats.json"
             log = self.tmp / f"{name}.log"
-            cmd = [sys.executable, "-m", "worker.bench", "_count", *WORKER_MODULES[self.system]]
+            cmd = [
+                sys.executable,
+                "-m",
+                "dialog_worker.bench",
+                "_count",
+                *WORKER_MODULES[self.system],
+            ]
             with log.open("wb") as fh:
                 proc = subprocess.Popen(
                     cmd,

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from worker.bench.spawn import WorkerProcess, Workers
-from worker.bench.workload import Producer, Sent
-from worker.config import Settings
-from worker.keys import Keys
-from worker.redis_conn import connect
+from dialog_worker.bench.spawn import WorkerProcess, Workers
+from dialog_worker.bench.workload import Producer, Sent
+from dialog_worker.config import Settings
+from dialog_worker.keys import Keys
+from dialog_worker.redis_conn import connect
 
 
 class Target:
@@ -29,7 +29,7 @@ class Target:
         extra: dict[str, str] = {}
         if system == "ours" and float(getattr(args, "step_ms", 0.0) or 0.0) > 0:
             extra = {
-                "DIALOG_ENGINE": "worker.bench.slow_engine:make",
+                "DIALOG_ENGINE": "dialog_worker.bench.slow_engine:make",
                 "BENCH_STEP_MS": str(args.step_ms),
             }
         self.workers = Workers(system, settings, run, self.tmp, args.concurrency, extra)

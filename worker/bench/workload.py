@@ -16,10 +16,10 @@ import anyio
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from worker.bench.stats import id_ms
-from worker.config import Settings
-from worker.keys import Keys
-from worker.verify import Sent as VSent
+from dialog_worker.bench.stats import id_ms
+from dialog_worker.config import Settings
+from dialog_worker.keys import Keys
+from dialog_worker.verify import Sent as VSent
 
 PIPELINE_CHUNK = 500
 TICK_S = 0.002
@@ -28,7 +28,7 @@ RATE_TEXTS = ["nama saya Budi", "saya ada kendala billing", "pesan"]
 
 @dataclasses.dataclass
 class Sent(VSent):
-    """A sent message as worker.verify checks it, plus when the bench sent it."""
+    """A sent message as dialog_worker.verify checks it, plus when the bench sent it."""
 
     t_send: float
     enq_ms: int
