@@ -251,10 +251,10 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_installed_package_carries_every_lua_script_and_the_default_rules(image: Path) -> None:
     [site] = image.glob("lib/python3*/site-packages")
-    installed = {p.name: p.read_bytes() for p in (site / "worker" / "lua").glob("*.lua")}
+    installed = {p.name: p.read_bytes() for p in (site / "dialog_worker" / "lua").glob("*.lua")}
     repo = {p.name: p.read_bytes() for p in (REPO / "lua").glob("*.lua")}
     assert installed == repo and repo
-    default_rules = (site / "worker" / "default_rules.toml").read_bytes()
+    default_rules = (site / "dialog_worker" / "defaults" / "rules.toml").read_bytes()
     assert default_rules == (REPO / "config" / "rules.toml").read_bytes()
 
 
