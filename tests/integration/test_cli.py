@@ -137,6 +137,48 @@ def test_run_with_unloadable_engine_exits_2(env):
     assert "DIALOG_ENGINE" in result.stderr
 
 
+def test_engine_startup_failure_is_one_stderr_line_naming_the_exception_and_exit_1(env):
+    result = cli(env, "run", DIALOG_ENGINE="app_engines:StartupFails", DIALOG_METRICS_PORT="0")
+    assert result.returncode == 1, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "StartupFails.startup()" in lines[0]
+    assert "ConnectionRefusedError: model server at 127.0.0.1:9 refused" in lines[0]
+
+
+def test_supervisor_gives_up_on_a_child_that_cannot_start_with_growing_backoff(env, tmp_path):
+    from dialog_worker.supervisor import GIVE_UP_AFTER, RESTART_MAX_S
+
+    started = time.monotonic()
+    result = cli(
+        env,
+        "run",
+        "--processes",
+        "2",
+        DIALOG_ENGINE="app_engines:StartupFails",
+        DIALOG_METRICS_PORT="0",
+        DIALOG_LOG_LEVEL="info",
+        TMPDIR=str(tmp_path),
+    )
+    took = time.monotonic() - started
+    assert result.returncode == 1, result
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"died {GIVE_UP_AFTER} times in a row" in last, result.stderr
+    assert "ConnectionRefusedError: model server at 127.0.0.1:9 refused" in last
+    events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    for slot in (1, 2):
+        delays = [
+            e["restart_in_s"]
+            for e in events
+            if e["event"] == "worker_process_died" and e["slot"] == slot
+        ]
+        # Each restart waits longer than the one before: a child that cannot start never spins.
+        assert len(delays) >= 2 and delays == sorted(set(delays)), (slot, delays)
+        assert delays[-1] <= RESTART_MAX_S
+    assert list(tmp_path.iterdir()) == []  # the metrics directory is gone
+    assert took < 60, took
+
+
 def test_send_and_state_print_json(env):
     first = json.loads(cli(env, "send", "c1", "nama saya Budi", "--msg-id", "m1").stdout)
     assert first.keys() == {"session_id", "msg_id", "entry_id"}

@@ -98,3 +98,13 @@ class Buggy:
 
     def _name(self, state: dict[str, Any]) -> str:
         return str(state["memory"]["userName"])
+
+
+class StartupFails:
+    """startup() cannot reach what it needs, as a wrong API key or a missing model would."""
+
+    async def startup(self) -> None:
+        raise ConnectionRefusedError("model server at 127.0.0.1:9 refused the connection")
+
+    def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        raise AssertionError("step without a started engine")
