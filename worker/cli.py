@@ -272,11 +272,14 @@ def _report(exc: BaseException, settings: Settings | None) -> int:
 
 def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
     from dialog_worker import embedded as local
-    from dialog_worker.engine import load_engine
+    from dialog_worker.config import DEFAULT_FALLBACK_REPLY
+    from dialog_worker.engine import fallback_reply, load_engine
     from dialog_worker.log import configure
 
     configure(settings.log_level, settings.log_format, settings.consumer)
     engine = load_engine(settings.engine or None, settings.rules_file or None)
+    own = fallback_reply(engine, settings.fallback_reply, DEFAULT_FALLBACK_REPLY)
+    settings = settings.replace(fallback_reply=own)  # what dead-lettered messages are answered
     embedded = None
     if local.wanted(settings.redis_url):
         embedded = local.ensure_local_redis()

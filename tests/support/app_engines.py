@@ -9,8 +9,8 @@ import os
 import time
 from typing import Any
 
-from dialog_worker import TransientError
-from dialog_worker.engine import load_rules
+from dialog_worker import PermanentError, TransientError
+from dialog_worker.rules import load_rules
 
 
 def record(event: str, **fields: Any) -> None:
@@ -108,3 +108,14 @@ class StartupFails:
 
     def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
         raise AssertionError("step without a started engine")
+
+
+class English:
+    """A bot in English: it apologises in English when a message cannot be processed."""
+
+    fallback_reply = "Sorry, we could not process your message. Please try again later."
+
+    def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        if message["text"] == "poison":
+            raise PermanentError("this message can never be answered")
+        return {**state, "step": "CHATTING"}, f"you said {message['text']}"
