@@ -430,7 +430,10 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
     from dialog_worker.verify import verify
 
     async with DialogClient(settings=settings, max_connections=200) as c:
-        report = await verify(c, args.sessions, args.burst, args.timeout)
+        # The built-in rules' conversation only where the workers run them (the same settings:
+        # DIALOG_ENGINE unset); the exactly-once, in-order checks hold for every engine.
+        rules = not settings.engine
+        report = await verify(c, args.sessions, args.burst, args.timeout, rules=rules)
     _emit(report.as_dict())
     return EXIT_OK if report.ok else EXIT_FAILURE
 

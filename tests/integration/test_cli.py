@@ -233,6 +233,15 @@ async def test_verify_passes_against_running_workers_and_fails_without(env, work
     assert report["ok"] and report["messages"] == 2 + 50 * 10
 
 
+async def test_verify_passes_against_workers_running_a_custom_engine(env, workers):
+    engine = {"DIALOG_ENGINE": "app_engines:Counter"}  # its memory is an int, not a dict
+    workers.start(1, **engine)
+    result = await acli(env, "verify", "--sessions", "5", "--burst", "3", **engine)
+    report = json.loads(result.stdout)
+    assert result.returncode == 0, (report, result.stderr)
+    assert report["ok"] and (report["sessions"], report["messages"]) == (5, 15)
+
+
 async def test_idle_consumers_are_deleted_only_when_they_own_nothing(client, workers):
     k = client.keys
     await client.redis.xgroup_create(k.stream, k.group, id="0", mkstream=True)
