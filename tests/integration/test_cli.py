@@ -150,15 +150,18 @@ def test_supervisor_gives_up_on_a_child_that_cannot_start_with_growing_backoff(e
     from dialog_worker.supervisor import GIVE_UP_AFTER, RESTART_MAX_S
 
     started = time.monotonic()
-    result = cli(
-        env,
-        "run",
-        "--processes",
-        "2",
-        DIALOG_ENGINE="app_engines:StartupFails",
-        DIALOG_METRICS_PORT="0",
-        DIALOG_LOG_LEVEL="info",
-        TMPDIR=str(tmp_path),
+    result = subprocess.run(  # a supervisor that never gives up is killed after 60 s
+        [sys.executable, "-m", "dialog_worker", "run", "--processes", "2"],
+        env={
+            **env,
+            "DIALOG_ENGINE": "app_engines:StartupFails",
+            "DIALOG_METRICS_PORT": "0",
+            "DIALOG_LOG_LEVEL": "info",
+            "TMPDIR": str(tmp_path),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     took = time.monotonic() - started
     assert result.returncode == 1, result
