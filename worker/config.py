@@ -276,8 +276,11 @@ def load_settings(
     """Build the settings; ``overrides`` are command-line values (None means "not given")."""
     env = os.environ if environ is None else environ
     raw: dict[str, tuple[str, Any]] = {}
-    for line in unknown_env_names(env):
-        if line not in _warned_env:  # once per process: clients are built again and again
+    # Once per process (clients are built again and again); under a supervisor, which has
+    # said it already, not again in each worker process.
+    quiet = "DIALOG_SUPERVISOR_PID" in env
+    for line in [] if quiet else unknown_env_names(env):
+        if line not in _warned_env:
             _warned_env.add(line)
             print(f"dialog-worker: warning: {line}", file=sys.stderr)
 

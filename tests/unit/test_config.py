@@ -488,3 +488,11 @@ def test_a_misspelled_dialog_variable_warns_once_naming_the_closest_setting(
         "see docs/configuration.md",
     ]
     assert unknown_env_names({"DIALOG_CONCURRENCY": "8", "REDIS_URL": "redis://x"}) == []
+
+
+def test_worker_processes_under_a_supervisor_do_not_repeat_its_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    env = {"DIALOG_CONFIG": "/dev/null", "DIALOG_SUPERVISOR_PID": "1", "DIALOG_LOG_LEVL": "x"}
+    load_settings(environ=env)
+    assert capsys.readouterr().err == ""
