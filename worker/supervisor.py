@@ -233,7 +233,9 @@ class Supervisor:
             child.stderr_tail = (child.stderr_tail + chunk)[-STDERR_TAIL_BYTES:]
 
     def _give_up(self, child: Child, returncode: int) -> None:
-        error = child.last_error or f"exit code {returncode}, nothing on stderr"
+        error = child.last_error.removeprefix("dialog-worker: ") or (
+            f"exit code {returncode}, nothing on stderr"
+        )
         log.error(
             "worker_process_gave_up",
             slot=child.slot,
