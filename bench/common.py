@@ -23,8 +23,9 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import ResponseError
 
 from dialog_worker.config import Settings, load_settings
-from dialog_worker.engine import RuleEngine, initial_state, load_rules
+from dialog_worker.engine import initial_state
 from dialog_worker.keys import Keys
+from dialog_worker.rules import RuleEngine, load_rules
 
 Handler = Callable[[str, dict[str, str]], Awaitable[None]]
 

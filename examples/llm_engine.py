@@ -45,6 +45,10 @@ class LLMEngine:
     """Settings come from the environment (``LLM_BASE_URL``, ``LLM_API_KEY``, ``LLM_MODEL``,
     ``LLM_TIMEOUT_S``) unless given; DIALOG_ENGINE calls the class with no arguments."""
 
+    # What a user reads when their message cannot be answered (dead-lettered): in the bot's
+    # language, unless the operator sets DIALOG_FALLBACK_REPLY.
+    fallback_reply = "Sorry, I could not answer that. Please try again later."
+
     def __init__(
         self,
         base_url: str | None = None,

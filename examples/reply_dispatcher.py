@@ -2,12 +2,19 @@
 "outbound", POST each reply as JSON, acknowledge it only after a 2xx answer.
 
     REDIS_URL=redis://replies:...@redis:6379/0 \\
-    python examples/reply_dispatcher.py https://chat.example.com/hooks/bot-replies
+    .venv/bin/python examples/reply_dispatcher.py https://chat.example.com/hooks/bot-replies
 
-Run as many copies as you like: the group shares the replies out between them. A copy that
-dies leaves its unacknowledged replies to the others once they are idle for --claim-idle-s.
-So a reply can arrive twice (at least once, never lost): each POST carries the reply's event
-id as the Idempotency-Key header for the receiver to drop repeats.
+Run as many copies as you like: the group shares the replies out between them. The group is
+created at the start of the reply streams, not at "now": replies written before the first copy
+ever started are delivered too.
+
+Each message gets one answer. A copy that dies leaves its unacknowledged replies to the others
+once they are idle for --claim-idle-s, so a reply can arrive twice (at least once, never lost):
+each POST carries an Idempotency-Key derived from (session_id, msg_id), the same for every
+delivery of that message's answer, for the receiver to drop repeats. A message sent again with
+the same msg_id gets a second event with outcome "duplicate" (the original's reply repeated);
+it is acknowledged without a POST: the original event, earlier in the same stream, is the
+answer.
 
 A failed POST (connection error, timeout, 408, 429, 5xx) is retried with capped backoff
 until it succeeds, which holds back the replies behind it: they stay in order, and nothing
@@ -18,6 +25,8 @@ acknowledged, so one refused reply does not stop the rest.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
 import random
 import signal
@@ -33,13 +42,20 @@ log = logging.getLogger("reply_dispatcher")
 RETRYABLE_STATUS = {408, 425, 429}
 
 
+def idempotency_key(reply: Reply) -> str:
+    """The same for every event that answers one (session_id, msg_id); header-safe (ids may
+    hold any printable unicode)."""
+    pair = json.dumps([reply.session_id, reply.msg_id], ensure_ascii=False)
+    return hashlib.sha256(pair.encode("utf-8")).hexdigest()
+
+
 async def deliver(http: httpx.AsyncClient, url: str, reply: Reply, max_backoff_s: float) -> bool:
     """POST until the webhook takes it; False if it refused it for good."""
     delay_s = 0.1
     while True:
         try:
             response = await http.post(
-                url, json=reply.as_dict(), headers={"Idempotency-Key": reply.id}
+                url, json=reply.as_dict(), headers={"Idempotency-Key": idempotency_key(reply)}
             )
         except httpx.HTTPError as exc:
             problem = f"{type(exc).__name__}: {exc}"
@@ -67,13 +83,17 @@ async def dispatch(
 ) -> None:
     async with (
         httpx.AsyncClient(timeout=timeout_s) as http,
+        # start="0": a group created now still gets every reply the streams hold.
         client.replies(
-            group=group, consumer=consumer, claim_idle_ms=int(claim_idle_s * 1000)
+            group=group, consumer=consumer, start="0", claim_idle_ms=int(claim_idle_s * 1000)
         ) as replies,
     ):
         log.info("delivering replies to %s as %s/%s", url, group, replies.consumer)
         async for reply in replies:
-            await deliver(http, url, reply, max_backoff_s)
+            if reply.outcome == "duplicate":
+                log.info("reply %s repeats the answer to %s; not posted", reply.id, reply.msg_id)
+            else:
+                await deliver(http, url, reply, max_backoff_s)
             await client.ack(reply)
 
 

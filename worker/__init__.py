@@ -1,6 +1,7 @@
 """dialog-worker: lossless, per-session ordered processing of chatbot messages on Redis Streams.
 
-For applications: `DialogClient` (send, ask, replies, ack, state) and `Reply`. For engines:
+For applications: `DialogClient` (send, ask, replies, ack, state) and `Reply`;
+`SyncDialogClient` (send, ask, state) for code without an event loop. For engines:
 the `Engine` protocol, `TransientError` and `PermanentError` (docs/engine.md).
 """
 
@@ -11,6 +12,7 @@ from dialog_worker.client import DialogClient, SendResult
 from dialog_worker.engine import Engine
 from dialog_worker.errors import PermanentError, ReplyStreamError, ReplyTimeout, TransientError
 from dialog_worker.replies import Reply
+from dialog_worker.sync_client import SyncDialogClient
 
 __all__ = [
     "DialogClient",
@@ -20,6 +22,7 @@ __all__ = [
     "ReplyStreamError",
     "ReplyTimeout",
     "SendResult",
+    "SyncDialogClient",
     "TransientError",
     "__version__",
 ]

@@ -20,7 +20,13 @@ import structlog
 from dialog_worker import __version__, bench
 from dialog_worker.client import DEFAULT_CLAIM_IDLE_MS, DialogClient
 from dialog_worker.config import Settings, load_settings, redact_url
-from dialog_worker.errors import ConfigError, ReplyStreamError, ReplyTimeout, ValidationError
+from dialog_worker.errors import (
+    ConfigError,
+    EngineHookError,
+    ReplyStreamError,
+    ReplyTimeout,
+    ValidationError,
+)
 from dialog_worker.keys import Keys
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -253,7 +259,7 @@ def _report(exc: BaseException, settings: Settings | None) -> int:
     elif isinstance(exc, redis.exceptions.RedisError | redis.exceptions.RedisClusterException):
         where = settings.redacted_url() if settings else "Redis"
         line = f"redis error at {where}: {type(exc).__name__}: {exc}"
-    elif isinstance(exc, OSError | RuntimeError):  # their text says enough
+    elif isinstance(exc, OSError | RuntimeError | EngineHookError):  # their text says enough
         line = str(exc)
     else:
         line = f"{type(exc).__name__}: {exc}"
@@ -266,11 +272,14 @@ def _report(exc: BaseException, settings: Settings | None) -> int:
 
 def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
     from dialog_worker import embedded as local
-    from dialog_worker.engine import load_engine
+    from dialog_worker.config import DEFAULT_FALLBACK_REPLY
+    from dialog_worker.engine import fallback_reply, load_engine
     from dialog_worker.log import configure
 
     configure(settings.log_level, settings.log_format, settings.consumer)
     engine = load_engine(settings.engine or None, settings.rules_file or None)
+    own = fallback_reply(engine, settings.fallback_reply, DEFAULT_FALLBACK_REPLY)
+    settings = settings.replace(fallback_reply=own)  # what dead-lettered messages are answered
     embedded = None
     if local.wanted(settings.redis_url):
         embedded = local.ensure_local_redis()
@@ -286,10 +295,11 @@ def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
         run_worker(settings, engine)
     except ConfigError:
         raise
-    except Exception:
-        # A daemon that dies logs why, traceback included, as one JSON line like the others.
+    except Exception as exc:
+        # A daemon that dies logs why, traceback included, as one JSON line like the others,
+        # and says it in one line on stderr (an engine whose startup() raised, for one).
         structlog.get_logger("dialog_worker").exception("worker_crashed")
-        return EXIT_FAILURE
+        return _report(exc, settings)
     finally:
         if embedded is not None:  # only now: the worker has finished its graceful shutdown
             local.stop(embedded)
@@ -298,7 +308,7 @@ def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
 
 def _supervise(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
     from dialog_worker.config import default_consumer, env_name
-    from dialog_worker.supervisor import Supervisor, run_supervisor
+    from dialog_worker.supervisor import GaveUp, Supervisor, run_supervisor
 
     # Children read the same environment and config file; what only we know goes into theirs.
     env = dict(os.environ)
@@ -312,7 +322,11 @@ def _supervise(settings: Settings, processes: int, flags: dict[str, Any]) -> int
         shutdown_grace_s=settings.shutdown_grace_s,
         consumer=settings.consumer if explicit else None,
     )
-    return run_supervisor(supervisor)
+    try:
+        return run_supervisor(supervisor)
+    except GaveUp as exc:  # each death was logged, and its stderr passed on, as it happened
+        print(f"dialog-worker: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 async def _send(settings: Settings, args: argparse.Namespace) -> int:
@@ -416,7 +430,10 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
     from dialog_worker.verify import verify
 
     async with DialogClient(settings=settings, max_connections=200) as c:
-        report = await verify(c, args.sessions, args.burst, args.timeout)
+        # The built-in rules' conversation only where the workers run them (the same settings:
+        # DIALOG_ENGINE unset); the exactly-once, in-order checks hold for every engine.
+        rules = not settings.engine
+        report = await verify(c, args.sessions, args.burst, args.timeout, rules=rules)
     _emit(report.as_dict())
     return EXIT_OK if report.ok else EXIT_FAILURE
 

@@ -9,11 +9,13 @@ inside a loop.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import os
 import secrets
 import socket
+import sys
 import tomllib
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -25,6 +27,8 @@ import redis.connection
 from dialog_worker.errors import ConfigError
 
 DEFAULT_CONFIG_FILE = Path("config/worker.toml")
+# An engine's own `fallback_reply` replaces it unless DIALOG_FALLBACK_REPLY is set.
+DEFAULT_FALLBACK_REPLY = "Maaf, pesan Anda tidak dapat diproses. Silakan coba lagi nanti."
 # Names that default to the stream name plus a suffix unless set explicitly (contract v2 §2).
 DERIVED_NAMES = {"group": "-workers", "reply_stream": "-replies", "dlq_stream": "-dlq"}
 
@@ -56,7 +60,7 @@ class Settings:
     step_timeout_s: float = 60.0
     gap_timeout_s: float = 30.0
     reply_maxlen: int = 1_000_000
-    fallback_reply: str = "Maaf, pesan Anda tidak dapat diproses. Silakan coba lagi nanti."
+    fallback_reply: str = DEFAULT_FALLBACK_REPLY
     engine: str = ""
     rules_file: str = ""
     metrics_host: str = "0.0.0.0"
@@ -241,8 +245,28 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
 _ENV_NAMES = {"redis_url": "REDIS_URL", "redis_ca_path": "DIALOG_REDIS_CA_PATH"}
 
 
+# DIALOG_* names read elsewhere that are not settings: the config file's path, what a
+# supervisor tells its children, a test hook of `reshard`.
+OTHER_ENV_NAMES = frozenset({"DIALOG_CONFIG", "DIALOG_SUPERVISOR_PID", "DIALOG_RESHARD_STOP_AFTER"})
+_warned_env: set[str] = set()
+
+
 def env_name(field: str) -> str:
     return _ENV_NAMES.get(field, f"DIALOG_{field.upper()}")
+
+
+def unknown_env_names(env: Mapping[str, str]) -> list[str]:
+    """One line for each ``DIALOG_*`` variable that names no setting (a typo would otherwise
+    be ignored without a word, as the config file's unknown keys are not), with the closest
+    valid name."""
+    valid = {env_name(field) for field in _PARSERS} | OTHER_ENV_NAMES
+    lines = []
+    for name in sorted(env):
+        if name.startswith("DIALOG_") and name not in valid:
+            close = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else "see docs/configuration.md"
+            lines.append(f"{name} is not a setting and is ignored; {hint}")
+    return lines
 
 
 def load_settings(
@@ -252,6 +276,13 @@ def load_settings(
     """Build the settings; ``overrides`` are command-line values (None means "not given")."""
     env = os.environ if environ is None else environ
     raw: dict[str, tuple[str, Any]] = {}
+    # Once per process (clients are built again and again); under a supervisor, which has
+    # said it already, not again in each worker process.
+    quiet = "DIALOG_SUPERVISOR_PID" in env
+    for line in [] if quiet else unknown_env_names(env):
+        if line not in _warned_env:
+            _warned_env.add(line)
+            print(f"dialog-worker: warning: {line}", file=sys.stderr)
 
     for field, value in _read_config_file(env).items():
         raw[field] = (f"{field} (config file)", value)

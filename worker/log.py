@@ -10,6 +10,7 @@ are redacted again here as a last line of defence.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import MutableMapping
 from typing import Any
@@ -35,9 +36,17 @@ def _redact_urls(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMap
     return event
 
 
+def _colour(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and not os.environ.get("NO_COLOR")
+
+
 def configure(level: str = "info", fmt: str = "json", consumer: str | None = None) -> None:
     renderer: structlog.types.Processor = (
-        structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
+        # Colour codes only for a terminal: in a file or a log collector they are noise.
+        structlog.dev.ConsoleRenderer(colors=_colour(sys.stdout))
+        if fmt == "console"
+        else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[

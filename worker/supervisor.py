@@ -5,7 +5,11 @@
                port off and PROMETHEUS_MULTIPROC_DIR set to a fresh directory of this supervisor
     restart    a child that exits unasked is started again after a capped exponential backoff
                (`restart_delay_s`, reset once a child stayed up RESET_AFTER_S), each restart
-               counted in dialog_worker_restarts_total
+               counted in dialog_worker_restarts_total; a dead child's live gauges are
+               dropped (mark_process_dead), its counters kept so totals never go back
+    give up    a child that died GIVE_UP_AFTER times in a row, each within QUICK_FAILURE_S of
+               its start, cannot start (a broken engine, a refused setting): the supervisor
+               stops the others and exits 1 naming that child's last stderr line
     HTTP       the supervisor alone binds DIALOG_METRICS_PORT: /metrics sums every child's
                metrics (MultiProcessCollector), /readyz is 200 only while every child is alive
                and reports dialog_ready 1 (the gauge has one series per live child)
@@ -47,6 +51,13 @@ RESTART_BASE_S = 0.5
 RESTART_MAX_S = 30.0
 RESET_AFTER_S = 60.0
 STOP_MARGIN_S = 5.0
+GIVE_UP_AFTER = 5  # quick failures in a row: 0.5 + 1 + 2 + 4 s of backoff between them
+QUICK_FAILURE_S = 10.0
+STDERR_TAIL_BYTES = 4096
+
+
+class GaveUp(RuntimeError):
+    """A child kept dying right after its start: restarting it again would only spin."""
 
 
 def restart_delay_s(failures: int) -> float:
@@ -69,6 +80,14 @@ class Child:
     process: anyio.abc.Process | None = None
     started_at: float = 0.0
     failures: int = 0
+    quick_failures: int = 0
+    stderr_tail: bytes = b""
+
+    @property
+    def last_error(self) -> str:
+        """The last non-blank line the child wrote on stderr ("" if none)."""
+        lines = self.stderr_tail.decode("utf-8", "replace").splitlines()
+        return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
     @property
     def alive_pid(self) -> int | None:
@@ -97,6 +116,7 @@ class Supervisor:
         self.child_env = dict(child_env)
         self.stopping = anyio.Event()
         self.forced = False
+        self.gave_up: GaveUp | None = None
         self.metrics_dir = Path(tempfile.mkdtemp(prefix="dialog-worker-metrics-"))
         self.registry = CollectorRegistry()
         # prometheus_client.multiprocess has no type hints: the ignores below are for that.
@@ -134,6 +154,8 @@ class Supervisor:
         codes = [c.process.returncode for c in self.children if c.process is not None]
         failed = self.forced or any(code != 0 for code in codes)
         log.info("supervisor_stopped", returncodes=codes)
+        if self.gave_up is not None:
+            raise self.gave_up
         return 1 if failed else 0
 
     def ready(self) -> bool:
@@ -160,15 +182,18 @@ class Supervisor:
                 [sys.executable, "-m", "dialog_worker", "run"],
                 env=self._env_for(child),
                 stdin=subprocess.DEVNULL,
-                stdout=None,  # children log to our stdout and stderr
-                stderr=None,
+                stdout=None,  # children log to our stdout
+                stderr=subprocess.PIPE,  # passed on to ours, the last line kept (`last_error`)
                 start_new_session=True,
             )
             child.process, child.started_at = process, time.monotonic()
+            child.stderr_tail = b""
             log.info("worker_process_started", slot=child.slot, pid=process.pid)
             if self.stopping.is_set():  # the stop was forwarded while we started it
                 process.send_signal(signal.SIGTERM)
-            returncode = await process.wait()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._pass_stderr, child, process)
+                returncode = await process.wait()
             # Its live gauges (ready, in flight, queue samples) must not count any more; its
             # counters and histograms stay, so totals never go back.
             mark_process_dead(process.pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
@@ -182,6 +207,10 @@ class Supervisor:
                 return
             up_s = time.monotonic() - child.started_at
             child.failures = 1 if up_s >= RESET_AFTER_S else child.failures + 1
+            child.quick_failures = child.quick_failures + 1 if up_s < QUICK_FAILURE_S else 0
+            if child.quick_failures >= GIVE_UP_AFTER:
+                self._give_up(child, returncode)
+                return
             delay = restart_delay_s(child.failures)
             log.warning(
                 "worker_process_died",
@@ -190,10 +219,37 @@ class Supervisor:
                 returncode=returncode,
                 up_s=round(up_s, 1),
                 restart_in_s=delay,
+                last_error=child.last_error,
             )
             self.restarts.inc()
             with anyio.move_on_after(delay):
                 await self.stopping.wait()
+
+    async def _pass_stderr(self, child: Child, process: anyio.abc.Process) -> None:
+        assert process.stderr is not None
+        async for chunk in process.stderr:
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.buffer.flush()
+            child.stderr_tail = (child.stderr_tail + chunk)[-STDERR_TAIL_BYTES:]
+
+    def _give_up(self, child: Child, returncode: int) -> None:
+        error = child.last_error.removeprefix("dialog-worker: ") or (
+            f"exit code {returncode}, nothing on stderr"
+        )
+        log.error(
+            "worker_process_gave_up",
+            slot=child.slot,
+            failures=child.quick_failures,
+            returncode=returncode,
+            last_error=error,
+        )
+        if self.gave_up is None:
+            self.gave_up = GaveUp(
+                f"worker process {child.slot} died {child.quick_failures} times in a row "
+                f"within {QUICK_FAILURE_S:g} s of its start; giving up. Its last error: {error}"
+            )
+        self.stopping.set()
+        self._send_all(signal.SIGTERM)
 
     def _env_for(self, child: Child) -> dict[str, str]:
         env = {

@@ -159,3 +159,13 @@ async def test_llm_engine_in_workers_rides_out_rate_limits_errors_and_timeouts(
     assert refused.outcome == "dead_lettered"
     state = await client.state("llm-1")
     assert state is not None and state["memory"] == {"turns": 2, "tokens": 10}
+
+
+def test_its_fallback_reply_is_english_unless_the_operator_sets_one():
+    from dialog_worker.config import DEFAULT_FALLBACK_REPLY
+    from dialog_worker.engine import fallback_reply
+
+    engine = LLMEngine(base_url="http://127.0.0.1:9", api_key="k")
+    own = fallback_reply(engine, DEFAULT_FALLBACK_REPLY, DEFAULT_FALLBACK_REPLY)
+    assert own == "Sorry, I could not answer that. Please try again later."
+    assert fallback_reply(engine, "Oops.", DEFAULT_FALLBACK_REPLY) == "Oops."

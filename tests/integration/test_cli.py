@@ -137,6 +137,51 @@ def test_run_with_unloadable_engine_exits_2(env):
     assert "DIALOG_ENGINE" in result.stderr
 
 
+def test_engine_startup_failure_is_one_stderr_line_naming_the_exception_and_exit_1(env):
+    result = cli(env, "run", DIALOG_ENGINE="app_engines:StartupFails", DIALOG_METRICS_PORT="0")
+    assert result.returncode == 1, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "StartupFails.startup()" in lines[0]
+    assert "ConnectionRefusedError: model server at 127.0.0.1:9 refused" in lines[0]
+
+
+def test_supervisor_gives_up_on_a_child_that_cannot_start_with_growing_backoff(env, tmp_path):
+    from dialog_worker.supervisor import GIVE_UP_AFTER, RESTART_MAX_S
+
+    started = time.monotonic()
+    result = subprocess.run(  # a supervisor that never gives up is killed after 60 s
+        [sys.executable, "-m", "dialog_worker", "run", "--processes", "2"],
+        env={
+            **env,
+            "DIALOG_ENGINE": "app_engines:StartupFails",
+            "DIALOG_METRICS_PORT": "0",
+            "DIALOG_LOG_LEVEL": "info",
+            "TMPDIR": str(tmp_path),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    took = time.monotonic() - started
+    assert result.returncode == 1, result
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"died {GIVE_UP_AFTER} times in a row" in last, result.stderr
+    assert "Its last error: engine StartupFails.startup() raised ConnectionRefusedError: " in last
+    events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    for slot in (1, 2):
+        delays = [
+            e["restart_in_s"]
+            for e in events
+            if e["event"] == "worker_process_died" and e["slot"] == slot
+        ]
+        # Each restart waits longer than the one before: a child that cannot start never spins.
+        assert len(delays) >= 2 and delays == sorted(set(delays)), (slot, delays)
+        assert delays[-1] <= RESTART_MAX_S
+    assert list(tmp_path.iterdir()) == []  # the metrics directory is gone
+    assert took < 60, took
+
+
 def test_send_and_state_print_json(env):
     first = json.loads(cli(env, "send", "c1", "nama saya Budi", "--msg-id", "m1").stdout)
     assert first.keys() == {"session_id", "msg_id", "entry_id"}
@@ -189,6 +234,15 @@ async def test_verify_passes_against_running_workers_and_fails_without(env, work
     report = json.loads(result.stdout)
     assert result.returncode == 0, report
     assert report["ok"] and report["messages"] == 2 + 50 * 10
+
+
+async def test_verify_passes_against_workers_running_a_custom_engine(env, workers):
+    engine = {"DIALOG_ENGINE": "app_engines:Counter"}  # its memory is an int, not a dict
+    workers.start(1, **engine)
+    result = await acli(env, "verify", "--sessions", "5", "--burst", "3", **engine)
+    report = json.loads(result.stdout)
+    assert result.returncode == 0, (report, result.stderr)
+    assert report["ok"] and (report["sessions"], report["messages"]) == (5, 15)
 
 
 async def test_idle_consumers_are_deleted_only_when_they_own_nothing(client, workers):

@@ -583,18 +583,22 @@ def test_ci_runs_the_container_check_after_the_test_suite() -> None:
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     [pytest_line] = [i for i, line in enumerate(ci) if "-m pytest" in line]
     assert ci.index("bash scripts/container-check.sh") > pytest_line
-    script = REPO / "scripts" / "container-check.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    subprocess.run(["bash", "-n", str(REPO / "scripts" / "container-check.sh")], check=True)
+    host = REPO / "scripts" / "container_check_host.py"
+    subprocess.run([sys.executable, "-m", "py_compile", str(host)], check=True, timeout=30)
 
 
 def test_container_check_uses_the_host_network_only() -> None:
     """A bridge network's private-range addresses must never receive traffic on these machines:
     every container the check starts is on the host network, and it never creates a network."""
-    script = (REPO / "scripts" / "container-check.sh").read_text()
-    commands = [line for line in script.splitlines() if "grep" not in line]  # not the guards
-    modes = [m for line in commands for m in re.findall(r"--network[= ](\S+)", line)]
+    script = (REPO / "scripts" / "container_check_host.py").read_text()
+    code = [line for line in script.splitlines() if "--network=" not in line]  # the guards
+    modes = re.findall(r'"--network",\s*"([^"]+)"', "\n".join(code))
     assert modes and set(modes) == {"host"}, modes
-    assert not [line for line in commands if re.search(r"podman.* network create", line)]
+    # Every podman run/build names it: the worker containers, the id check, the build, and
+    # the sender and verifier (in_image).
+    assert len(modes) == 4 and 'in_image = ["--network", "host"' in script
+    assert not re.search(r'"network",\s*"create"', script)
     assert 'netns = "host"' in script  # podman's default for anything not given --network
     assert "network_mode: host" in script  # every compose service
 

@@ -103,6 +103,12 @@ async def test_two_processes_share_one_scrape_survive_kill_9_and_stop_within_the
         assert metric(text, "dialog_messages_total", outcome="applied") >= 120 + 40 - 1
         died = [e for e in events(sup) if e["event"] == "worker_process_died"]
         assert [(e["pid"], e["returncode"]) for e in died] == [(victim, -9)]
+        # The dead child's live gauges were collected (mark_process_dead): only its counters
+        # and histograms stay, so totals never go back.
+        (metrics_dir,) = (tmp_path / "tmp").iterdir()
+        assert list(metrics_dir.glob(f"gauge_live*_{victim}.db")) == []
+        assert (metrics_dir / f"counter_{victim}.db").exists()
+        assert list(metrics_dir.glob(f"gauge_liveall_{min(after)}.db"))
 
         # SIGTERM: every child finishes, the supervisor exits 0 within the grace period.
         started = time.monotonic()

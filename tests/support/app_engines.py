@@ -9,8 +9,8 @@ import os
 import time
 from typing import Any
 
-from dialog_worker import TransientError
-from dialog_worker.engine import load_rules
+from dialog_worker import PermanentError, TransientError
+from dialog_worker.rules import load_rules
 
 
 def record(event: str, **fields: Any) -> None:
@@ -98,3 +98,24 @@ class Buggy:
 
     def _name(self, state: dict[str, Any]) -> str:
         return str(state["memory"]["userName"])
+
+
+class StartupFails:
+    """startup() cannot reach what it needs, as a wrong API key or a missing model would."""
+
+    async def startup(self) -> None:
+        raise ConnectionRefusedError("model server at 127.0.0.1:9 refused the connection")
+
+    def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        raise AssertionError("step without a started engine")
+
+
+class English:
+    """A bot in English: it apologises in English when a message cannot be processed."""
+
+    fallback_reply = "Sorry, we could not process your message. Please try again later."
+
+    def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        if message["text"] == "poison":
+            raise PermanentError("this message can never be answered")
+        return {**state, "step": "CHATTING"}, f"you said {message['text']}"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dialog_worker.config import Settings, env_name, load_settings, redact_url
+from dialog_worker.config import Settings, env_name, load_settings, redact_url, unknown_env_names
 from dialog_worker.errors import ConfigError
 
 
@@ -470,3 +470,29 @@ def test_redact_url_hides_a_password_given_in_the_query_string(url: str) -> None
 def test_settings_class_defaults_equal_loaded_defaults() -> None:
     loaded = load_settings(environ={})
     assert dataclasses.replace(loaded, consumer="") == Settings()
+
+
+def test_a_misspelled_dialog_variable_warns_once_naming_the_closest_setting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    env = {"DIALOG_CONCURENCY": "8", "DIALOG_CONFIG_FILE": "x", "DIALOG_ZZZZZZZZZZZZ": "1"}
+    for _ in range(2):
+        load_settings(environ={**env, "DIALOG_CONFIG": "/dev/null"})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "dialog-worker: warning: DIALOG_CONCURENCY is not a setting and is ignored; "
+        "did you mean DIALOG_CONCURRENCY?",
+        "dialog-worker: warning: DIALOG_CONFIG_FILE is not a setting and is ignored; "
+        "did you mean DIALOG_CONFIG?",
+        "dialog-worker: warning: DIALOG_ZZZZZZZZZZZZ is not a setting and is ignored; "
+        "see docs/configuration.md",
+    ]
+    assert unknown_env_names({"DIALOG_CONCURRENCY": "8", "REDIS_URL": "redis://x"}) == []
+
+
+def test_worker_processes_under_a_supervisor_do_not_repeat_its_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    env = {"DIALOG_CONFIG": "/dev/null", "DIALOG_SUPERVISOR_PID": "1", "DIALOG_LOG_LEVL": "x"}
+    load_settings(environ=env)
+    assert capsys.readouterr().err == ""

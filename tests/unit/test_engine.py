@@ -15,17 +15,16 @@ import anyio
 import pytest
 import structlog
 
-from dialog_worker import engine as engine_module
+from dialog_worker import rules as rules_module
 from dialog_worker.engine import (
-    RuleEngine,
     initial_state,
     load_engine,
-    load_rules,
     run_step,
     shutdown_engine,
     startup_engine,
 )
 from dialog_worker.errors import ConfigError, EngineHookError, PermanentError
+from dialog_worker.rules import RuleEngine, load_rules
 
 FALLBACK = "Maaf, saya tidak mengerti."
 
@@ -427,7 +426,7 @@ def test_packaged_default_rules_take_precedence_over_the_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     packaged = write_rules(tmp_path, '[default]\nreply = "packaged"\n')
-    monkeypatch.setattr(engine_module, "_PACKAGED_RULES", packaged)
+    monkeypatch.setattr(rules_module, "_PACKAGED_RULES", packaged)
     _, reply = load_rules().step(initial_state("s1"), message("x"))
     assert reply == "packaged"
 
@@ -435,8 +434,8 @@ def test_packaged_default_rules_take_precedence_over_the_checkout(
 def test_no_default_rule_file_is_a_config_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine_module, "_PACKAGED_RULES", tmp_path / "a.toml")
-    monkeypatch.setattr(engine_module, "_CHECKOUT_RULES", tmp_path / "b.toml")
+    monkeypatch.setattr(rules_module, "_PACKAGED_RULES", tmp_path / "a.toml")
+    monkeypatch.setattr(rules_module, "_CHECKOUT_RULES", tmp_path / "b.toml")
     with pytest.raises(ConfigError, match="DIALOG_RULES_FILE: no rule file given"):
         load_rules()
 
@@ -777,3 +776,22 @@ async def test_failed_shutdown_is_logged_with_its_traceback_not_raised() -> None
     [entry] = logs
     assert entry["event"] == "engine_shutdown_failed"
     assert entry["exc_info"] is True
+
+
+class _Polite:
+    fallback_reply: object = "Sorry!"
+
+    def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        return state, ""
+
+
+def test_an_engines_fallback_reply_is_used_unless_the_setting_was_changed() -> None:
+    from dialog_worker.engine import fallback_reply
+
+    assert fallback_reply(_Polite(), "default", "default") == "Sorry!"
+    assert fallback_reply(_Polite(), "set by the operator", "default") == "set by the operator"
+    assert fallback_reply(load_rules(), "default", "default") == "default"
+    bad = _Polite()
+    bad.fallback_reply = ""
+    with pytest.raises(ConfigError, match="fallback_reply"):
+        fallback_reply(bad, "default", "default")

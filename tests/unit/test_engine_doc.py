@@ -1,9 +1,11 @@
-"""docs/engine.md's code runs as written: its engines load and its example tests pass."""
+"""docs/engine.md's code runs as written: greeter.py and test_greeter.py saved as the guide
+says pass under plain pytest, and its other engines load."""
 
 from __future__ import annotations
 
-import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +16,32 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.S)
 
 
-async def test_the_engine_guide_examples_run_and_their_tests_pass() -> None:
+def saved_as(name: str) -> str:
+    """The block whose first line says which file it is (`# greeter.py`)."""
+    [block] = [b for b in python_blocks() if b.startswith(f"# {name}")]
+    return block
+
+
+def test_the_guides_engine_test_passes_as_written(tmp_path: Path) -> None:
+    (tmp_path / "greeter.py").write_text(saved_as("greeter.py"), encoding="utf-8")
+    (tmp_path / "test_greeter.py").write_text(saved_as("test_greeter.py"), encoding="utf-8")
+    # As the guide says: from that folder, with none of this repository's pytest settings.
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_greeter.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "2 passed" in ran.stdout, ran.stdout
+
+
+def test_the_guides_other_engines_load() -> None:
     namespace: dict[str, Any] = {"__name__": "engine_doc"}
-    blocks = python_blocks()
-    assert len(blocks) >= 3
+    blocks = [b for b in python_blocks() if not b.startswith("# test_")]
+    assert len(blocks) >= 2
     for block in blocks:
         exec(compile(block, str(DOC), "exec"), namespace)
-    tests = [f for name, f in namespace.items() if name.startswith("test_")]
-    assert len(tests) == 2
-    for test in tests:
-        assert inspect.iscoroutinefunction(test)
-        await test()
     assert callable(namespace["Assistant"].startup)
+    assert callable(namespace["Greeter"]().step)

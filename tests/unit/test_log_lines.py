@@ -33,3 +33,24 @@ def test_each_log_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
         structlog.reset_defaults()
     [call] = out.calls
     assert call.endswith("\n") and json.loads(call)["event"] == "hello"
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("stream", "coloured"), [(io.StringIO, False), (Terminal, True)])
+def test_console_format_has_colour_codes_only_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, stream: type[io.StringIO], coloured: bool
+) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    out = stream()
+    monkeypatch.setattr(sys, "stdout", out)
+    try:
+        configure("info", "console", "c1")
+        structlog.get_logger("t").info("hello", n=1)
+    finally:
+        structlog.reset_defaults()
+    assert "hello" in out.getvalue()
+    assert ("\x1b[" in out.getvalue()) is coloured

@@ -43,6 +43,7 @@ from dialog_worker.bench.machine import machine_info
 from dialog_worker.bench.redis_server import EmbeddedRedis
 from dialog_worker.bench.report import SYSTEMS, line, plot, progress, summary
 from dialog_worker.bench.run import Run
+from dialog_worker.bench.spawn import source_root
 from dialog_worker.bench.target import Target
 from dialog_worker.config import Settings
 from dialog_worker.errors import ValidationError
@@ -170,6 +171,13 @@ def _validate(args: argparse.Namespace) -> list[str]:
     if not loads or any(not 0 < x <= 1.5 for x in loads):
         raise ValidationError("--loads: fractions within (0, 1.5]")
     args.loads_list = loads
+    others = [s for s in systems if s != "ours"]
+    if others and source_root() is None:
+        raise ValidationError(
+            f"--compare {','.join(others)}: the comparison workers live in the bench/ folder of "
+            "a source checkout, which the installed package does not ship; run the bench from "
+            "a clone of the repository (pip install -e .)"
+        )
     if "peer" in systems:
         try:
             importlib.import_module("taskiq_redis")

@@ -1,0 +1,113 @@
+"""`SyncDialogClient` against a real worker, as a Flask or Django app uses it: plain calls from
+several threads, a client made before a pre-forking server forks, and a clear refusal inside
+an event loop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import anyio
+import pytest
+from worker_procs import WorkerPool
+
+from dialog_worker import SyncDialogClient
+from dialog_worker.config import load_settings
+
+pytestmark = pytest.mark.integration
+
+HELLO = "Halo Budi, ada yang bisa dibantu?"
+
+
+def test_send_ask_and_state_without_an_event_loop(env: dict[str, str], workers: WorkerPool):
+    workers.start(1)
+    with SyncDialogClient(settings=load_settings(environ=env)) as client:
+        sent = client.send("sync-1", "nama saya Budi", msg_id="m-1")
+        assert (sent.session_id, sent.msg_id) == ("sync-1", "m-1") and sent.entry_id
+        reply = client.ask("sync-1", "saya ada kendala billing", timeout=20)
+        assert (reply.outcome, reply.seq) == ("applied", 2)
+        state = client.state("sync-1")
+        assert state is not None and state["memory"] == {"userName": "Budi"}
+        again = client.ask("sync-1", "nama saya Budi", msg_id="m-1", timeout=20)
+        assert (again.outcome, again.seq, again.text) == ("duplicate", 1, HELLO)
+        assert client.state("never-seen") is None
+
+
+def test_one_client_serves_many_threads_at_once(env: dict[str, str], workers: WorkerPool):
+    workers.start(1)
+    replies: dict[int, str] = {}
+    errors: list[BaseException] = []
+    with SyncDialogClient(settings=load_settings(environ=env)) as client:
+
+        def request(i: int) -> None:  # one web request, on its own server thread
+            try:
+                replies[i] = client.ask(f"thread-{i}", f"nama saya U{i}", timeout=30).text
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=request, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert errors == []
+    assert replies == {i: f"Halo U{i}, ada yang bisa dibantu?" for i in range(16)}
+
+
+FORKING_SERVER = """
+import gc, os, sys
+from dialog_worker import SyncDialogClient
+
+client = SyncDialogClient()  # made at import, as a module of a pre-forking app
+print("parent", client.send("fork-parent", "nama saya Budi", msg_id="p1").msg_id, flush=True)
+for _ in range(2):  # two workers of a pre-forking server, each ending with a normal exit
+    pid = os.fork()
+    if pid == 0:
+        print("child", client.ask(f"fork-{os.getpid()}", "nama saya Budi", timeout=20).seq,
+              flush=True)
+        gc.collect()  # a long-lived worker collects its garbage sooner or later
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+# The parent's own connections and loop are untouched by its children (its loop is idle
+# here: nothing else would wake it if a child had unregistered its descriptors).
+client.state("fork-parent")
+print("parent read its state", flush=True)
+"""
+
+
+def test_a_client_made_before_a_fork_works_in_the_children_and_the_parent(
+    env: dict[str, str], workers: WorkerPool, tmp_path: Path
+):
+    workers.start(1)
+    (tmp_path / "server.py").write_text(FORKING_SERVER, encoding="utf-8")
+    ran = subprocess.run(
+        [sys.executable, "server.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == [
+        "parent p1",
+        "child 1",
+        "child exit 0",
+        "child 1",
+        "child exit 0",
+        "parent read its state",
+    ], ran.stderr
+
+
+def test_inside_an_event_loop_it_refuses_instead_of_blocking_the_loop(env: dict[str, str]):
+    client = SyncDialogClient(settings=load_settings(environ=env))
+
+    async def view() -> None:
+        with pytest.raises(RuntimeError, match="use DialogClient"):
+            client.state("x")
+
+    anyio.run(view)
+    client.close()

@@ -1,0 +1,178 @@
+"""`SyncDialogClient`: `send`, `ask` and `state` for code without an event loop (Flask, Django,
+a script, a Celery task).
+
+How: it runs a `DialogClient` on an event loop of its own, in a private thread (an anyio
+blocking portal), and each call waits for its result there. Chosen over a second
+implementation on redis-py's synchronous client so that both clients are one: the same
+checks of ids and text, the same shard routing and topology check, the same ask (its waiter
+registered before the send, one reply reader shared by every waiting call). The cost is a
+thread hop per call (tens of microseconds, small beside the Redis round trip).
+
+Threads: one client serves every thread of the process at once (a Flask or Django app under a
+threaded server): calls from several threads run concurrently on its loop. Make it once, at
+module level, and `close` it at exit (or use ``with``). Processes: a pre-forking server
+(gunicorn, uWSGI) forks after the module was imported; a forked child does not inherit the
+loop thread, so the client notices the new process id at its first call there and starts a
+loop of its own (the parent's connections are never used by the child).
+
+Do not call it from inside a running event loop (an ``async def`` view): it would block that
+loop for the whole wait. Use `DialogClient` there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import threading
+import weakref
+from collections.abc import Callable, Coroutine, Mapping
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+import anyio.from_thread
+
+from dialog_worker.client import DialogClient, SendResult
+from dialog_worker.config import Settings, load_settings
+from dialog_worker.replies import Reply
+
+T = TypeVar("T")
+
+# Clients to close at interpreter exit, while their loop threads still run: left to the
+# interpreter's final clean-up, a portal would wait for a thread that is already gone.
+_LIVE: weakref.WeakSet[SyncDialogClient] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for client in list(_LIVE):
+        client.close()
+
+
+class SyncDialogClient:
+    """`DialogClient`'s `send`, `ask` and `state`, as plain blocking calls.
+
+    ``SyncDialogClient(url=None, *, settings=None, max_connections=64, **overrides)`` takes
+    what `DialogClient` takes and reads the same settings (``REDIS_URL``, ``DIALOG_*``) when
+    constructed. It connects at the first call.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        settings: Settings | None = None,
+        max_connections: int = 64,
+        **overrides: Any,
+    ) -> None:
+        if settings is None:
+            settings = load_settings({"redis_url": url, **overrides})
+        elif url or overrides:
+            settings = settings.replace(**({"redis_url": url} if url else {}), **overrides)
+        self.settings = settings
+        self._max_connections = max_connections
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._client: DialogClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        _LIVE.add(self)
+
+    def __enter__(self) -> SyncDialogClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def send(
+        self,
+        session_id: str,
+        text: str,
+        msg_id: str | None = None,
+        meta: Mapping[str, str] | None = None,
+    ) -> SendResult:
+        """Enqueue one message and return at once (`DialogClient.send`)."""
+        return self._call(lambda c: c.send(session_id, text, msg_id, meta))
+
+    def ask(
+        self, session_id: str, text: str, msg_id: str | None = None, timeout: float = 30
+    ) -> Reply:
+        """Send and wait up to ``timeout`` seconds for the reply (`DialogClient.ask`): raises
+        `ReplyTimeout` (ask again with its ``msg_id`` to keep waiting)."""
+        return self._call(lambda c: c.ask(session_id, text, msg_id, timeout=timeout))
+
+    def state(self, session_id: str) -> dict[str, Any] | None:
+        """The session's dialog state, or None (`DialogClient.state`)."""
+        return self._call(lambda c: c.state(session_id))
+
+    def close(self) -> None:
+        """Close the connections and stop the loop thread; a later call starts them again."""
+        with self._lock:
+            if self._portal is not None and self._pid == os.getpid():
+                client, portal = self._client, self._portal
+                if client is not None:
+                    portal.call(client.aclose)
+                assert self._portal_cm is not None
+                self._portal_cm.__exit__(None, None, None)
+            else:
+                self._abandon_parents()
+            self._portal_cm = self._portal = self._client = self._loop = None
+
+    # ------------------------------------------------------------------------------------
+
+    def _call(self, call: Callable[[DialogClient], Coroutine[Any, Any, T]]) -> T:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # no loop in this thread: the normal case
+        else:
+            raise RuntimeError(
+                "SyncDialogClient called from inside an event loop, which it would block: "
+                "use DialogClient (async) there"
+            )
+        portal, client = self._started()
+        return cast(T, portal.call(call, client))
+
+    def _started(self) -> tuple[anyio.from_thread.BlockingPortal, DialogClient]:
+        with self._lock:
+            if self._portal is None or self._pid != os.getpid():
+                # First use, or a forked child: the parent's loop thread does not exist here.
+                self._abandon_parents()
+                portal_cm = anyio.from_thread.start_blocking_portal()
+                portal = portal_cm.__enter__()
+                try:
+                    self._client = portal.call(self._open)
+                except BaseException:
+                    portal_cm.__exit__(None, None, None)  # no thread left behind
+                    raise
+                self._portal_cm, self._portal, self._pid = portal_cm, portal, os.getpid()
+            assert self._client is not None
+            return self._portal, self._client
+
+    def _abandon_parents(self) -> None:
+        """In a forked child: drop the parent's portal without waiting for its thread, which
+        the fork did not copy. Closing it as usual (or letting it be collected, which closes
+        it too) would ask that thread to stop and wait for ever. Marked not running, anyio
+        skips the stop; the parent's connections are left to the parent."""
+        if self._portal_cm is not None and self._pid != os.getpid():
+            assert self._portal is not None and self._loop is not None
+            # The parent's loop shares its epoll instance with the parent (fork copies the
+            # descriptor, not the instance): closing it, as its finaliser would once the
+            # references below are dropped, unregisters the parent's descriptors there and
+            # the parent's loop never wakes again. Marked closed, it is only freed.
+            self._loop._closed = True  # type: ignore[attr-defined]
+            self._portal._event_loop_thread_id = None  # anyio's "not running": no stop()
+            self._portal_cm.__exit__(None, None, None)
+        self._portal_cm = self._portal = self._client = self._loop = None
+
+    async def _open(self) -> DialogClient:
+        self._loop = asyncio.get_running_loop()
+        client = DialogClient(settings=self.settings, max_connections=self._max_connections)
+        return await client.__aenter__()
