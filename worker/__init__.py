@@ -9,7 +9,13 @@ __version__ = "0.1.0"
 
 from dialog_worker.client import DialogClient, SendResult
 from dialog_worker.engine import Engine
-from dialog_worker.errors import PermanentError, ReplyStreamError, ReplyTimeout, TransientError
+from dialog_worker.errors import (
+    PermanentError,
+    ReplyStreamError,
+    ReplyTimeout,
+    TransientError,
+    UncertainSendError,
+)
 from dialog_worker.replies import Reply
 
 __all__ = [
@@ -21,5 +27,6 @@ __all__ = [
     "ReplyTimeout",
     "SendResult",
     "TransientError",
+    "UncertainSendError",
     "__version__",
 ]

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -46,6 +46,7 @@ from redis.exceptions import ResponseError
 from dialog_worker.config import Settings
 from dialog_worker.keys import Keys, Topology, shards_key
 from dialog_worker.scripts import Script, source
+from dialog_worker.streams import Entry, StreamReader
 
 _UNESCAPE = re.compile(r"%(25|7B|7D)")
 _CHARS = {"25": "%", "7B": "{", "7D": "}"}
@@ -339,41 +340,36 @@ class _Mover:
         another stream; the letters of a stream that stays in the new layout and belong to
         it stay where they are."""
         r = self.redis
+        # Every field pair as stored, repeated names included (a malformed entry's letter).
+        reader = StreamReader(r)
         cursor = "-"
         while True:
-            rows = cast(
-                list[tuple[bytes, dict[bytes, bytes]]],
-                await r.xrange(keys.dlq, min=cursor, max="+", count=LETTER_PAGE),
-            )
-            for raw_id, fields in rows:
-                entry_id = _text(raw_id)
-                target = _letter_target(fields, after)
+            rows = await reader.range(keys.dlq, cursor, "+", LETTER_PAGE)
+            for entry in rows:
+                target = _letter_target(entry, after)
                 if target.dlq == keys.dlq:
                     continue
                 if self.dry_run:
                     self.report.dead_letters += 1
                     continue
-                flat: list[bytes] = []
-                for name, value in fields.items():
-                    flat += [name, value]
                 await self.step()
                 added = await letters(
                     keys=[target.dlq, target.reshard_moved],
-                    args=[f"{keys.dlq} {entry_id}", *flat],
+                    args=[f"{keys.dlq} {entry.id}", *entry.flat()],
                 )
                 if int(added):
                     self.report.dead_letters += 1
                 else:
                     self.report.already_moved += 1
                 await self.step()
-                await r.xdel(keys.dlq, entry_id)
+                await r.xdel(keys.dlq, entry.id)
             if len(rows) < LETTER_PAGE:
                 return
-            cursor = f"({_text(rows[-1][0])}"
+            cursor = f"({rows[-1].id}"
 
 
-def _letter_target(fields: dict[bytes, bytes], after: Topology) -> Keys:
-    raw = fields.get(b"session_id")
+def _letter_target(entry: Entry, after: Topology) -> Keys:
+    raw = entry.raw("session_id")
     try:
         session_id = raw.decode("utf-8") if raw else ""
     except UnicodeDecodeError:

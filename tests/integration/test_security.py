@@ -560,6 +560,9 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
     "producer": [
         ("XADD dialog * session_id s text t", True),
         ("GET dialog:shards", True),
+        ("XINFO GROUPS dialog", True),  # the client's once-per-stream "anyone reading?"
+        ("XINFO CONSUMERS dialog dialog-workers", False),
+        ("XINFO STREAM dialog", False),  # its first and last entries
         ("SET dialog:shards 2", False),
         ("XRANGE dialog - +", False),
         ("XREADGROUP GROUP dialog-workers c STREAMS dialog >", False),
@@ -634,6 +637,8 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
     "app": [
         ("XADD dialog * session_id s text t", True),
         ("GET dialog:shards", True),
+        ("XINFO GROUPS dialog", True),
+        ("XINFO STREAM dialog", False),
         ("XREAD COUNT 1 STREAMS dialog-replies 0", True),
         ("XREVRANGE dialog-replies + - COUNT 1", True),
         ("XREADGROUP GROUP out c COUNT 1 STREAMS dialog-replies >", True),
