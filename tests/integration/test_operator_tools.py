@@ -254,3 +254,29 @@ async def test_purge_by_session_and_by_age_deletes_only_those(
     assert json.loads(by_session.stdout) == {"purged": 1}, by_session.stderr
     assert await left() == [new_b]
     assert old_a and old_b  # both gone with the age purge
+
+
+# ---------------------------------------------------------------------------------------------
+# the sampler's cost
+
+
+async def test_queue_stats_is_a_handful_of_commands_whatever_the_backlog(client: DialogClient):
+    """XINFO GROUPS reports no lag once an entry at the group's position was deleted (the
+    worker deletes finished entries); the count must then not come from a scan."""
+    r, k = client.redis, client.keys
+    async with r.pipeline(transaction=False) as pipe:
+        for i in range(5000):
+            pipe.xadd(k.stream, {"session_id": f"s{i}", "text": "halo"})
+        await pipe.execute()
+    await r.xgroup_create(k.stream, k.group, id="0")
+    [(_, read)] = await r.xreadgroup(k.group, "c", {k.stream: ">"}, count=10)
+    await r.xack(k.stream, k.group, *[i for i, _ in read])
+    await r.xdel(k.stream, read[-1][0])
+    [group] = await r.xinfo_groups(k.stream)
+    assert group["lag"] is None  # the case that used to be counted by a scan
+    await r.config_resetstat()
+    stats = await queue_stats(r, k)
+    calls = {name: v["calls"] for name, v in (await r.info("commandstats")).items()}
+    assert (stats["stream_length"], stats["lag"], stats["waiting"]) == (4999, 4990, 9)
+    assert calls.get("cmdstat_xrange", 0) <= 1, calls
+    assert sum(calls.values()) <= 9, calls
