@@ -601,7 +601,13 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
         (f"RESTORE {S}:state 0 x", True),
         (f"DEL {S}:state", True),
         (f"DEL {READY}", True),
-        (f"EVALSHA {SHA} 2 dialog-dlq {MOVED}", True),
+        (f"SISMEMBER {MOVED} x", True),  # reshard: WATCH, SISMEMBER, MULTI XADD SADD EXEC
+        (f"SADD {MOVED} x", True),
+        (f"WATCH {MOVED}", True),
+        ("MULTI", True),
+        ("EXEC", True),
+        (f"EVALSHA {SHA} 2 dialog-dlq {MOVED}", False),  # no script: no SCRIPT LOAD either
+        ("SCRIPT LOAD return", False),
         ("SET dialog:shards 2", True),
         ("XDEL dialog 1-1", False),
         (f"HSET {S}:state a 9", False),
