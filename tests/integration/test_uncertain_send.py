@@ -110,3 +110,13 @@ async def test_a_stream_a_group_reads_is_not_warned(
     async with DialogClient(settings=client.settings) as c:
         await c.send("s", "again")
     assert _warnings(caplog) == []
+
+
+def test_an_uncertain_send_is_still_caught_as_a_redis_error():
+    """Applications that retried on redis-py's errors before keep working (and can now read
+    the msg_id from the error)."""
+    import redis.exceptions
+
+    exc = UncertainSendError("s", "m", redis.exceptions.TimeoutError("Timeout reading"))
+    assert isinstance(exc, redis.exceptions.RedisError)
+    assert isinstance(exc, redis.exceptions.ConnectionError)
