@@ -12,7 +12,9 @@ of the reply stream. Answers:
 - 504 when no reply came within ASK_TIMEOUT_S (default 25): the message was sent and may
   still be answered; posting again with the returned ``msg_id`` waits for that same message
   (never applied twice);
-- 503 when Redis cannot be reached.
+- 503 when Redis cannot be reached; when the message may have been sent all the same (the
+  connection broke or timed out during the append) the body carries its ``msg_id``: post
+  again with it once the service is back (applied once either way).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from dialog_worker import DialogClient, ReplyStreamError, ReplyTimeout
+from dialog_worker import DialogClient, ReplyStreamError, ReplyTimeout, UncertainSendError
 from dialog_worker.errors import ValidationError
 
 ASK_TIMEOUT_S = float(os.environ.get("ASK_TIMEOUT_S", "25"))
@@ -60,6 +62,14 @@ async def chat(request: Request) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
     except ReplyTimeout as exc:
         return JSONResponse({"error": "no reply in time", "msg_id": exc.msg_id}, status_code=504)
+    except UncertainSendError as exc:
+        return JSONResponse(
+            {
+                "error": "the chat service is unavailable; retry with this msg_id",
+                "msg_id": exc.msg_id,
+            },
+            status_code=503,
+        )
     except (redis.exceptions.RedisError, ReplyStreamError):
         return JSONResponse({"error": "the chat service is unavailable"}, status_code=503)
     return JSONResponse(

@@ -10,7 +10,13 @@ __version__ = "0.1.0"
 
 from dialog_worker.client import DialogClient, SendResult
 from dialog_worker.engine import Engine
-from dialog_worker.errors import PermanentError, ReplyStreamError, ReplyTimeout, TransientError
+from dialog_worker.errors import (
+    PermanentError,
+    ReplyStreamError,
+    ReplyTimeout,
+    TransientError,
+    UncertainSendError,
+)
 from dialog_worker.replies import Reply
 from dialog_worker.sync_client import SyncDialogClient
 
@@ -24,5 +30,6 @@ __all__ = [
     "SendResult",
     "SyncDialogClient",
     "TransientError",
+    "UncertainSendError",
     "__version__",
 ]

@@ -20,6 +20,7 @@ import structlog
 from dialog_worker import __version__, bench
 from dialog_worker.client import DEFAULT_CLAIM_IDLE_MS, DialogClient
 from dialog_worker.config import Settings, load_settings, redact_url
+from dialog_worker.dlq import duration_arg, handle_arg
 from dialog_worker.errors import (
     ConfigError,
     EngineHookError,
@@ -182,15 +183,19 @@ def _parser() -> argparse.ArgumentParser:
         "--limit", type=_positive_int, default=100, help="at most this many (default 100)"
     )
     dshow = dsub.add_parser("show", help="every field of one dead letter")
-    dshow.add_argument("id", type=_entry_id, help="dead-letter entry id (from dlq list)")
+    dshow.add_argument("id", type=handle_arg, help="dead-letter id (from dlq list)")
     dre = dsub.add_parser(
         "redrive", help="re-send dead letters to the stream they came from (source_stream)"
     )
     dre.add_argument("--limit", type=_positive_int, help="at most this many (default: all)")
     dre.add_argument("--rate", type=float, help="at most this many per second")
-    dre.add_argument("--id", dest="entry_id", type=_entry_id, help="only this dead letter")
+    dre.add_argument("--id", dest="entry_id", type=handle_arg, help="only this dead letter")
     dpurge = dsub.add_parser("purge", help="delete dead letters (all with --yes, or --id)")
-    dpurge.add_argument("--id", dest="entry_id", type=_entry_id, help="only this dead letter")
+    dpurge.add_argument("--id", dest="entry_id", type=handle_arg, help="only this dead letter")
+    dpurge.add_argument("--session", help="only the dead letters of this session")
+    dpurge.add_argument(
+        "--older-than", type=duration_arg, help="only those older than this (90s, 15m, 2h, 7d)"
+    )
     dpurge.add_argument("--yes", action="store_true", help="confirm deleting every dead letter")
 
     reshard = sub.add_parser(
@@ -403,7 +408,7 @@ async def _session(settings: Settings, args: argparse.Namespace) -> int:
         raise ValidationError("--release-lock deletes another worker's lock: add --yes")
     async with DialogClient(settings=settings) as c:
         keys = c.keys_for(args.session)
-        view = await session_view(c.redis, keys, args.session, raw=c.raw)
+        view = await session_view(c.redis, keys, args.session, c.entries)
         if args.release_lock:
             released = await c.redis.delete(keys.session(args.session).lock)
             view["lock_released"] = bool(released)
@@ -446,19 +451,23 @@ async def _dlq(settings: Settings, args: argparse.Namespace) -> int:
             for row in await dlq.list_entries(_shards(c, args), c, args.limit):
                 _emit(row)
         elif args.dlq_command == "show":
-            entry = await dlq.show(_shards(c, args), c, args.id)
-            if entry is None:
-                print(f"dialog-worker: no dead letter {args.id}", file=sys.stderr)
-                return EXIT_FAILURE
-            _emit(entry)
+            _emit(await dlq.show(_shards(c, args), c, args.id))  # none: NoSuchLetter, exit 1
         elif args.dlq_command == "redrive":
             if args.rate is not None and args.rate <= 0:
                 raise ValidationError("--rate must be positive")
             _emit(await dlq.redrive(_shards(c, args), c, args.limit, args.rate, args.entry_id))
         else:
-            if args.entry_id is None and not args.yes:
+            narrowed = (args.entry_id, args.session, args.older_than) != (None, None, None)
+            if not narrowed and not args.yes:
                 raise ValidationError("dlq purge deletes every dead letter: add --yes (or --id ID)")
-            _emit({"purged": await dlq.purge(_shards(c, args), c, args.entry_id)})
+            purged = await dlq.purge(
+                _shards(c, args),
+                c,
+                args.entry_id,
+                session_id=args.session,
+                older_than_s=args.older_than,
+            )
+            _emit({"purged": purged})
     return EXIT_OK
 
 

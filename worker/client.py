@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import uuid
 from collections.abc import Iterator, Mapping
@@ -15,14 +16,20 @@ from typing import Any
 import anyio
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException
+from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dialog_worker.codec import MAX_EXTRA_FIELDS, RESERVED_FIELDS, check_id, check_meta, check_text
 from dialog_worker.config import Settings, load_settings
-from dialog_worker.errors import ReplyTimeout, ValidationError
+from dialog_worker.errors import ReplyTimeout, UncertainSendError, ValidationError
 from dialog_worker.keys import Keys, Topology
 from dialog_worker.redis_conn import check_topology, connect, prepare
 from dialog_worker.replies import Reply, ReplyRouter, ReplySubscription
+from dialog_worker.streams import StreamReader
+
+# The standard library's logger: an application's own logging setup decides where a client's
+# warning goes (without one, Python prints warnings to stderr, never to stdout).
+log = logging.getLogger("dialog_worker.client")
 
 # How long `replies()` lets another consumer's event sit unacknowledged before taking it over.
 DEFAULT_CLAIM_IDLE_MS = 60_000
@@ -31,7 +38,7 @@ DEFAULT_CLAIM_IDLE_MS = 60_000
 @dataclasses.dataclass(frozen=True, slots=True)
 class SendResult:
     session_id: str
-    msg_id: str  # the given one, or the entry id when none was given
+    msg_id: str  # the given one, or the one the client generated
     entry_id: str
 
     def as_dict(self) -> dict[str, Any]:
@@ -72,8 +79,13 @@ class DialogClient:
         # on first use; blocked reads there never hold up sends.
         self._reader: Redis | None = None
         self._reader_prepared = False
+        self._entries: StreamReader | None = None
+        self._entries_client: Redis | None = None
         self._routers: dict[str, ReplyRouter] = {}
         self._subscriptions: set[ReplySubscription] = set()
+        # Per inbound stream: whether the workers' consumer group was there at the first send
+        # (checked once; see `_check_readers`).
+        self._read_by_group: dict[str, bool] = {}
 
     async def __aenter__(self) -> DialogClient:
         await self._prepare()
@@ -94,6 +106,8 @@ class DialogClient:
             await router.aclose()
         if self._reader is not None:
             await self._reader.aclose()
+        if self._entries_client is not None:
+            await self._entries_client.aclose()
         await self.redis.aclose()
 
     async def send(
@@ -107,23 +121,25 @@ class DialogClient:
         sharded deployment), what any producer in any language does. Raises
         ``ValidationError`` before touching Redis if the session id, message id, text or
         extra fields are refused. A ``msg_id`` already seen inside the dedupe window is
-        answered by the workers with a ``duplicate`` reply event."""
+        answered by the workers with a ``duplicate`` reply event.
+
+        Without ``msg_id`` the client generates one before sending. If the connection breaks
+        or times out during the append, whether it landed is unknown: ``UncertainSendError``
+        then carries the ``msg_id``; send again with it (applied once either way)."""
         check_id("session_id", session_id)
         if msg_id is not None:
             check_id("msg_id", msg_id)
         check_text(text, self.settings.max_message_bytes)
-        if msg_id is None and self.settings.redis_mode == "cluster":
-            # redis-py's cluster client re-sends a command whose reply was lost in a failover:
-            # with an explicit msg_id a second append is answered as a duplicate, not applied.
+        if msg_id is None:
+            # Generated here, not left to the entry id: a send whose outcome is unknown must
+            # be retried with the same msg_id, or a retry may apply the message twice.
             msg_id = uuid.uuid4().hex
-        fields: dict[str, str] = {"session_id": session_id, "text": text}
-        if msg_id is not None:
-            fields["msg_id"] = msg_id
+        fields: dict[str, str] = {"session_id": session_id, "text": text, "msg_id": msg_id}
         for name, value in (meta or {}).items():
             if name in RESERVED_FIELDS:
                 raise ValidationError(f"meta field {name!r} is reserved")
             fields[name] = check_meta(name, value)
-        if len(fields) - 2 - (msg_id is not None) > MAX_EXTRA_FIELDS:
+        if len(fields) - 3 > MAX_EXTRA_FIELDS:
             raise ValidationError(f"at most {MAX_EXTRA_FIELDS} meta fields are allowed")
         size = sum(len(k.encode()) + len(v.encode()) for k, v in fields.items())
         if size > self.settings.max_message_bytes:
@@ -131,11 +147,16 @@ class DialogClient:
                 f"text and fields are {size} bytes in all; at most "
                 f"{self.settings.max_message_bytes} are allowed (DIALOG_MAX_MESSAGE_BYTES)"
             )
+        stream = self.keys_for(session_id).stream
         with self._cluster_errors("send"):
             await self._ready()
-            entry_id = await self.redis.xadd(self.keys_for(session_id).stream, fields)  # type: ignore[arg-type]
-        entry = str(entry_id)
-        return SendResult(session_id, msg_id if msg_id is not None else entry, entry)
+        await self._check_readers(stream)
+        try:
+            with self._cluster_errors("send"):
+                entry_id = await self.redis.xadd(stream, fields)  # type: ignore[arg-type]
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise UncertainSendError(session_id, msg_id, exc) from exc
+        return SendResult(session_id, msg_id, str(entry_id))
 
     async def ask(
         self,
@@ -164,6 +185,7 @@ class DialogClient:
         ):
             raise ValidationError(f"timeout must be a positive number of seconds, got {timeout!r}")
         deadline = anyio.current_time() + timeout
+        stream = self.keys_for(session_id).stream
         router = self._router(self.keys_for(session_id).replies)
         waiter = router.expect(session_id, msg_id)
         try:
@@ -171,9 +193,50 @@ class DialogClient:
             await self.send(session_id, text, msg_id=msg_id)
             with anyio.move_on_after(deadline - anyio.current_time()):
                 return await waiter
-            raise ReplyTimeout(session_id, msg_id, timeout, router.problem())
+            raise ReplyTimeout(
+                session_id, msg_id, timeout, await self._timeout_note(router, stream)
+            )
         finally:
             router.forget(session_id, msg_id, waiter)
+
+    async def _check_readers(self, stream: str) -> None:
+        """Once per stream and client: warn when no consumer group of the configured name
+        reads the stream (a wrong DIALOG_STREAM or DIALOG_GROUP, or no worker started yet).
+        The message is still sent: workers started later process it."""
+        if stream in self._read_by_group:
+            return
+        present = await self._group_reads(stream)
+        self._read_by_group[stream] = present
+        if not present:
+            log.warning(
+                "no consumer group %r reads stream %r: messages wait unread until a worker "
+                "with this DIALOG_STREAM and DIALOG_GROUP starts (check both if workers run)",
+                self.settings.group,
+                stream,
+            )
+
+    async def _group_reads(self, stream: str) -> bool:
+        """Whether the configured consumer group exists on `stream`; True when this user may
+        not ask (a producer's ACL allows XADD only): nothing to warn about then."""
+        try:
+            with self._cluster_errors("send"):
+                groups = await self.redis.xinfo_groups(stream)
+        except RedisConnectionError:
+            raise
+        except RedisError as exc:
+            return "no such key" not in str(exc).lower()
+        return any(g.get("name") == self.settings.group for g in groups)
+
+    async def _timeout_note(self, router: ReplyRouter, stream: str) -> str:
+        notes = [router.problem()]
+        if not self._read_by_group.get(stream, True):
+            with contextlib.suppress(RedisError):
+                if not await self._group_reads(stream):
+                    notes.append(
+                        f"no consumer group {self.settings.group!r} reads stream {stream!r}: "
+                        "is a worker running with the same DIALOG_STREAM and DIALOG_GROUP?"
+                    )
+        return "; ".join(n for n in notes if n)
 
     @property
     def waiting_replies(self) -> int:
@@ -293,6 +356,15 @@ class DialogClient:
         """A client of the same server that returns bytes (for streams whose values need not
         be UTF-8, such as dead letters)."""
         return self._reader_client()
+
+    @property
+    def entries(self) -> StreamReader:
+        """The operator tools' reader of stream entries (dead letters, the inbound stream):
+        bytes, every field pair kept (worker/streams.py). Its own client, made on first use."""
+        if self._entries is None:
+            self._entries_client = connect(self.settings, 8, decode_responses=False)
+            self._entries = StreamReader(self._entries_client)
+        return self._entries
 
     def _reader_client(self) -> Redis:
         if self._reader is None:

@@ -22,12 +22,14 @@ import os
 import secrets
 import signal
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, cast
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import redis.exceptions
 import structlog
 from redis.asyncio import Redis
@@ -55,13 +57,68 @@ INTAKE_BATCH = 1000
 RESUME_IDLE_S = 1.0
 
 
+class SlotGate:
+    """A shard's free message slots, handed out with priority: a freed slot goes to a waiting
+    resumer before a waiting reader.
+
+    anyio's Semaphore hands a released slot straight to the task blocked in `acquire()`; with
+    the reader always blocked there under a backlog, the resumer (crash recovery, retries,
+    hand-backs, gap checks) would never get one until the backlog is gone. Here the resumer
+    waits in the first queue, so a due session waits at most for the next slot to free up."""
+
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._waiting: tuple[deque[_SlotWaiter], deque[_SlotWaiter]] = (deque(), deque())
+
+    @property
+    def free(self) -> int:
+        return self._free
+
+    def acquire_nowait(self) -> None:
+        if self._free <= 0:
+            raise anyio.WouldBlock
+        self._free -= 1
+
+    async def acquire(self, priority: bool = False) -> None:
+        await anyio.lowlevel.checkpoint()
+        if self._free > 0:
+            self._free -= 1
+            return
+        waiter = _SlotWaiter()
+        queue = self._waiting[0 if priority else 1]
+        queue.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.granted:
+                self.release()  # handed over just as we were cancelled: pass it on
+            else:
+                queue.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        for queue in self._waiting:
+            if queue:
+                waiter = queue.popleft()
+                waiter.granted = True
+                waiter.event.set()
+                return
+        self._free += 1
+
+
+@dataclasses.dataclass(eq=False)
+class _SlotWaiter:
+    event: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    granted: bool = False
+
+
 @dataclasses.dataclass(eq=False)
 class Shard:
     """One inbound stream and what reads it: its own share of the slots, so a reader blocked
     on an idle shard never holds the capacity another shard's messages need."""
 
     keys: Keys
-    slots: anyio.Semaphore
+    slots: SlotGate
     group_ready: bool = False
 
     @property
@@ -74,7 +131,7 @@ class Worker:
         self.settings = settings
         self.topology = Topology.from_settings(settings)
         per_shard = max(1, -(-settings.concurrency // len(self.topology.shards)))
-        self.shards = [Shard(k, anyio.Semaphore(per_shard)) for k in self.topology.shards]
+        self.shards = [Shard(k, SlotGate(per_shard)) for k in self.topology.shards]
         self.metrics = metrics or Metrics()
         for shard in self.shards:  # so every gauge is exported from the start
             for gauge in self.metrics.queue_gauges():
@@ -391,12 +448,13 @@ class Worker:
             self._give_slots(shard, 1)
 
     async def _resume_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
-        """Take up due sessions of the ready set, as many as there are free slots."""
+        """Take up due sessions of the ready set, as many as there are free slots. Waits for
+        one slot first, ahead of the reader (see SlotGate): a due session is taken up within
+        one poll interval plus the time until the next slot frees up, whatever the backlog."""
         if not shard.group_ready:
             return self.settings.promote_interval_ms / 1000
-        slots = self._take_free_slots(shard)
-        if not slots:
-            return self.settings.promote_interval_ms / 1000
+        await shard.slots.acquire(priority=True)
+        slots = 1 + self._take_free_slots(shard)
         k, s = shard.keys, self.settings
         try:
             with anyio.CancelScope(shield=True):

@@ -1,12 +1,19 @@
 """Dead-letter stream tools: list, show, redrive, purge.
 
 A dead letter keeps the original entry's fields byte for byte, which need not be UTF-8 (that
-may be why it was dead-lettered): the stream is read as bytes and shown with undecodable
-bytes escaped (``\\xff``); such a letter cannot be redriven as it is and stays for a human.
+may be why it was dead-lettered) and may repeat a name (a malformed entry): letters are read
+through the one stream reader (worker/streams.py) and shown with undecodable bytes escaped
+(``\\xff``); such a letter cannot be redriven as it is and stays for a human.
+
+Handles. Entry ids are unique within one stream only: with N shards, N dead-letter streams can
+hold the same id. A letter's handle is its entry id in a deployment of one shard, and
+``<shard>:<entry id>`` with several (``dlq list`` prints it). A bare entry id is still accepted
+when exactly one shard holds it; one held by several is refused (ValidationError, exit 2) and
+the message names the handles to use.
 
 Redrive re-sends a dead letter to the stream it came from (its ``source_stream`` field; the
 configured stream when the field is absent) through `send` with the msg_id
-``redrive:<dead-letter id>``:
+``redrive:<handle>``:
 - a dead letter from another deployment's stream (a DLQ shared on purpose) is skipped and
   stays: this deployment's engine must not answer it;
 - it gets a new seq, so it is applied after whatever the session received meanwhile (its
@@ -19,18 +26,21 @@ configured stream when the field is absent) through `send` with the msg_id
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import re
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import anyio
-from redis.asyncio import Redis
 
 from dialog_worker.client import DialogClient
 from dialog_worker.codec import RESERVED_FIELDS
 from dialog_worker.errors import ValidationError
 from dialog_worker.keys import Keys
+from dialog_worker.streams import Entry
 
 # What the worker adds to a dead letter (see lua/commit-5.lua and lua/intake-5.lua); the rest
 # are the original entry's fields.
@@ -48,7 +58,6 @@ LETTER_FIELDS = frozenset(
         "raw_entry",
     }
 )
-Row = tuple[str, dict[str, str]]
 
 SUMMARY_FIELDS = (
     "session_id",
@@ -62,9 +71,69 @@ SUMMARY_FIELDS = (
     "source_entry_id",
 )
 
+PAGE = 100
 
-def summary(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
-    return {"id": entry_id, **{k: fields.get(k) for k in SUMMARY_FIELDS}}
+
+class NoSuchLetter(RuntimeError):
+    """No dead letter has this handle (the CLI exits 1, as `dlq show` does)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# handles
+
+_HANDLE = re.compile(r"(?:(\d{1,5}):)?(\d{1,20}(?:-\d{1,20})?)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Handle:
+    shard: int | None  # None: a bare entry id
+    entry_id: str
+
+    @classmethod
+    def parse(cls, raw: str) -> Handle:
+        match = _HANDLE.fullmatch(raw)
+        if match is None:
+            raise ValidationError(
+                f"not a dead-letter id (like 1718000000000-0, or 1:1718000000000-0 with "
+                f"shards): {raw!r}"
+            )
+        shard, entry_id = match.groups()
+        return cls(None if shard is None else int(shard), entry_id)
+
+
+def handle_arg(raw: str) -> str:
+    """argparse type of a dead-letter id: refused at parse time, kept as given."""
+    try:
+        Handle.parse(raw)
+    except ValidationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return raw
+
+
+def handle_of(client: DialogClient, keys: Keys, entry_id: str) -> str:
+    return entry_id if len(client.topology.shards) == 1 else f"{keys.shard}:{entry_id}"
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d)?")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_arg(raw: str) -> float:
+    """argparse type of `--older-than`: seconds, or a number with s, m, h or d."""
+    match = _DURATION.fullmatch(raw.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected a duration like 90s, 15m, 2h or 7d, got {raw!r}"
+        )
+    return float(match.group(1)) * _UNIT_S[match.group(2) or "s"]
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def summary(handle: str, entry: Entry) -> dict[str, Any]:
+    return {"id": handle, **{k: entry.get(k) for k in SUMMARY_FIELDS}}
 
 
 async def list_entries(
@@ -73,10 +142,13 @@ async def list_entries(
     rows = []
     for keys in shards:
         rows += [
-            {**summary(i, f), "shard": keys.shard}
-            for i, f in await _rows(client, keys.dlq, count=limit)
+            (
+                _id_key(e.id),
+                {**summary(handle_of(client, keys, e.id), e), "shard": keys.shard},
+            )
+            for e in await client.entries.range(keys.dlq, count=limit)
         ]
-    return sorted(rows, key=lambda r: _id_key(r["id"]))[:limit]
+    return [row for _, row in sorted(rows, key=lambda r: r[0])][:limit]
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:
@@ -84,21 +156,42 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(n or 0)
 
 
-async def find(
-    shards: Sequence[Keys], client: DialogClient, entry_id: str
-) -> tuple[Keys, dict[str, str]] | None:
-    for keys in shards:
-        rows = await _rows(client, keys.dlq, entry_id, entry_id)
-        if rows:
-            return keys, rows[0][1]
-    return None
+async def find(shards: Sequence[Keys], client: DialogClient, raw_handle: str) -> tuple[Keys, Entry]:
+    """The one letter a handle names. Raises NoSuchLetter when none does, ValidationError
+    when a bare entry id is held by several shards."""
+    handle = Handle.parse(raw_handle)
+    candidates = [k for k in shards if handle.shard is None or k.shard == handle.shard]
+    found = []
+    for keys in candidates:
+        entry = await client.entries.one(keys.dlq, handle.entry_id)
+        if entry is not None:
+            found.append((keys, entry))
+    if not found:
+        raise NoSuchLetter(f"no dead letter {raw_handle}")
+    if len(found) > 1:
+        names = " or ".join(f"{k.shard}:{handle.entry_id}" for k, _ in found)
+        raise ValidationError(
+            f"dead-letter id {raw_handle} is in {len(found)} shards: give it as {names}"
+        )
+    return found[0]
 
 
-async def show(
-    shards: Sequence[Keys], client: DialogClient, entry_id: str
-) -> dict[str, Any] | None:
-    found = await find(shards, client, entry_id)
-    return None if found is None else {"id": entry_id, "shard": found[0].shard, **found[1]}
+async def show(shards: Sequence[Keys], client: DialogClient, raw_handle: str) -> dict[str, Any]:
+    """Every field of one letter; when a name repeats, `all_fields` lists every pair as
+    stored (the top-level key shows the first value)."""
+    keys, entry = await find(shards, client, raw_handle)
+    shown: dict[str, Any] = {
+        "id": handle_of(client, keys, entry.id),
+        "shard": keys.shard,
+        **entry.fields,
+    }
+    if entry.names_repeat:
+        shown["all_fields"] = entry.shown_pairs()
+    return shown
+
+
+# ---------------------------------------------------------------------------------------------
+# redrive
 
 
 async def redrive(
@@ -109,52 +202,70 @@ async def redrive(
     only_id: str | None,
 ) -> dict[str, int]:
     """Re-send dead letters (oldest first per shard), at most `rate_per_s` per second."""
-    done = skipped = 0
-    interval = 1 / rate_per_s if rate_per_s else 0.0
-    total = sum([int(await client.redis.xlen(k.dlq)) for k in shards])
-    last_progress = time.monotonic()
+    if only_id is not None:
+        keys, entry = await find(shards, client, only_id)
+        return await _redrive_pages(client, _one(keys, entry), limit, rate_per_s)
+    return await _redrive_pages(client, _all_letters(shards, client), limit, rate_per_s)
+
+
+Pages = AsyncIterator[tuple[Keys, list[Entry]]]
+
+
+async def _one(keys: Keys, entry: Entry) -> Pages:
+    yield keys, [entry]
+
+
+async def _all_letters(shards: Sequence[Keys], client: DialogClient) -> Pages:
     for keys in shards:
         # Only what is there now: a redriven message that fails again while we run comes back
         # as a new dead letter, which this run must not redrive again.
-        newest = await _raw(client).xrevrange(keys.dlq, count=1)
+        newest = await client.entries.revrange(keys.dlq, 1)
         if not newest:
             continue
-        end = _text(cast(bytes, newest[0][0]))
         cursor = "-"
-        while limit is None or done + skipped < limit:
-            if only_id is not None:
-                rows = await _rows(client, keys.dlq, only_id, only_id)
-            else:
-                rows = await _rows(client, keys.dlq, cursor, end, 100)
-            if not rows:
+        while True:
+            page = await client.entries.range(keys.dlq, cursor, newest[0].id, PAGE)
+            if not page:
                 break
-            for entry_id, fields in rows:
-                if limit is not None and done + skipped >= limit:
-                    break
-                started = time.monotonic()
-                try:
-                    await resend(client, keys, entry_id, fields)
-                except ValidationError as exc:
-                    # Cannot be re-sent as it is (no session, oversized): it stays for a human.
-                    skipped += 1
-                    print(f"dialog-worker: dlq {entry_id} not redriven: {exc}", file=sys.stderr)
-                    continue
-                await client.redis.xdel(keys.dlq, entry_id)
-                done += 1
-                if time.monotonic() - last_progress >= 1:
-                    last_progress = time.monotonic()
-                    print(f"redrive: {done} re-sent, {skipped} skipped of {total}", file=sys.stderr)
-                if interval:
-                    await anyio.sleep(max(0.0, interval - (time.monotonic() - started)))
-            if only_id is not None:
+            yield keys, page
+            if len(page) < PAGE:
                 break
-            cursor = f"({rows[-1][0]}"
+            cursor = f"({page[-1].id}"
+
+
+async def _redrive_pages(
+    client: DialogClient, pages: Pages, limit: int | None, rate_per_s: float | None
+) -> dict[str, int]:
+    done = skipped = 0
+    interval = 1 / rate_per_s if rate_per_s else 0.0
+    last_progress = time.monotonic()
+    async for keys, page in pages:
+        for entry in page:
+            if limit is not None and done + skipped >= limit:
+                return {"redriven": done, "skipped": skipped}
+            started = time.monotonic()
+            handle = handle_of(client, keys, entry.id)
+            try:
+                await resend(client, keys, handle, entry)
+            except ValidationError as exc:
+                # Cannot be re-sent as it is (no session, oversized): it stays for a human.
+                skipped += 1
+                print(f"dialog-worker: dlq {handle} not redriven: {exc}", file=sys.stderr)
+                continue
+            await client.redis.xdel(keys.dlq, entry.id)
+            done += 1
+            if time.monotonic() - last_progress >= 1:
+                last_progress = time.monotonic()
+                print(f"redrive: {done} re-sent, {skipped} skipped", file=sys.stderr)
+            if interval:
+                await anyio.sleep(max(0.0, interval - (time.monotonic() - started)))
     return {"redriven": done, "skipped": skipped}
 
 
-async def resend(client: DialogClient, keys: Keys, entry_id: str, fields: dict[str, str]) -> None:
+async def resend(client: DialogClient, keys: Keys, handle: str, entry: Entry) -> None:
     """Send one dead letter back to its source stream. Raises ValidationError when it cannot
     be re-sent as it is."""
+    fields = entry.fields
     source = fields.get("source_stream") or keys.stream
     own = {k.stream for k in client.topology.shards}
     if source not in own:
@@ -164,65 +275,61 @@ async def resend(client: DialogClient, keys: Keys, entry_id: str, fields: dict[s
         )
     if "raw_entry" in fields:
         raise ValidationError("it had too many fields and is kept whole in raw_entry")
-    meta = {k: v for k, v in fields.items() if k not in RESERVED_FIELDS | LETTER_FIELDS}
-    if any(_escaped(v) for v in (fields.get("session_id", ""), fields.get("text", ""))) or any(
-        _escaped(k) or _escaped(v) for k, v in meta.items()
-    ):
+    if not entry.is_text:
         raise ValidationError("some of its fields are not UTF-8 text")
+    if entry.names_repeat:
+        raise ValidationError("a field name appears more than once in it")
+    meta = {k: v for k, v in fields.items() if k not in RESERVED_FIELDS | LETTER_FIELDS}
     await client.send(
         fields.get("session_id", ""),
         fields.get("text", ""),
-        msg_id=f"redrive:{entry_id}",
+        msg_id=f"redrive:{handle}",
         meta=meta,
     )
 
 
-async def purge(shards: Sequence[Keys], client: DialogClient, only_id: str | None) -> int:
-    count = 0
-    for keys in shards:
-        if only_id is not None:
-            count += int(await client.redis.xdel(keys.dlq, only_id))
-        else:
+# ---------------------------------------------------------------------------------------------
+# purge
+
+
+async def purge(
+    shards: Sequence[Keys],
+    client: DialogClient,
+    only_id: str | None,
+    *,
+    session_id: str | None = None,
+    older_than_s: float | None = None,
+) -> int:
+    """Delete one letter (`only_id`), the letters of a session and/or those dead-lettered
+    more than `older_than_s` ago, or, with none of these, every letter."""
+    if only_id is not None:
+        keys, entry = await find(shards, client, only_id)
+        return int(await client.redis.xdel(keys.dlq, entry.id))
+    if session_id is None and older_than_s is None:
+        count = 0
+        for keys in shards:
             count += int(await client.redis.xlen(keys.dlq))
             await client.redis.delete(keys.dlq)
-    return count
-
-
-def _raw(client: DialogClient) -> Redis:
-    return client.raw
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else value
-
-
-_UNDECODED = "\ufffd"  # marks a field that was not UTF-8 (see _rows)
-
-
-def _escaped(value: str) -> bool:
-    return value.startswith(_UNDECODED)
-
-
-async def _rows(
-    client: DialogClient, stream: str, start: str = "-", end: str = "+", count: int | None = None
-) -> list[Row]:
-    """Entries read as bytes, each field decoded alone: UTF-8 as it is, anything else with
-    its bytes escaped and marked (so it is shown, and never re-sent as if it were text)."""
-    rows = cast(
-        list[tuple[bytes, dict[bytes, bytes]]],
-        await _raw(client).xrange(stream, min=start, max=end, count=count),
+        return count
+    end = "+"
+    if older_than_s is not None:
+        cutoff_ms = int(time.time() * 1000 - older_than_s * 1000)
+        if cutoff_ms <= 0:
+            return 0
+        end = f"({cutoff_ms}-0"
+    want = session_id.encode() if session_id is not None else None
+    keep: Callable[[Entry], bool] | None = (
+        None if want is None else (lambda e: e.raw("session_id") == want)
     )
-    out: list[Row] = []
-    for entry_id, fields in rows:
-        decoded: dict[str, str] = {}
-        for name, value in fields.items():
-            decoded[_field(name)] = _field(value)
-        out.append((_text(entry_id), decoded))
-    return out
-
-
-def _field(value: bytes) -> str:
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
-        return _UNDECODED + value.decode("utf-8", "backslashreplace")
+    count = 0
+    for keys in shards:
+        cursor = "-"
+        while True:
+            page = await client.entries.range(keys.dlq, cursor, end, PAGE)
+            ids = [e.id for e in page if keep is None or keep(e)]
+            if ids:
+                count += int(await client.redis.xdel(keys.dlq, *ids))
+            if len(page) < PAGE:
+                break
+            cursor = f"({page[-1].id}"
+    return count

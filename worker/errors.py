@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+
 
 class DialogWorkerError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -58,6 +60,22 @@ class ReplyTimeout(DialogWorkerError, TimeoutError):
         self.session_id = session_id
         self.msg_id = msg_id
         self.timeout_s = timeout_s
+
+
+class UncertainSendError(DialogWorkerError, RedisConnectionError):
+    """`DialogClient.send` (or `ask`) lost its connection or timed out while appending the
+    message: it may or may not be in the stream. Send or ask again with ``msg_id`` (the one
+    the client generated, or yours): if the first append did land, the second is answered
+    as a duplicate and the message is applied once. A redis-py ``ConnectionError``, so an
+    application's existing ``except redis.exceptions.RedisError`` still catches it."""
+
+    def __init__(self, session_id: str, msg_id: str, cause: BaseException) -> None:
+        super().__init__(
+            f"the message for session {session_id!r} may or may not have been appended "
+            f"({type(cause).__name__}: {cause}); send or ask again with msg_id {msg_id!r}"
+        )
+        self.session_id = session_id
+        self.msg_id = msg_id
 
 
 class ReplyStreamError(DialogWorkerError):

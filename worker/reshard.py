@@ -21,9 +21,9 @@ copies nothing twice:
   key that expired meanwhile is skipped, never recreated without its TTL. A new key that
   exists already with the same value was copied by an interrupted run: only the old one is
   deleted. One with another value is a conflict: both are kept, and the run fails at the end.
-- dead letters, re-added to their session's new shard (their IDs change) by
-  lua/reshard-letter-2.lua, which records the source entry in the target shard's progress set
-  in the same step, then deleted from the old stream.
+- dead letters, every field pair as stored, re-added to their session's new shard (their IDs
+  change) in a MULTI/EXEC that records the source entry in the target shard's progress set in
+  the same step, then deleted from the old stream.
 - Not moved: reply streams (outputs: let their consumers finish reading the old ones).
   Deleted: the old inbound streams (empty, with their groups) and ready sets, the progress
   sets. Last, the new shard count is recorded.
@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -45,7 +45,7 @@ from redis.exceptions import ResponseError
 
 from dialog_worker.config import Settings
 from dialog_worker.keys import Keys, Topology, shards_key
-from dialog_worker.scripts import Script, source
+from dialog_worker.streams import Entry, StreamReader
 
 _UNESCAPE = re.compile(r"%(25|7B|7D)")
 _CHARS = {"25": "%", "7B": "{", "7D": "}"}
@@ -160,9 +160,8 @@ async def reshard(
     for _, session_keys in found:
         for key, session_id, role in session_keys:
             await mover.session_key(key, after.for_session(session_id).session(session_id), role)
-    letters = Script(redis, source("reshard-letter"))
     for keys in before.shards:
-        await mover.dead_letters(keys, after, letters)
+        await mover.dead_letters(keys, after)
     if report.conflicts:
         raise Refused(
             f"{len(report.conflicts)} key(s) exist in both layouts with different values, "
@@ -334,46 +333,55 @@ class _Mover:
             return bool(await self.redis.hgetall(key) == await self.redis.hgetall(new_key))
         return bool(await self.redis.get(key) == await self.redis.get(new_key))
 
-    async def dead_letters(self, keys: Keys, after: Topology, letters: Script) -> None:
+    async def dead_letters(self, keys: Keys, after: Topology) -> None:
         """Re-add each dead letter of the shard to its session's new shard, if that is
         another stream; the letters of a stream that stays in the new layout and belong to
         it stay where they are."""
         r = self.redis
+        # Every field pair as stored, repeated names included (a malformed entry's letter).
+        reader = StreamReader(r)
         cursor = "-"
         while True:
-            rows = cast(
-                list[tuple[bytes, dict[bytes, bytes]]],
-                await r.xrange(keys.dlq, min=cursor, max="+", count=LETTER_PAGE),
-            )
-            for raw_id, fields in rows:
-                entry_id = _text(raw_id)
-                target = _letter_target(fields, after)
+            rows = await reader.range(keys.dlq, cursor, "+", LETTER_PAGE)
+            for entry in rows:
+                target = _letter_target(entry, after)
                 if target.dlq == keys.dlq:
                     continue
                 if self.dry_run:
                     self.report.dead_letters += 1
                     continue
-                flat: list[bytes] = []
-                for name, value in fields.items():
-                    flat += [name, value]
                 await self.step()
-                added = await letters(
-                    keys=[target.dlq, target.reshard_moved],
-                    args=[f"{keys.dlq} {entry_id}", *flat],
-                )
-                if int(added):
+                if await self._add_letter(target, f"{keys.dlq} {entry.id}", entry):
                     self.report.dead_letters += 1
                 else:
                     self.report.already_moved += 1
                 await self.step()
-                await r.xdel(keys.dlq, entry_id)
+                await r.xdel(keys.dlq, entry.id)
             if len(rows) < LETTER_PAGE:
                 return
-            cursor = f"({_text(rows[-1][0])}"
+            cursor = f"({rows[-1].id}"
+
+    async def _add_letter(self, target: Keys, source: str, entry: Entry) -> bool:
+        """Re-add one dead letter to its session's new shard at most once: the source (old
+        stream and entry id) is recorded in the target shard's progress set in the same
+        MULTI/EXEC as the XADD (both keys carry the target's hash tag), so a run killed after
+        it and before the old entry's deletion re-adds nothing when run again. WATCH makes a
+        second run at the same time (never meant to happen) fail the EXEC instead of adding a
+        copy. A transaction, not a script: the operator needs no SCRIPT LOAD / EVALSHA."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            await pipe.watch(target.reshard_moved)
+            if await pipe.sismember(target.reshard_moved, source):
+                return False
+            start_transaction: Callable[[], None] = pipe.multi  # untyped in redis-py
+            start_transaction()
+            pipe.execute_command("XADD", target.dlq, "*", *entry.flat())
+            pipe.sadd(target.reshard_moved, source)
+            await pipe.execute()
+        return True
 
 
-def _letter_target(fields: dict[bytes, bytes], after: Topology) -> Keys:
-    raw = fields.get(b"session_id")
+def _letter_target(entry: Entry, after: Topology) -> Keys:
+    raw = entry.raw("session_id")
     try:
         session_id = raw.decode("utf-8") if raw else ""
     except UnicodeDecodeError:

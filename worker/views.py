@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from dialog_worker.keys import Keys
-from dialog_worker.streams import Entry, scan_all, xrange
+from dialog_worker.streams import StreamReader, first_id, undecoded
 
 
 def entry_age_s(entry_id: str, now_ms: int) -> float:
@@ -23,15 +23,20 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
     (applied messages are deleted), so ``oldest_pending_age_s`` is the age of the stream's
     first entry (0 when it is empty); ``waiting`` counts the entries already delivered and
     sequenced (stream length minus lag), ``delayed`` the sessions in the ready set (sessions
-    with messages outstanding)."""
+    with messages outstanding).
+
+    A constant number of O(1) commands whatever the backlog (the metrics sampler runs this
+    every few seconds): no scan of the stream. Producer data is never decoded: only the first
+    entry's id is read."""
     now = int(time.time() * 1000)
     async with redis.pipeline(transaction=False) as pipe:
         pipe.xlen(keys.stream)
         pipe.zcard(keys.ready)
         pipe.xlen(keys.dlq)
-        pipe.xrange(keys.stream, count=1)
-        stream_length, delayed, dlq_length, first = await pipe.execute()
+        stream_length, delayed, dlq_length = await pipe.execute()
+    first = await first_id(redis, keys.stream)
     lag: int | None = stream_length  # no group yet: nothing has been read
+    entries_read: int | None = None
     pending = 0
     consumers = 0
     oldest = 0.0
@@ -39,15 +44,19 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
         for group in await redis.xinfo_groups(keys.stream):
             if group["name"] == keys.group:
                 lag = group.get("lag")
+                entries_read = group.get("entries-read")
                 pending = int(group["pending"])
                 consumers = int(group["consumers"])
     except ResponseError:
         pass  # no stream yet
-    if first:
-        oldest = entry_age_s(first[0][0], now)
+    if first is not None:
+        oldest = entry_age_s(first, now)
     if lag is None:
-        # Redis cannot tell the lag after deletions inside the unread range; count it instead.
-        lag = await _count_unread(redis, keys)
+        # Redis reports no lag once an entry at or after the group's position was deleted
+        # (this design deletes finished entries). What was appended minus what the group
+        # read is the same figure whenever the group's read counter is known; else the
+        # stream length bounds it.
+        lag = await _lag_from_counters(redis, keys, entries_read, int(stream_length))
     # Replaying the AOF after a crash does not advance the group's entries-read (the intake
     # script's reads are logged as XCLAIMs), so Redis 7.0 can report more lag than there are
     # entries; nothing unread can be more than what the stream holds.
@@ -66,18 +75,41 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
     }
 
 
+async def _lag_from_counters(
+    redis: Redis, keys: Keys, entries_read: int | None, stream_length: int
+) -> int:
+    return min(stream_length, await _appended_since(redis, keys.stream, entries_read))
+
+
+async def _appended_since(redis: Redis, stream: str, entries_read: int | None) -> int:
+    """Entries appended to `stream` after a group's first `entries_read` (XINFO STREAM's
+    entries-added minus it); unbounded when the group's counter is unknown."""
+    if entries_read is None:
+        return 2**63
+    try:
+        # Undecoded: the reply carries the first and last entries, which need not be UTF-8.
+        info = await undecoded(redis, "XINFO STREAM", stream)
+    except ResponseError:
+        return 2**63
+    return max(0, int(info["entries-added"]) - int(entries_read))
+
+
 async def reply_group_lags(redis: Redis, keys: Keys) -> dict[str, int]:
     """Unread events per consumer group of the shard's reply stream. Trimming (MAXLEN ~) does
-    not wait for groups: a group that falls a whole MAXLEN behind loses events unread."""
+    not wait for groups: a group that falls a whole MAXLEN behind loses events unread. O(1)
+    per group, as `queue_stats`."""
     try:
         groups = await redis.xinfo_groups(keys.replies)
     except ResponseError:
         return {}  # no reply stream yet
     lags: dict[str, int] = {}
+    length: int | None = None
     for group in groups:
         lag = group.get("lag")
-        if lag is None:  # Redis cannot tell after deletions: count what follows its position
-            lag = len(await scan_all(redis, keys.replies, start=f"({group['last-delivered-id']}"))
+        if lag is None:  # Redis cannot tell after deletions: appended minus read, as above
+            if length is None:
+                length = int(await redis.xlen(keys.replies))
+            lag = min(length, await _appended_since(redis, keys.replies, group.get("entries-read")))
         lags[str(group["name"])] = int(lag)
     return lags
 
@@ -97,24 +129,17 @@ async def aggregate_stats(redis: Redis, shards: Sequence[Keys]) -> dict[str, Any
     return total
 
 
-async def _count_unread(redis: Redis, keys: Keys) -> int:
-    last = "0-0"
-    for group in await redis.xinfo_groups(keys.stream):
-        if group["name"] == keys.group:
-            last = group["last-delivered-id"]
-    return len(await scan_all(redis, keys.stream, start=f"({last}"))
-
-
 # An operator tool scans at most this many entries of each stream / the delayed set.
 SCAN_LIMIT = 100_000
 
 
 async def session_view(
-    redis: Redis, keys: Keys, session_id: str, raw: Redis | None = None
+    redis: Redis, keys: Keys, session_id: str, reader: StreamReader
 ) -> dict[str, Any]:
     """Everything about one session: lock holder and TTL, applied vs last assigned seq, the
     next message's attempts and last error, its sequenced messages still waiting in the stream,
-    when the ready set looks at it next, and its dead letters (scans bounded by SCAN_LIMIT)."""
+    when the ready set looks at it next, and its dead letters (scans bounded by SCAN_LIMIT).
+    Stream entries come through `reader`: producer bytes are shown escaped, never decoded."""
     sk = keys.session(session_id)
     fields = cast(dict[str, str], await redis.hgetall(sk.state))
     holder = await redis.get(sk.lock)
@@ -127,26 +152,29 @@ async def session_view(
         ((n, v) for n, v in fields.items() if n[:1] == "q" and n[1:].isdigit()),
         key=lambda item: int(item[0][1:]),
     ):
-        rows = await xrange(redis, keys.stream, entry_id, entry_id)
-        f = rows[0][1] if rows else {}
+        entry = await reader.one(keys.stream, entry_id)
         waiting.append(
             {
                 "seq": int(name[1:]),
                 "entry_id": entry_id,
-                "msg_id": f.get("msg_id", entry_id) if rows else None,
+                "msg_id": (entry.get("msg_id") or entry_id) if entry else None,
                 "age_s": entry_age_s(entry_id, _now_ms()),
-                "present": bool(rows),
+                "present": entry is not None,
             }
         )
+    want = session_id.encode()
+    letters = await reader.scan(
+        keys.dlq, limit=SCAN_LIMIT, keep=lambda e: e.raw("session_id") == want
+    )
     dead = [
         {
-            "id": i,
-            "seq": _int(f.get("seq")),
-            "msg_id": f.get("msg_id"),
-            "error_kind": f.get("error_kind"),
-            "error": f.get("error"),
+            "id": e.id,
+            "seq": _int(e.get("seq")),
+            "msg_id": e.get("msg_id"),
+            "error_kind": e.get("error_kind"),
+            "error": e.get("error"),
         }
-        for i, f in await _scan_letters(raw or redis, keys.dlq, session_id)
+        for e in letters
     ]
     return {
         "session_id": session_id,
@@ -168,31 +196,6 @@ async def session_view(
         "waiting": waiting,
         "dead_letters": dead,
     }
-
-
-async def _scan_letters(redis: Redis, stream: str, session_id: str) -> list[Entry]:
-    """Dead letters keep their original bytes, which need not be UTF-8: read them with a
-    bytes client (`raw`) and decode each field alone."""
-    found: list[Entry] = []
-    start = "-"
-    want = session_id.encode()
-    while len(found) < SCAN_LIMIT:
-        batch = cast(
-            list[tuple[Any, dict[Any, Any]]], await redis.xrange(stream, min=start, count=1000)
-        )
-        for entry_id, fields in batch:
-            if fields.get(b"session_id", fields.get("session_id")) in (want, session_id):
-                found.append(
-                    (_decoded(entry_id), {_decoded(k): _decoded(v) for k, v in fields.items()})
-                )
-        if len(batch) < 1000:
-            break
-        start = f"({_decoded(batch[-1][0])}"
-    return found
-
-
-def _decoded(value: bytes | str) -> str:
-    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else value
 
 
 def _int(value: str | None) -> int | None:

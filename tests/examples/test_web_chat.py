@@ -90,6 +90,37 @@ async def test_chat_endpoint_answers_each_post_with_the_bots_reply(workers, web_
         assert again.json()["msg_id"] == msg_id
 
 
+async def test_a_post_whose_send_timed_out_gets_503_with_the_msg_id_to_post_again(
+    workers, web_chat: str, env: dict[str, str]
+):
+    from redis.asyncio import Redis
+
+    workers.start(1)
+    async with httpx.AsyncClient(base_url=web_chat, timeout=30) as http:
+        warm = await http.post("/chat", json={"session_id": "p1", "text": "nama saya Budi"})
+        assert warm.status_code == 200, warm.text
+        admin = Redis.from_url(env["REDIS_URL"])
+        try:
+            # Longer than the client's 5 s socket timeout: the append's outcome is unknown.
+            await admin.execute_command("CLIENT", "PAUSE", 6500, "WRITE")
+        finally:
+            await admin.aclose()
+        lost = await http.post("/chat", json={"session_id": "p1", "text": "kendala billing"})
+        assert lost.status_code == 503, lost.text
+        msg_id = lost.json()["msg_id"]
+        # The workers come back from the pause too: a 504 (no reply in time yet) is posted
+        # again with the same msg_id, as the client of this endpoint would.
+        for _ in range(10):
+            again = await http.post(
+                "/chat", json={"session_id": "p1", "text": "kendala billing", "msg_id": msg_id}
+            )
+            if again.status_code != 504:
+                break
+        assert again.status_code == 200, again.text
+        assert again.json()["msg_id"] == msg_id
+        assert again.json()["outcome"] in ("applied", "duplicate")
+
+
 @pytest.mark.parametrize(
     ("body", "status"),
     [

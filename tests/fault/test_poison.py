@@ -66,15 +66,15 @@ async def test_step_that_always_raises_is_dead_lettered_after_max_attempts(clien
     poison = sent[1]
     assert await wait_applied(client, sent, timeout_s=30)
     [letter] = await dead_letters(client)
-    # The original fields byte for byte (a send without msg_id: session_id and text), plus
-    # the worker's; no producer-visible seq (the reply event carries it).
-    assert set(letter) == {"session_id", "text"} | LETTER_FIELDS
+    # The original fields byte for byte (session_id, text and the msg_id the client
+    # generated), plus the worker's; no producer-visible seq (the reply event carries it).
+    assert set(letter) == {"session_id", "text", "msg_id"} | LETTER_FIELDS
     assert (letter["session_id"], letter["text"]) == ("p1", "boom here")
+    assert letter["msg_id"] == poison.msg_id
     assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "3")
-    assert (letter["source_stream"], letter["source_entry_id"]) == (
-        client.keys.stream,
-        poison.msg_id,  # no msg_id given: it is the entry id
-    )
+    assert letter["source_stream"] == client.keys.stream
+    [event] = [e for e in await reply_events(client, "p1") if e["msg_id"] == poison.msg_id]
+    assert letter["source_entry_id"] == event["entry_id"]
     assert "boom on seq 2" in letter["error"]
     assert int(letter["first_failed_at"]) <= int(letter["last_failed_at"])
     state = await client.state("p1")
@@ -88,7 +88,7 @@ async def test_step_that_always_raises_is_dead_lettered_after_max_attempts(clien
         ("2", "dead_lettered"),
         ("3", "applied"),
     ]
-    assert events[1]["entry_id"] == poison.msg_id
+    assert events[1]["entry_id"] == letter["source_entry_id"]
     assert events[1]["reply"] == client.settings.fallback_reply
     assert await check(client, [s for s in sent if s is not poison]) == []
     await assert_nothing_left(client, dead=1)
@@ -394,8 +394,8 @@ async def test_a_dead_letter_redriven_twice_is_applied_once(client, workers):
     """A redrive stopped after the send and before the dead letter's deletion, then run
     again: the same dead letter is sent twice, with the same msg_id, and applied once."""
     [entry_id] = await _letters_by_hand(client, 1)
-    [(_, fields)] = await client.redis.xrange(client.keys.dlq)
-    await resend(client, client.keys, entry_id, fields)  # the first run, stopped here
+    [letter] = await client.entries.range(client.keys.dlq)
+    await resend(client, client.keys, entry_id, letter)  # the first run, stopped here
     again = await redrive(client.topology.shards, client, limit=None, rate_per_s=None, only_id=None)
     assert again == {"redriven": 1, "skipped": 0}
     workers.start(1)

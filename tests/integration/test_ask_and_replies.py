@@ -488,6 +488,11 @@ async def test_cli_ask_exits_1_for_a_dead_lettered_message_and_prints_it(env, re
 
 
 async def test_cli_ask_timeout_is_one_line_on_stderr_and_exit_1(env: dict[str, str]):
+    # A worker's group reads the stream (none would add a warning line, see
+    # test_uncertain_send.py), but nothing answers.
+    r = Redis.from_url(env["REDIS_URL"])
+    await r.xgroup_create("dialog", "dialog-workers", id="0", mkstream=True)
+    await r.aclose()
     done = await acli(env, "ask", "cli-3", "silent", "--msg-id", "q", "--timeout", "0.3")
     assert done.returncode == 1 and done.stdout == ""
     [line] = done.stderr.strip().splitlines()

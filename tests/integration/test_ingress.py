@@ -156,6 +156,16 @@ async def test_a_worker_configured_with_another_shard_count_refuses_and_writes_n
     workers.start(1)
     await poll(lambda: client.redis.exists("dialog:shards"), 10, "the shard count recorded")
     assert await client.redis.get("dialog:shards") == "1"
+
+    async def group_created() -> bool:
+        # The running worker records the count first and creates its stream and group after:
+        # a snapshot taken in between would see the stream appear later.
+        if not await client.redis.exists("dialog"):
+            return False
+        groups = await client.redis.xinfo_groups("dialog")
+        return any(g["name"] == "dialog-workers" for g in groups)
+
+    await poll(group_created, 10, "the running worker's stream and group")
     before = sorted(await client.redis.keys("*"))
     run = await anyio.to_thread.run_sync(
         lambda: run_cli(env, "run", DIALOG_SHARDS="3", DIALOG_METRICS_PORT="0")

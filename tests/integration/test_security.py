@@ -560,6 +560,9 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
     "producer": [
         ("XADD dialog * session_id s text t", True),
         ("GET dialog:shards", True),
+        ("XINFO GROUPS dialog", True),  # the client's once-per-stream "anyone reading?"
+        ("XINFO CONSUMERS dialog dialog-workers", False),
+        ("XINFO STREAM dialog", False),  # its first and last entries
         ("SET dialog:shards 2", False),
         ("XRANGE dialog - +", False),
         ("XREADGROUP GROUP dialog-workers c STREAMS dialog >", False),
@@ -598,7 +601,13 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
         (f"RESTORE {S}:state 0 x", True),
         (f"DEL {S}:state", True),
         (f"DEL {READY}", True),
-        (f"EVALSHA {SHA} 2 dialog-dlq {MOVED}", True),
+        (f"SISMEMBER {MOVED} x", True),  # reshard: WATCH, SISMEMBER, MULTI XADD SADD EXEC
+        (f"SADD {MOVED} x", True),
+        (f"WATCH {MOVED}", True),
+        ("MULTI", True),
+        ("EXEC", True),
+        (f"EVALSHA {SHA} 2 dialog-dlq {MOVED}", False),  # no script: no SCRIPT LOAD either
+        ("SCRIPT LOAD return", False),
         ("SET dialog:shards 2", True),
         ("XDEL dialog 1-1", False),
         (f"HSET {S}:state a 9", False),
@@ -634,6 +643,8 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
     "app": [
         ("XADD dialog * session_id s text t", True),
         ("GET dialog:shards", True),
+        ("XINFO GROUPS dialog", True),
+        ("XINFO STREAM dialog", False),
         ("XREAD COUNT 1 STREAMS dialog-replies 0", True),
         ("XREVRANGE dialog-replies + - COUNT 1", True),
         ("XREADGROUP GROUP out c COUNT 1 STREAMS dialog-replies >", True),
