@@ -13,13 +13,22 @@
               waits (indexed as u<seq>) and the original's commit answers it, right after
               the original's own event; otherwise it is answered now (with the reply while
               it is in the session's history) and removed.
-    sequenced seq = last seq + 1; the state hash indexes it (q<seq> = entry id) and is made
-              persistent while anything is outstanding. If it is the session's next message
-              and the lock is free, the lock is taken (one token per session) and the job
-              returned. Otherwise it waits in the stream: the lock holder's commit hands it
+    sequenced seq = last seq + 1; the message (entry id and fields, byte for byte) moves into
+              its session's state hash (q<seq>, see pack_message in _common.lua), which is
+              made persistent while anything is outstanding. If it is the session's next
+              message and the lock is free, the lock is taken (one token per session) and
+              the job returned. Otherwise it waits there: the lock holder's commit hands it
               on, or the ready set brings it back (resume-3.lua).
-  Every delivered entry is acked in this call, so nothing ever waits in a pending list: a
-  crashed worker's sessions come back through the ready set when their lock lease ends.
+  Every delivered entry is acked and deleted from the stream in this call (custody): the
+  stream holds only unread entries, so no producer command (XADD MAXLEN/MINID, XTRIM, XDEL)
+  can touch a sequenced message, and nothing ever waits in a pending list: a crashed
+  worker's sessions come back through the ready set when their lock lease ends.
+
+  Unread entries removed by anything else are counted: the stream's entries-added and length
+  as this call leaves them are kept in the inbound hash (inbound_key in _common.lua); the next
+  call expects length + (entries added since), and what is missing was trimmed or deleted by
+  hand. A last id far ahead of the clock (an explicit id, after which XADD * can fail) is
+  recorded there too. Both O(1): one XINFO STREAM per call.
   Sent twice with the same token base (a lost reply), the call returns the first call's jobs
   again (see the receipts in _common.lua); their later entries come through hand-off.
 
@@ -34,7 +43,9 @@
            that long (never sequenced: delivery and sequencing are one step) instead of
            reading new ones   ARGV[12] fallback reply
 
-  Returns {last id, entries read, jobs, held, {duplicates, refused, contended}}
+  Returns {last id, entries read, jobs, held, {duplicates, refused, contended, trimmed, ahead}}
+    trimmed  unread entries that vanished from the stream since the last intake call
+    ahead    1 when this call found the stream's last id pushed ahead of the clock (once)
     last id  the id of the last entry read, or, when none was read, the group's
              last-delivered id (block on XREAD from there: nothing appended meanwhile is missed)
     jobs     {session_id, token, seq, entry id, fields, state JSON, version, attempts,
@@ -52,7 +63,8 @@ if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen
    or count < 1 or count > 1000 then
   return redis.error_reply('ERR intake: bad arguments')
 end
-for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {replies, 'stream'}}) do
+for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {replies, 'stream'},
+                        {inbound_key(ready), 'hash'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end
@@ -62,6 +74,9 @@ local MAX_ID_BYTES = 256
 -- this many bytes, about 40 copies); more are answered at once: a producer repeating one
 -- msg_id must not grow a session's hash without bound.
 local MAX_WAITING_COPIES_BYTES = 1024
+-- A last id this far ahead of the server clock was not made by XADD *: an explicit id pushed
+-- it there (a clock step back of the Redis host stays well below it).
+local AHEAD_MS = 3600 * 1000
 
 local function valid_utf8(s)
   if not string.find(s, '[\128-\255]') then
@@ -153,7 +168,7 @@ end
 local replayed = replay_receipt(ready, token_base, sprefix, stream, job_row)
 if replayed then
   -- The same call again: its jobs (their held successors come back through hand-off).
-  return {'0-0', 0, replayed, {}, {0, 0, 0}}
+  return {'0-0', 0, replayed, {}, {0, 0, 0, 0, 0}}
 end
 
 local now = now_ms()
@@ -203,13 +218,12 @@ local function original_reply(s, seq, msg_id)
 end
 
 -- Whether the original of a copy is still outstanding: its seq is, and that seq's message
--- carries this msg_id (sequenced in this call, or its entry says so).
+-- carries this msg_id (sequenced in this call, or its stored fields say so).
 local function original_outstanding(s, seq, msg_id)
   if seq <= s.a or seq > s.last then return false end
   if seq > s.last_read then return s.msg_ids[seq] == msg_id end
-  local id = rcall('HGET', s.state, 'q' .. seq)
-  local rows = id and rcall('XRANGE', stream, id, id) or {}
-  local f = rows[1] and rows[1][2] or {}
+  local _, f = load_message(stream, rcall('HGET', s.state, 'q' .. seq))
+  f = f or {}
   for i = 1, #f - 1, 2 do
     if f[i] == 'msg_id' then return f[i + 1] == msg_id end
   end
@@ -247,6 +261,39 @@ local function dedupe_seen(dkey)
   return seen
 end
 
+-- The inbound stream as the last call left it, against what it is now (see the header).
+local trimmed, ahead = 0, 0
+local inbound = inbound_key(ready)
+local info = redis.pcall('XINFO', 'STREAM', stream)
+if not info['err'] then
+  local stream_info = {}
+  for i = 1, #info, 2 do stream_info[info[i]] = info[i + 1] end
+  local added, length = tonumber(stream_info['entries-added']), tonumber(stream_info['length'])
+  local before = redis.pcall('HMGET', inbound, 'added', 'length', 'ahead')
+  if added and length and not before['err'] then
+    local added_before, length_before = tonumber(before[1]), tonumber(before[2])
+    if added_before and length_before then
+      -- A stream deleted and created again counts its additions from 0.
+      if added < added_before then added_before = 0 end
+      trimmed = math.max(0, length_before + added - added_before - length)
+    end
+    local last = stream_info['last-generated-id'] or '0-0'
+    local last_ms = tonumber(string.match(last, '^(%d+)')) or 0
+    local writes = {'added', added, 'length', length - #entries}
+    if trimmed > 0 then
+      redis.pcall('HINCRBY', inbound, 'trimmed', trimmed)  -- a count written by hand: kept
+    end
+    if last_ms > now + AHEAD_MS then
+      if not before[3] then ahead = 1 end
+      writes[#writes + 1] = 'ahead'
+      writes[#writes + 1] = last
+    elseif before[3] then
+      rcall('HDEL', inbound, 'ahead')
+    end
+    rcall('HSET', inbound, unpack(writes))
+  end
+end
+
 for _, e in ipairs(entries) do
   local id, f = e[1], e[2]
   acks[#acks + 1] = id
@@ -268,6 +315,7 @@ for _, e in ipairs(entries) do
     if outstanding and #(waiting or '') < MAX_WAITING_COPIES_BYTES then
       -- The original is not applied yet: its commit answers this copy, with its reply.
       rcall('HSET', s.state, 'u' .. seq, (waiting and waiting .. ',' or '') .. id)
+      dels[#dels + 1] = id
       dups = dups + 1
     elseif seq then
       local reply = original_reply(s, seq, msg_id)
@@ -282,7 +330,8 @@ for _, e in ipairs(entries) do
         s.msg_ids[seq] = msg_id
       end
       s.writes[#s.writes + 1] = 'q' .. seq
-      s.writes[#s.writes + 1] = id
+      s.writes[#s.writes + 1] = pack_message(id, f)
+      dels[#dels + 1] = id
       if seq == s.a + 1 then
         -- The session had nothing outstanding: it may carry its idle TTL, and it joins the
         -- ready set, where it stays while anything is outstanding.
@@ -327,7 +376,7 @@ if #acks > 0 then
   rcall('XACK', stream, group, unpack(acks))
 end
 if #dels > 0 then
-  rcall('XDEL', stream, unpack(dels))
+  rcall('XDEL', stream, unpack(dels))  -- every entry read: custody (see the header)
 end
 
 if #receipt > 0 then
@@ -345,4 +394,4 @@ else
     if info['name'] == group then last_id = info['last-delivered-id'] end
   end
 end
-return {last_id, #entries, jobs, held, {dups, refused, contended}}
+return {last_id, #entries, jobs, held, {dups, refused, contended, trimmed, ahead}}

@@ -364,7 +364,13 @@ class Worker:
         """One task per session whose lock the intake took; its held entries go with it.
         Synchronous: nothing may come between a script's reply and the start of its jobs."""
         _, _, rows, held_rows, counts = reply
-        dups, refused, contended = (int(c) for c in counts)
+        dups, refused, contended, trimmed, ahead = (int(c) for c in counts)
+        if trimmed:
+            self.metrics.inbound_trimmed.inc(trimmed)
+            log.error("inbound_trimmed", count=trimmed, stream=shard.keys.stream)
+        if ahead:
+            self.metrics.inbound_id_ahead.inc()
+            log.error("inbound_id_ahead", stream=shard.keys.stream)
         if dups:
             self.metrics.messages.labels("duplicate").inc(dups)
         if refused:
