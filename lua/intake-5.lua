@@ -42,6 +42,9 @@
   ARGV[10] worker version   ARGV[11] claim idle (ms): > 0 takes over entries left pending
            that long (never sequenced: delivery and sequencing are one step) instead of
            reading new ones   ARGV[12] fallback reply
+  ARGV[13] this stream's shard index   ARGV[14] shard count (both optional; a count above 1
+           refuses an entry whose session belongs to another shard: crc32 of its UTF-8 id
+           mod the count, as keys.shard_of; it would get a second state here)
 
   Returns {last id, entries read, jobs, held, {duplicates, refused, contended, trimmed, ahead}}
     trimmed  unread entries that vanished from the stream since the last intake call
@@ -58,9 +61,10 @@ local group, consumer, token_base, fallback = ARGV[1], ARGV[2], ARGV[4], ARGV[12
 local count, lock_ttl, dedupe_ttl = tonumber(ARGV[3]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local max_bytes, max_extra = tonumber(ARGV[7]), tonumber(ARGV[8])
 local maxlen, claim_idle = tonumber(ARGV[9]), tonumber(ARGV[11])
+local shard, shards = tonumber(ARGV[13] or '0'), tonumber(ARGV[14] or '1')
 
-if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen and claim_idle)
-   or count < 1 or count > 1000 then
+if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen and claim_idle
+        and shard and shards) or count < 1 or count > 1000 or shards < 1 then
   return redis.error_reply('ERR intake: bad arguments')
 end
 for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {replies, 'stream'},
@@ -148,16 +152,49 @@ local function inspect(f)
     return 'too many fields: ' .. extra .. ' besides session_id, text and msg_id (at most ' ..
       max_extra .. ')', sid, nil
   end
-  if size > max_bytes then
-    return 'entry is ' .. size .. ' bytes; at most ' .. max_bytes .. ' are allowed', sid, msg_id
-  end
+  -- The msg_id first: a refusal's reply event carries it only once it is known to be usable.
   if msg_id ~= nil then
     problem = id_problem('msg_id', msg_id)
     if problem then return problem, sid, nil end
   end
+  if size > max_bytes then
+    return 'entry is ' .. size .. ' bytes; at most ' .. max_bytes .. ' are allowed', sid, msg_id
+  end
   if text == nil then return 'text is missing', sid, msg_id end
   if not string.find(text, '%S') then return 'text is empty', sid, msg_id end
   return nil, sid, msg_id
+end
+
+-- CRC-32 (zlib's) of a string, as an unsigned number; the table is built on first use.
+local crc_table
+local function crc32(str)
+  if not crc_table then
+    crc_table = {}
+    for i = 0, 255 do
+      local c = i
+      for _ = 1, 8 do
+        if bit.band(c, 1) == 1 then c = bit.bxor(bit.rshift(c, 1), 0xEDB88320)
+        else c = bit.rshift(c, 1) end
+      end
+      crc_table[i] = c
+    end
+  end
+  local crc = 0xFFFFFFFF
+  for i = 1, #str do
+    crc = bit.bxor(bit.rshift(crc, 8), crc_table[bit.band(bit.bxor(crc, string.byte(str, i)), 0xFF)])
+  end
+  crc = bit.bnot(crc)
+  if crc < 0 then crc = crc + 4294967296 end
+  return crc
+end
+
+-- nil when the session belongs to this stream's shard, else why not.
+local function shard_problem(sid)
+  if shards <= 1 then return nil end
+  local owner = crc32(sid) % shards
+  if owner == shard then return nil end
+  return 'session_id belongs to shard ' .. owner .. ' of ' .. shards .. ', not to this stream (shard '
+    .. shard .. '): append it to its own shard\'s stream'
 end
 
 local function job_row(kind, sid, token, seq, id, fields, h)
@@ -299,6 +336,9 @@ for _, e in ipairs(entries) do
   acks[#acks + 1] = id
   local problem, sid, msg_id = inspect(f)
   local s, dkey, seen
+  if not problem then
+    problem = shard_problem(sid)  -- before any key of the session is read or written here
+  end
   if not problem then
     s, problem = session(sid)
   end

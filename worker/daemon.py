@@ -327,6 +327,8 @@ class Worker:
                         __version__,
                         claim_idle_ms,
                         s.fallback_reply,
+                        k.shard,
+                        len(self.shards),
                     ],
                 ),
             )

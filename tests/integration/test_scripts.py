@@ -15,7 +15,7 @@ from redis.exceptions import ResponseError
 
 from dialog_worker.codec import json_bytes, unpack_custody
 from dialog_worker.config import Settings
-from dialog_worker.keys import Keys
+from dialog_worker.keys import Keys, shard_of
 from dialog_worker.scripts import Code, Scripts, source
 
 pytestmark = pytest.mark.integration
@@ -775,3 +775,36 @@ async def test_a_gap_frees_its_msg_id_so_a_resend_is_applied(h):
     await xadd(h, "gm", "second again", msg_id="m-2")
     _, _, [job], _, counts = await h.intake()
     assert (int(job[2]), int(counts[0])) == (3, 0)  # sequenced anew, not a duplicate
+
+
+async def test_an_oversized_entry_with_a_bad_msg_id_is_answered_under_its_entry_id(h):
+    """The msg_id is checked before the size: the refusal's event never carries one that is
+    unusable (here with a control character)."""
+    bad = await h.r.xadd(h.k.stream, {"session_id": "s", "text": "x" * 70_000, "msg_id": "m\x01"})
+    await h.intake()
+    [event] = await h.replies()
+    assert (event[b"msg_id"], event[b"outcome"]) == (bad, b"dead_lettered")
+    [letter] = await h.dead()
+    assert b"msg_id contains control characters" in letter[b"error"]
+
+
+async def test_an_entry_appended_to_another_shards_stream_is_refused_without_a_second_state(h):
+    shards = 3
+    ids = [f"w{i}" for i in range(20)] + [f"sesi-ñ-日本-{i}" for i in range(20)] + ["{x}", "%7D"]
+    for sid in ids:
+        await xadd(h, sid)
+    k = h.k
+    reply = await h.s.intake(
+        keys=[k.stream, k.ready, k.session_prefix, k.dlq, k.replies],
+        args=[k.group, "c1", 100, "t-shard", TTL_MS, 3600, 65536, 32, 0, "test", 0, FALLBACK,
+              1, shards],
+    )  # fmt: skip
+    _, read, jobs, _, counts = reply
+    mine = [sid for sid in ids if shard_of(sid, shards) == 1]  # the same CRC-32 as Python's
+    assert 0 < len(mine) < len(ids)
+    assert (read, [j[0].decode() for j in jobs]) == (len(ids), mine)
+    assert int(counts[1]) == len(ids) - len(mine)
+    letters = await h.dead()
+    assert all(b"belongs to shard" in letter[b"error"] for letter in letters)
+    for sid in set(ids) - set(mine):  # no second state, no place in this shard's ready set
+        assert await h.state(sid) == {} and await h.r.zscore(k.ready, sid) is None
