@@ -168,7 +168,7 @@ local deleted = 0
 for i = 1, #dels, 1000 do
   deleted = deleted + rcall('XDEL', stream, unpack(dels, i, math.min(i + 999, #dels)))
 end
-if deleted > 0 and rcall('HEXISTS', inbound, 'length') == 1 then
+if deleted > 0 and rcall('HGET', inbound, 'length') then
   redis.pcall('HINCRBY', inbound, 'length', -deleted)
 end
 return results

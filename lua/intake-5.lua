@@ -302,11 +302,14 @@ end
 local trimmed, ahead = 0, 0
 local inbound = inbound_key(ready)
 local info = redis.pcall('XINFO', 'STREAM', stream)
-if not info['err'] then
+if info['err'] then
+  -- Not allowed (an ACL without XINFO STREAM): detection is off, and the hash says why.
+  redis.pcall('HSET', inbound, 'error', 'XINFO STREAM: ' .. info['err'])
+else
   local stream_info = {}
   for i = 1, #info, 2 do stream_info[info[i]] = info[i + 1] end
   local added, length = tonumber(stream_info['entries-added']), tonumber(stream_info['length'])
-  local before = redis.pcall('HMGET', inbound, 'added', 'length', 'ahead')
+  local before = redis.pcall('HMGET', inbound, 'added', 'length', 'ahead', 'error')
   if added and length and not before['err'] then
     local added_before, length_before = tonumber(before[1]), tonumber(before[2])
     if added_before and length_before then
@@ -327,6 +330,7 @@ if not info['err'] then
     elseif before[3] then
       rcall('HDEL', inbound, 'ahead')
     end
+    if before[4] then rcall('HDEL', inbound, 'error') end
     rcall('HSET', inbound, unpack(writes))
   end
 end

@@ -120,7 +120,8 @@ class Workload:
         sessions = [f"{self.prefix}{i}" for i in range(self.sessions)]
         async with asyncio.TaskGroup() as tg:
             while not self.stop.is_set():
-                for sid in self.rng.sample(sessions, self.rng.randint(30, 120)):
+                burst = min(len(sessions), self.rng.randint(30, 120))
+                for sid in self.rng.sample(sessions, burst):
                     if sid not in self.busy:
                         self.busy.add(sid)
                         tg.create_task(self._burst(sid, self.rng.randint(1, 3)))

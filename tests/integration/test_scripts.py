@@ -808,3 +808,24 @@ async def test_an_entry_appended_to_another_shards_stream_is_refused_without_a_s
     assert all(b"belongs to shard" in letter[b"error"] for letter in letters)
     for sid in set(ids) - set(mine):  # no second state, no place in this shard's ready set
         assert await h.state(sid) == {} and await h.r.zscore(k.ready, sid) is None
+
+
+async def test_trim_detection_says_why_it_is_off_when_the_acl_refuses_xinfo_stream(h):
+    """An ACL without XINFO STREAM (an old config/redis-acl.conf) must not stop intake, nor
+    leave trim detection off without a word: the inbound hash says why."""
+    await h.r.execute_command(
+        "ACL", "SETUSER", "narrow", "on", "nopass", "~*", "+@all", "-xinfo|stream"
+    )
+    kw = h.r.connection_pool.connection_kwargs
+    narrow = Redis(host=kw["host"], port=kw["port"], username="narrow", password="x")
+    try:
+        await xadd(h, "a")
+        _, read, jobs, _, _ = await Harness(narrow, h.k).intake()
+        assert (read, len(jobs)) == (1, 1)
+        assert b"xinfo" in (await h.r.hget(h.k.inbound, "error") or b"").lower()
+        h.calls += 1  # a token base of its own (t1 was the narrow call's)
+        await h.intake()  # allowed again: the reason goes
+        assert await h.r.hget(h.k.inbound, "error") is None
+    finally:
+        await narrow.aclose()
+        await h.r.execute_command("ACL", "DELUSER", "narrow")
