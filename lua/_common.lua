@@ -106,6 +106,17 @@ local function inbound_key(ready)
   return ready .. ':inbound'
 end
 
+-- Sessions with messages outstanding -> when their next message was appended (ms, from its
+-- entry id), so the oldest outstanding message is found in O(log n) (`stats`, the sampler):
+-- the inbound stream no longer holds sequenced messages. Kept by intake and commit.
+local function ages_key(ready)
+  return ready .. ':ages'
+end
+
+local function entry_ms(id)
+  return tonumber(string.match(id, '^(%d+)')) or 0
+end
+
 -- The jobs of a receipt whose locks are still ours, with their state and fields read again.
 -- Each receipt item is {kind, session_id, token, seq, entry id}; rows are built by `row`.
 local function replay_receipt(ready, token_base, sprefix, stream, row)

@@ -5,8 +5,8 @@
   state, append the reply event (and the dead letter, with the message's fields byte for byte
   and its seq, and a duplicate event for each copy of the message that arrived meanwhile),
   remove the message from the session's keys, then hand the lock on to the session's next
-  message if one is waiting (return it with its fields), or release it and start the idle
-  TTL. A fenced commit writes nothing. A gap (the message is missing) that is dead-lettered
+  message if one is waiting (return it with its fields; the session's age is now that
+  message's), or release it and start the idle TTL (the session leaves the ages). A fenced commit writes nothing. A gap (the message is missing) that is dead-lettered
   frees its msg_id: the dedupe key is deleted, so a re-send is applied.
 
   Commits are isolated: one whose arguments cannot be used (a seq that is not a number, an
@@ -44,9 +44,9 @@ local WIDTH = 11
 if not (lock_ttl and state_ttl and maxlen and n) or n < 1 or #ARGV ~= 4 + n * WIDTH then
   return redis.error_reply('ERR commit: bad arguments')
 end
-local inbound = inbound_key(ready)
+local inbound, ages = inbound_key(ready), ages_key(ready)
 for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {replies, 'stream'}, {dlq, 'stream'},
-                        {inbound, 'hash'}}) do
+                        {inbound, 'hash'}, {ages, 'zset'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end
@@ -147,6 +147,7 @@ for _, c in ipairs(commits) do
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 1, 'c', c.token .. ':' .. c.seq)
       rcall('PEXPIRE', lock, lock_ttl)
       rcall('ZADD', ready, now + lock_ttl, c.sid)
+      rcall('ZADD', ages, entry_ms(nxt[2]), c.sid)
       results[#results + 1] = {2, version, nxt[1], nxt[2], nxt[3]}
     else
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 0, 'c', c.token .. ':' .. c.seq)
@@ -155,6 +156,7 @@ for _, c in ipairs(commits) do
         rcall('ZADD', ready, now, c.sid)  -- the next message is missing: resume decides (gap)
       else
         rcall('ZREM', ready, c.sid)
+        rcall('ZREM', ages, c.sid)
         rcall('EXPIRE', state, state_ttl)
       end
       results[#results + 1] = {6, version}

@@ -68,7 +68,7 @@ if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen
   return redis.error_reply('ERR intake: bad arguments')
 end
 for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {replies, 'stream'},
-                        {inbound_key(ready), 'hash'}}) do
+                        {inbound_key(ready), 'hash'}, {ages_key(ready), 'zset'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end
@@ -378,8 +378,9 @@ for _, e in ipairs(entries) do
       dels[#dels + 1] = id
       if seq == s.a + 1 then
         -- The session had nothing outstanding: it may carry its idle TTL, and it joins the
-        -- ready set, where it stays while anything is outstanding.
+        -- ready set, where it stays while anything is outstanding (and the ages).
         rcall('PERSIST', s.state)
+        rcall('ZADD', ages_key(ready), entry_ms(id), sid)
         if rcall('SET', s.lock, token_base .. ':' .. (tokens + 1), 'NX', 'PX', lock_ttl) then
           tokens = tokens + 1
           s.token = token_base .. ':' .. tokens

@@ -137,6 +137,14 @@ class Keys:
         return f"{self.ready}:inbound"
 
     @property
+    def ages(self) -> str:
+        """A sorted set: each session with messages outstanding -> when its next message was
+        appended (ms). Its first member is the oldest outstanding message (O(log n)), which
+        the inbound stream no longer shows: it holds only unread entries. Derived from the
+        ready set's name in the scripts (ages_key)."""
+        return f"{self.ready}:ages"
+
+    @property
     def reshard_moved(self) -> str:
         """The dead letters `reshard` re-added to this shard (lua/reshard-letter-2.lua); a set,
         deleted when the reshard completes."""

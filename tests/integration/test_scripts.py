@@ -829,3 +829,18 @@ async def test_trim_detection_says_why_it_is_off_when_the_acl_refuses_xinfo_stre
     finally:
         await narrow.aclose()
         await h.r.execute_command("ACL", "DELUSER", "narrow")
+
+
+async def test_the_ages_say_when_each_sessions_next_message_was_appended(h):
+    """The stream shows only unread entries; the ages show the oldest outstanding message."""
+
+    def ms(entry_id: bytes) -> float:
+        return float(entry_id.split(b"-")[0])
+
+    a1, a2, b1 = await xadd(h, "a"), await xadd(h, "a"), await xadd(h, "b")
+    _, _, [ja, jb], _, _ = await h.intake()
+    assert dict(await h.r.zrange(h.k.ages, 0, -1, withscores=True)) == {b"a": ms(a1), b"b": ms(b1)}
+    [r] = await h.commit(commit_args(ja))
+    assert int(r[0]) == Code.HANDOFF and await h.r.zscore(h.k.ages, "a") == ms(a2)
+    await h.commit(commit_args([b"a", ja[1], 2, a2, [], b"", int(r[1])]), commit_args(jb))
+    assert await h.r.zcard(h.k.ages) == 0  # nothing outstanding

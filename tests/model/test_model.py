@@ -145,6 +145,7 @@ class Session:
     done: str = ""  # c: token:seq of the last commit
     lock: str | None = None
     ready: str | None = None  # None (not a member) | "due" | "later"
+    age: int | None = None  # its score in the ages: when its next message was appended
 
     @property
     def outstanding(self) -> bool:
@@ -561,6 +562,7 @@ class DialogScripts(RuleBasedStateMachine):
             if e.msg_id:
                 ss.dedupe[e.msg_id] = (e.seq, ss.life)
             if e.seq == ss.applied + 1:
+                ss.age = id_key(e.id)[0]
                 if ss.lock is None:
                     ss.lock = f"{base}:{len(taken) + 1}"
                     ss.attempts += 1
@@ -853,12 +855,15 @@ class DialogScripts(RuleBasedStateMachine):
         ss.gap_seen = ss.failed = False
         ss.last_error = ""
         if nxt is not None and not nxt.deleted:  # handed on from the session's keys
+            ss.age = id_key(nxt.id)[0]
             ss.attempts = 1
             ss.ready = "later"
             return self._handoff_answer(ss, job, nxt)
         ss.attempts = 0
         ss.lock = None
         ss.ready = "due" if ss.outstanding else None
+        if not ss.outstanding:
+            ss.age = None  # (with the next one missing, it keeps this one's age)
         return (Code.COMMITTED, ss.version)
 
     def _handoff_answer(self, ss: Session, job: Job, nxt: Entry) -> tuple[Any, ...]:
@@ -1044,11 +1049,12 @@ class DialogScripts(RuleBasedStateMachine):
         p.xrange(k.stream)
         p.xpending(k.stream, k.group)
         p.zrange(k.ready, 0, -1, withscores=True)
+        p.zrange(k.ages, 0, -1, withscores=True)
         p.time()
         for sid in SESSIONS:
             sk = k.session(sid)
             p.get(sk.lock).hgetall(sk.state).pttl(sk.state)
-        events, letters, stream, pending, ready, now, *per_session = p.execute()
+        events, letters, stream, pending, ready, ages, now, *per_session = p.execute()
 
         # Every event and dead letter written is one the model expected, each exactly once.
         got = [
@@ -1081,6 +1087,13 @@ class DialogScripts(RuleBasedStateMachine):
         want = [e.id for e in self.unread()]
         assert in_stream == want, f"stream {in_stream} != model {want}"
         assert pending["pending"] == 0, f"entries left pending: {pending}"
+
+        # The ages: every session with work outstanding, at its next message's append time.
+        got_ages = {s(m): int(score) for m, score in ages}
+        want_ages = {ss.sid: ss.age for ss in self.sessions.values() if ss.age is not None}
+        assert got_ages == want_ages, f"ages {got_ages} != model {want_ages}"
+        for ss in self.sessions.values():
+            assert (ss.age is not None) == ss.outstanding, f"{ss.sid}: age {ss.age}"
 
         now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
         scores = {s(m): score for m, score in ready}
