@@ -257,7 +257,13 @@ class Worker:
             except redis.exceptions.RedisError as exc:
                 failures += 1
                 wait_s = min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures)
-                log.warning("loop_error", loop=name, error=repr(exc), failures=failures)
+                log.warning(
+                    "loop_error",
+                    loop=name,
+                    error=str(exc),  # redis-py's repr() hides Redis' message
+                    error_type=type(exc).__name__,
+                    failures=failures,
+                )
             except Exception:
                 failures += 1
                 wait_s = min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures)

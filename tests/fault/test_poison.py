@@ -67,8 +67,9 @@ async def test_step_that_always_raises_is_dead_lettered_after_max_attempts(clien
     assert await wait_applied(client, sent, timeout_s=30)
     [letter] = await dead_letters(client)
     # The original fields byte for byte (a send without msg_id: session_id and text), plus
-    # the worker's; no producer-visible seq (the reply event carries it).
-    assert set(letter) == {"session_id", "text"} | LETTER_FIELDS
+    # the worker's, and the message's seq (every dead letter of a sequenced message has it).
+    assert set(letter) == {"session_id", "text", "seq"} | LETTER_FIELDS
+    assert letter["seq"] == "2"
     assert (letter["session_id"], letter["text"]) == ("p1", "boom here")
     assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "3")
     assert (letter["source_stream"], letter["source_entry_id"]) == (

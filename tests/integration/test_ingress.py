@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 import redis
+import structlog.testing
 from redis_server import wait_until_async as poll
 
 from dialog_worker.client import DialogClient
@@ -415,3 +416,24 @@ async def test_a_pushed_ahead_stream_is_recovered_as_the_runbook_says(client, wo
     assert await wait_applied(client, everything, timeout_s=20)
     assert await check(client, everything) == []
     await poll(not_ahead, 10, "the ahead mark to clear")
+
+
+async def test_a_redis_error_is_logged_with_redis_own_message(client, env):
+    """redis-py 8's repr() of a ResponseError hides Redis' message: the log must carry it."""
+    raw = raw_client(env)
+    raw.set("dialog-replies", "not a stream")  # every intake call now fails, saying why
+    worker = Worker(load_settings(environ=env), _CutSurrogateEngine(1))
+    with structlog.testing.capture_logs() as logs:
+
+        async def logged() -> bool:
+            return any(e.get("event") == "loop_error" for e in logs)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.run)
+            try:
+                await poll(logged, 10, "the intake's failure to be logged")
+            finally:
+                worker.stop()
+    [first, *_] = [e for e in logs if e.get("event") == "loop_error"]
+    assert "WRONGTYPE dialog-replies is a string" in first["error"]
+    assert first["error_type"] == "ResponseError"
