@@ -73,6 +73,50 @@ local function save_receipt(ready, token_base, ttl_ms, jobs)
   rcall('SET', receipt_key(ready, token_base), cjson.encode(jobs), 'PX', ttl_ms)
 end
 
+-- Custody. Once sequenced, a message lives in its session's state hash, field q<seq>: its
+-- entry id and its fields, byte for byte, packed with cmsgpack (compact, binary-safe), so no
+-- command on the inbound stream can touch it. The worker decodes the same format
+-- (dialog_worker.codec.unpack_custody).
+local function pack_message(id, fields)
+  return cmsgpack.pack(id, fields)
+end
+
+-- The entry id and fields of a sequenced message from the value of its q<seq> field, or nil
+-- when there is none (deleted by hand, lost). A value written before custody is a plain entry
+-- id whose entry is still in the stream: it is read from there (legacy = true).
+local function load_message(stream, value)
+  if not value then return nil end
+  if string.find(value, '^%d+%-%d+$') then
+    local rows = rcall('XRANGE', stream, value, value)
+    if rows[1] then return value, rows[1][2], true end
+    return nil
+  end
+  local ok, id, fields = pcall(cmsgpack.unpack, value)
+  if ok and type(id) == 'string' and type(fields) == 'table' then
+    return id, fields, false
+  end
+  return nil
+end
+
+-- Bookkeeping of the inbound stream, next to the ready set (one small hash per stream):
+-- added/length as the last intake call left them, trimmed (unread entries something other
+-- than a worker removed since), ahead (the stream's last id, while it is far ahead of the
+-- clock). Read by `stats`; see intake-5.lua.
+local function inbound_key(ready)
+  return ready .. ':inbound'
+end
+
+-- Sessions with messages outstanding -> when their next message was appended (ms, from its
+-- entry id), so the oldest outstanding message is found in O(log n) (`stats`, the sampler):
+-- the inbound stream no longer holds sequenced messages. Kept by intake and commit.
+local function ages_key(ready)
+  return ready .. ':ages'
+end
+
+local function entry_ms(id)
+  return tonumber(string.match(id, '^(%d+)')) or 0
+end
+
 -- The jobs of a receipt whose locks are still ours, with their state and fields read again.
 -- Each receipt item is {kind, session_id, token, seq, entry id}; rows are built by `row`.
 local function replay_receipt(ready, token_base, sprefix, stream, row)
@@ -82,9 +126,10 @@ local function replay_receipt(ready, token_base, sprefix, stream, row)
   for _, item in ipairs(cjson.decode(saved)) do
     local kind, sid, token, seq, id = item[1], item[2], item[3], item[4], item[5]
     if rcall('GET', session_key(sprefix, sid, 'lock')) == token then
-      local h = rcall('HMGET', session_key(sprefix, sid, 'state'), 'd', 'v', 'n', 'f', 'e')
-      local rows = id ~= '' and rcall('XRANGE', stream, id, id) or {}
-      jobs[#jobs + 1] = row(kind, sid, token, seq, id, rows[1] and rows[1][2] or {}, h)
+      local h = rcall('HMGET', session_key(sprefix, sid, 'state'), 'd', 'v', 'n', 'f', 'e',
+                      'q' .. seq)
+      local _, fields = load_message(stream, h[6])
+      jobs[#jobs + 1] = row(kind, sid, token, seq, id, fields or {}, h)
     end
   end
   return jobs

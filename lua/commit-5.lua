@@ -2,14 +2,19 @@
   commit: the fenced writes of one or more finished messages (group commit: every commit that
   is ready when the previous call returns goes in one call), each independent of the others.
   Per commit: if the lock is still ours and the state is at the version we read, write the new
-  state, append the reply event (and the dead letter, and a duplicate event for each copy of
-  the message that arrived meanwhile), delete the entry (and the copies) from the stream, then
-  hand the lock on to the session's next message if one is waiting (return it), or release it
-  and start the idle TTL. A fenced commit writes nothing.
+  state, append the reply event (and the dead letter, with the message's fields byte for byte
+  and its seq, and a duplicate event for each copy of the message that arrived meanwhile),
+  remove the message from the session's keys, then hand the lock on to the session's next
+  message if one is waiting (return it with its fields; the session's age is now that
+  message's), or release it and start the idle TTL (the session leaves the ages). A fenced commit writes nothing. A gap (the message is missing) that is dead-lettered
+  frees its msg_id: the dedupe key is deleted, so a re-send is applied.
 
-  Everything that can fail is checked before the first write: the arguments of every commit,
-  and the types of the shared keys. Per-session keys are read with pcall, so a corrupt one
-  fences that commit alone.
+  Commits are isolated: one whose arguments cannot be used (a seq that is not a number, an
+  outcome we do not know, dead-letter fields that are not a JSON array of strings) is answered
+  INVALID and writes nothing; the others of the call are written. Only a call whose shape is
+  wrong, or whose shared keys have the wrong type, fails as a whole, before its first write.
+  Per-session keys are read with pcall, so a corrupt one fences that commit alone. The state
+  JSON is stored as given (no script parses it but intake, under pcall).
 
   KEYS[1] inbound stream   KEYS[2] ready set   KEYS[3] session key prefix
   KEYS[4] reply stream     KEYS[5] dead-letter stream
@@ -17,7 +22,7 @@
   ARGV[1] lock ttl (ms)   ARGV[2] state ttl (s)   ARGV[3] reply MAXLEN (0: none)
   ARGV[4] number of commits N, then N groups of 11:
     token, session_id, seq, expected version, state JSON, msg_id, reply, outcome
-    ("applied" | "dead_lettered"), entry id (stream entry of the message; "" for a gap),
+    ("applied" | "dead_lettered"), entry id (the message's entry; "" for a gap),
     dead-letter fields (JSON array of name/value pairs added after the original fields; ""
     for a normal commit), id of the session's next entry if the caller already has it (or "")
 
@@ -30,6 +35,7 @@
         the next message (fields {} when the caller said it already has that entry)
     {-1 FENCED_TOKEN}    the lock is not ours any more: nothing written
     {-2 FENCED_VERSION}  the state moved on since we read it: nothing written
+    {-3 INVALID, why}    this commit's arguments cannot be written: nothing written
 ]]
 local stream, ready, sprefix, replies, dlq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lock_ttl, state_ttl, maxlen, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
@@ -38,9 +44,28 @@ local WIDTH = 11
 if not (lock_ttl and state_ttl and maxlen and n) or n < 1 or #ARGV ~= 4 + n * WIDTH then
   return redis.error_reply('ERR commit: bad arguments')
 end
-for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {replies, 'stream'}, {dlq, 'stream'}}) do
+local inbound, ages = inbound_key(ready), ages_key(ready)
+for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {replies, 'stream'}, {dlq, 'stream'},
+                        {inbound, 'hash'}, {ages, 'zset'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
+end
+
+-- Why a commit's arguments cannot be written, or nil (then c.extra holds its letter fields).
+local function invalid(c, extra_json)
+  if not (c.seq and c.version and c.seq >= 1) then return 'seq or version is not a number' end
+  if c.outcome ~= 'applied' and c.outcome ~= 'dead_lettered' then return 'unknown outcome' end
+  if extra_json ~= '' then
+    local ok, extra = pcall(cjson.decode, extra_json)
+    if not ok or type(extra) ~= 'table' or #extra % 2 ~= 0 or #extra > 64 then
+      return 'bad dead-letter fields'
+    end
+    for _, v in ipairs(extra) do
+      if type(v) ~= 'string' then return 'bad dead-letter fields' end
+    end
+    c.extra = extra
+  end
+  return nil
 end
 
 -- Validate every commit before any write.
@@ -51,40 +76,35 @@ for i = 0, n - 1 do
              version = tonumber(ARGV[b + 4]), doc = ARGV[b + 5], msg_id = ARGV[b + 6],
              reply = ARGV[b + 7], outcome = ARGV[b + 8], entry_id = ARGV[b + 9],
              known_next = ARGV[b + 11]}
-  if not (c.seq and c.version and c.seq >= 1) or
-     (c.outcome ~= 'applied' and c.outcome ~= 'dead_lettered') then
-    return redis.error_reply('ERR commit: bad arguments for commit ' .. (i + 1))
-  end
-  if ARGV[b + 10] ~= '' then
-    local ok, extra = pcall(cjson.decode, ARGV[b + 10])
-    if not ok or type(extra) ~= 'table' or #extra % 2 ~= 0 or #extra > 64 then
-      return redis.error_reply('ERR commit: bad dead-letter fields for commit ' .. (i + 1))
-    end
-    for _, v in ipairs(extra) do
-      if type(v) ~= 'string' then
-        return redis.error_reply('ERR commit: bad dead-letter fields for commit ' .. (i + 1))
-      end
-    end
-    c.extra = extra
-  end
+  c.problem = invalid(c, ARGV[b + 10])
   commits[#commits + 1] = c
 end
 
 local now = now_ms()
 local results, dels = {}, {}
 
+-- The session's next message, as the commit answers it: {next seq, id, fields} (fields {}
+-- when the caller has them), or nil when it is missing.
+local function next_message(c, value)
+  local id, fields = load_message(stream, value)
+  if not id then return nil end
+  return {c.seq + 1, id, id == c.known_next and {} or fields}
+end
+
 for _, c in ipairs(commits) do
   local state, lock = session_key(sprefix, c.sid, 'state'), session_key(sprefix, c.sid, 'lock')
   local holder = redis.pcall('GET', lock)
-  local h = redis.pcall('HMGET', state, 'v', 'a', 's', 'q' .. (c.seq + 1), 'u' .. c.seq, 'c')
-  local done = type(h) == 'table' and not h['err'] and h[6] == c.token .. ':' .. c.seq
-  if done and (tonumber(h[1]) or 0) == c.version + 1 then
+  local h = redis.pcall('HMGET', state, 'v', 'a', 's', 'q' .. ((c.seq or 0) + 1),
+                        'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0))
+  local done = c.seq and type(h) == 'table' and not h['err'] and h[6] == c.token .. ':' .. c.seq
+  if c.problem then
+    results[#results + 1] = {-3, c.problem}
+  elseif done and (tonumber(h[1]) or 0) == c.version + 1 then
     -- This very commit already ran (a client re-sent the call after losing the reply):
     -- answer as it did, writing nothing more.
-    local next_id = h[4]
-    if holder == c.token and next_id and (tonumber(h[3]) or 0) > c.seq then
-      local rows = next_id ~= c.known_next and rcall('XRANGE', stream, next_id, next_id) or {}
-      results[#results + 1] = {2, c.version + 1, c.seq + 1, next_id, rows[1] and rows[1][2] or {}}
+    local nxt = holder == c.token and (tonumber(h[3]) or 0) > c.seq and next_message(c, h[4])
+    if nxt then
+      results[#results + 1] = {2, c.version + 1, nxt[1], nxt[2], nxt[3]}
     else
       results[#results + 1] = {6, c.version + 1}
     end
@@ -94,20 +114,26 @@ for _, c in ipairs(commits) do
       or (tonumber(h[2]) or 0) ~= c.seq - 1 then
     results[#results + 1] = {-2}
   else
-    local version, last, next_id = c.version + 1, tonumber(h[3]) or 0, h[4]
+    local version, last = c.version + 1, tonumber(h[3]) or 0
+    local id, fields, legacy = load_message(stream, h[7])
     if c.extra then
-      local rows = c.entry_id ~= '' and rcall('XRANGE', stream, c.entry_id, c.entry_id) or {}
-      local letter = rows[1] and letter_fields(rows[1][2]) or {'session_id', c.sid}
+      local letter = fields and letter_fields(fields) or {'session_id', c.sid}
       for _, v in ipairs(c.extra) do letter[#letter + 1] = v end
-      for _, v in ipairs({'source_stream', stream, 'source_entry_id', c.entry_id}) do
+      for _, v in ipairs({'seq', c.seq, 'source_stream', stream, 'source_entry_id', c.entry_id}) do
         letter[#letter + 1] = v
       end
       rcall('XADD', dlq, '*', unpack(letter))
     end
+    if not id and c.outcome == 'dead_lettered' and c.msg_id ~= '' then
+      -- A gap: the message ended without being applied, so its msg_id may be sent again.
+      local dkey = session_key(sprefix, c.sid, 'msg:' .. c.msg_id)
+      if redis.pcall('GET', dkey) == tostring(c.seq) then rcall('DEL', dkey) end
+    end
     reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, c.outcome, c.reply, now, c.entry_id)
-    if c.entry_id ~= '' then dels[#dels + 1] = c.entry_id end
+    if legacy then dels[#dels + 1] = id end  -- sequenced before custody: still in the stream
     if h[5] then
-      -- Copies of this message that arrived while it was outstanding: answered now.
+      -- Copies of this message that arrived while it was outstanding: answered now (their
+      -- entries left the stream at intake; a copy read before custody is deleted now).
       for copy in string.gmatch(h[5], '[^,]+') do
         reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, 'duplicate', c.reply, now, copy)
         dels[#dels + 1] = copy
@@ -115,24 +141,22 @@ for _, c in ipairs(commits) do
     end
     rcall('HDEL', state, 'q' .. c.seq, 'u' .. c.seq, 'f', 'e', 'g')
 
-    local next_rows = nil
-    if last > c.seq and next_id and next_id ~= c.known_next then
-      next_rows = rcall('XRANGE', stream, next_id, next_id)
-    end
-    if last > c.seq and next_id and (next_id == c.known_next or #next_rows > 0) then
+    local nxt = last > c.seq and next_message(c, h[4])
+    if nxt then
       -- Hand-off: the lock stays ours for the next message; its start is counted now.
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 1, 'c', c.token .. ':' .. c.seq)
       rcall('PEXPIRE', lock, lock_ttl)
       rcall('ZADD', ready, now + lock_ttl, c.sid)
-      results[#results + 1] = {2, version, c.seq + 1, next_id,
-                               next_rows and next_rows[1][2] or {}}
+      rcall('ZADD', ages, entry_ms(nxt[2]), c.sid)
+      results[#results + 1] = {2, version, nxt[1], nxt[2], nxt[3]}
     else
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 0, 'c', c.token .. ':' .. c.seq)
       rcall('DEL', lock)
       if last > c.seq then
-        rcall('ZADD', ready, now, c.sid)  -- the next entry is missing: resume decides (gap)
+        rcall('ZADD', ready, now, c.sid)  -- the next message is missing: resume decides (gap)
       else
         rcall('ZREM', ready, c.sid)
+        rcall('ZREM', ages, c.sid)
         rcall('EXPIRE', state, state_ttl)
       end
       results[#results + 1] = {6, version}
@@ -140,7 +164,13 @@ for _, c in ipairs(commits) do
   end
 end
 
+-- Entries read before custody (and their copies) leave the stream now; the inbound hash's
+-- length follows, so intake does not count them as trimmed.
+local deleted = 0
 for i = 1, #dels, 1000 do
-  rcall('XDEL', stream, unpack(dels, i, math.min(i + 999, #dels)))
+  deleted = deleted + rcall('XDEL', stream, unpack(dels, i, math.min(i + 999, #dels)))
+end
+if deleted > 0 and rcall('HGET', inbound, 'length') then
+  redis.pcall('HINCRBY', inbound, 'length', -deleted)
 end
 return results

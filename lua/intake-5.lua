@@ -13,13 +13,22 @@
               waits (indexed as u<seq>) and the original's commit answers it, right after
               the original's own event; otherwise it is answered now (with the reply while
               it is in the session's history) and removed.
-    sequenced seq = last seq + 1; the state hash indexes it (q<seq> = entry id) and is made
-              persistent while anything is outstanding. If it is the session's next message
-              and the lock is free, the lock is taken (one token per session) and the job
-              returned. Otherwise it waits in the stream: the lock holder's commit hands it
+    sequenced seq = last seq + 1; the message (entry id and fields, byte for byte) moves into
+              its session's state hash (q<seq>, see pack_message in _common.lua), which is
+              made persistent while anything is outstanding. If it is the session's next
+              message and the lock is free, the lock is taken (one token per session) and
+              the job returned. Otherwise it waits there: the lock holder's commit hands it
               on, or the ready set brings it back (resume-3.lua).
-  Every delivered entry is acked in this call, so nothing ever waits in a pending list: a
-  crashed worker's sessions come back through the ready set when their lock lease ends.
+  Every delivered entry is acked and deleted from the stream in this call (custody): the
+  stream holds only unread entries, so no producer command (XADD MAXLEN/MINID, XTRIM, XDEL)
+  can touch a sequenced message, and nothing ever waits in a pending list: a crashed
+  worker's sessions come back through the ready set when their lock lease ends.
+
+  Unread entries removed by anything else are counted: the stream's entries-added and length
+  as this call leaves them are kept in the inbound hash (inbound_key in _common.lua); the next
+  call expects length + (entries added since), and what is missing was trimmed or deleted by
+  hand. A last id far ahead of the clock (an explicit id, after which XADD * can fail) is
+  recorded there too. Both O(1): one XINFO STREAM per call.
   Sent twice with the same token base (a lost reply), the call returns the first call's jobs
   again (see the receipts in _common.lua); their later entries come through hand-off.
 
@@ -33,8 +42,13 @@
   ARGV[10] worker version   ARGV[11] claim idle (ms): > 0 takes over entries left pending
            that long (never sequenced: delivery and sequencing are one step) instead of
            reading new ones   ARGV[12] fallback reply
+  ARGV[13] this stream's shard index   ARGV[14] shard count (both optional; a count above 1
+           refuses an entry whose session belongs to another shard: crc32 of its UTF-8 id
+           mod the count, as keys.shard_of; it would get a second state here)
 
-  Returns {last id, entries read, jobs, held, {duplicates, refused, contended}}
+  Returns {last id, entries read, jobs, held, {duplicates, refused, contended, trimmed, ahead}}
+    trimmed  unread entries that vanished from the stream since the last intake call
+    ahead    1 when this call found the stream's last id pushed ahead of the clock (once)
     last id  the id of the last entry read, or, when none was read, the group's
              last-delivered id (block on XREAD from there: nothing appended meanwhile is missed)
     jobs     {session_id, token, seq, entry id, fields, state JSON, version, attempts,
@@ -47,12 +61,14 @@ local group, consumer, token_base, fallback = ARGV[1], ARGV[2], ARGV[4], ARGV[12
 local count, lock_ttl, dedupe_ttl = tonumber(ARGV[3]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local max_bytes, max_extra = tonumber(ARGV[7]), tonumber(ARGV[8])
 local maxlen, claim_idle = tonumber(ARGV[9]), tonumber(ARGV[11])
+local shard, shards = tonumber(ARGV[13] or '0'), tonumber(ARGV[14] or '1')
 
-if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen and claim_idle)
-   or count < 1 or count > 1000 then
+if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen and claim_idle
+        and shard and shards) or count < 1 or count > 1000 or shards < 1 then
   return redis.error_reply('ERR intake: bad arguments')
 end
-for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {replies, 'stream'}}) do
+for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {replies, 'stream'},
+                        {inbound_key(ready), 'hash'}, {ages_key(ready), 'zset'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end
@@ -62,6 +78,9 @@ local MAX_ID_BYTES = 256
 -- this many bytes, about 40 copies); more are answered at once: a producer repeating one
 -- msg_id must not grow a session's hash without bound.
 local MAX_WAITING_COPIES_BYTES = 1024
+-- A last id this far ahead of the server clock was not made by XADD *: an explicit id pushed
+-- it there (a clock step back of the Redis host stays well below it).
+local AHEAD_MS = 3600 * 1000
 
 local function valid_utf8(s)
   if not string.find(s, '[\128-\255]') then
@@ -133,16 +152,49 @@ local function inspect(f)
     return 'too many fields: ' .. extra .. ' besides session_id, text and msg_id (at most ' ..
       max_extra .. ')', sid, nil
   end
-  if size > max_bytes then
-    return 'entry is ' .. size .. ' bytes; at most ' .. max_bytes .. ' are allowed', sid, msg_id
-  end
+  -- The msg_id first: a refusal's reply event carries it only once it is known to be usable.
   if msg_id ~= nil then
     problem = id_problem('msg_id', msg_id)
     if problem then return problem, sid, nil end
   end
+  if size > max_bytes then
+    return 'entry is ' .. size .. ' bytes; at most ' .. max_bytes .. ' are allowed', sid, msg_id
+  end
   if text == nil then return 'text is missing', sid, msg_id end
   if not string.find(text, '%S') then return 'text is empty', sid, msg_id end
   return nil, sid, msg_id
+end
+
+-- CRC-32 (zlib's) of a string, as an unsigned number; the table is built on first use.
+local crc_table
+local function crc32(str)
+  if not crc_table then
+    crc_table = {}
+    for i = 0, 255 do
+      local c = i
+      for _ = 1, 8 do
+        if bit.band(c, 1) == 1 then c = bit.bxor(bit.rshift(c, 1), 0xEDB88320)
+        else c = bit.rshift(c, 1) end
+      end
+      crc_table[i] = c
+    end
+  end
+  local crc = 0xFFFFFFFF
+  for i = 1, #str do
+    crc = bit.bxor(bit.rshift(crc, 8), crc_table[bit.band(bit.bxor(crc, string.byte(str, i)), 0xFF)])
+  end
+  crc = bit.bnot(crc)
+  if crc < 0 then crc = crc + 4294967296 end
+  return crc
+end
+
+-- nil when the session belongs to this stream's shard, else why not.
+local function shard_problem(sid)
+  if shards <= 1 then return nil end
+  local owner = crc32(sid) % shards
+  if owner == shard then return nil end
+  return 'session_id belongs to shard ' .. owner .. ' of ' .. shards .. ', not to this stream (shard '
+    .. shard .. '): append it to its own shard\'s stream'
 end
 
 local function job_row(kind, sid, token, seq, id, fields, h)
@@ -153,7 +205,7 @@ end
 local replayed = replay_receipt(ready, token_base, sprefix, stream, job_row)
 if replayed then
   -- The same call again: its jobs (their held successors come back through hand-off).
-  return {'0-0', 0, replayed, {}, {0, 0, 0}}
+  return {'0-0', 0, replayed, {}, {0, 0, 0, 0, 0}}
 end
 
 local now = now_ms()
@@ -203,13 +255,12 @@ local function original_reply(s, seq, msg_id)
 end
 
 -- Whether the original of a copy is still outstanding: its seq is, and that seq's message
--- carries this msg_id (sequenced in this call, or its entry says so).
+-- carries this msg_id (sequenced in this call, or its stored fields say so).
 local function original_outstanding(s, seq, msg_id)
   if seq <= s.a or seq > s.last then return false end
   if seq > s.last_read then return s.msg_ids[seq] == msg_id end
-  local id = rcall('HGET', s.state, 'q' .. seq)
-  local rows = id and rcall('XRANGE', stream, id, id) or {}
-  local f = rows[1] and rows[1][2] or {}
+  local _, f = load_message(stream, rcall('HGET', s.state, 'q' .. seq))
+  f = f or {}
   for i = 1, #f - 1, 2 do
     if f[i] == 'msg_id' then return f[i + 1] == msg_id end
   end
@@ -247,11 +298,51 @@ local function dedupe_seen(dkey)
   return seen
 end
 
+-- The inbound stream as the last call left it, against what it is now (see the header).
+local trimmed, ahead = 0, 0
+local inbound = inbound_key(ready)
+local info = redis.pcall('XINFO', 'STREAM', stream)
+if info['err'] then
+  -- Not allowed (an ACL without XINFO STREAM): detection is off, and the hash says why.
+  redis.pcall('HSET', inbound, 'error', 'XINFO STREAM: ' .. info['err'])
+else
+  local stream_info = {}
+  for i = 1, #info, 2 do stream_info[info[i]] = info[i + 1] end
+  local added, length = tonumber(stream_info['entries-added']), tonumber(stream_info['length'])
+  local before = redis.pcall('HMGET', inbound, 'added', 'length', 'ahead', 'error')
+  if added and length and not before['err'] then
+    local added_before, length_before = tonumber(before[1]), tonumber(before[2])
+    if added_before and length_before then
+      -- A stream deleted and created again counts its additions from 0.
+      if added < added_before then added_before = 0 end
+      trimmed = math.max(0, length_before + added - added_before - length)
+    end
+    local last = stream_info['last-generated-id'] or '0-0'
+    local last_ms = tonumber(string.match(last, '^(%d+)')) or 0
+    local writes = {'added', added, 'length', length - #entries}
+    if trimmed > 0 then
+      redis.pcall('HINCRBY', inbound, 'trimmed', trimmed)  -- a count written by hand: kept
+    end
+    if last_ms > now + AHEAD_MS then
+      if not before[3] then ahead = 1 end
+      writes[#writes + 1] = 'ahead'
+      writes[#writes + 1] = last
+    elseif before[3] then
+      rcall('HDEL', inbound, 'ahead')
+    end
+    if before[4] then rcall('HDEL', inbound, 'error') end
+    rcall('HSET', inbound, unpack(writes))
+  end
+end
+
 for _, e in ipairs(entries) do
   local id, f = e[1], e[2]
   acks[#acks + 1] = id
   local problem, sid, msg_id = inspect(f)
   local s, dkey, seen
+  if not problem then
+    problem = shard_problem(sid)  -- before any key of the session is read or written here
+  end
   if not problem then
     s, problem = session(sid)
   end
@@ -268,6 +359,7 @@ for _, e in ipairs(entries) do
     if outstanding and #(waiting or '') < MAX_WAITING_COPIES_BYTES then
       -- The original is not applied yet: its commit answers this copy, with its reply.
       rcall('HSET', s.state, 'u' .. seq, (waiting and waiting .. ',' or '') .. id)
+      dels[#dels + 1] = id
       dups = dups + 1
     elseif seq then
       local reply = original_reply(s, seq, msg_id)
@@ -282,11 +374,13 @@ for _, e in ipairs(entries) do
         s.msg_ids[seq] = msg_id
       end
       s.writes[#s.writes + 1] = 'q' .. seq
-      s.writes[#s.writes + 1] = id
+      s.writes[#s.writes + 1] = pack_message(id, f)
+      dels[#dels + 1] = id
       if seq == s.a + 1 then
         -- The session had nothing outstanding: it may carry its idle TTL, and it joins the
-        -- ready set, where it stays while anything is outstanding.
+        -- ready set, where it stays while anything is outstanding (and the ages).
         rcall('PERSIST', s.state)
+        rcall('ZADD', ages_key(ready), entry_ms(id), sid)
         if rcall('SET', s.lock, token_base .. ':' .. (tokens + 1), 'NX', 'PX', lock_ttl) then
           tokens = tokens + 1
           s.token = token_base .. ':' .. tokens
@@ -327,7 +421,7 @@ if #acks > 0 then
   rcall('XACK', stream, group, unpack(acks))
 end
 if #dels > 0 then
-  rcall('XDEL', stream, unpack(dels))
+  rcall('XDEL', stream, unpack(dels))  -- every entry read: custody (see the header)
 end
 
 if #receipt > 0 then
@@ -345,4 +439,4 @@ else
     if info['name'] == group then last_id = info['last-delivered-id'] end
   end
 end
-return {last_id, #entries, jobs, held, {dups, refused, contended}}
+return {last_id, #entries, jobs, held, {dups, refused, contended, trimmed, ahead}}

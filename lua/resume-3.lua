@@ -4,10 +4,13 @@
   session, atomically:
     lock held           look again when its lease ends (the holder renews it while alive)
     nothing outstanding leave the ready set
-    next entry present  take the lock, count the attempt, return the job
-    next entry missing  (deleted by hand, or lost) wait DIALOG_GAP_TIMEOUT_S from when the gap
-                        was first seen, then take the lock and return a gap job: the caller
-                        dead-letters that seq (gap) and the session moves on
+    next message there  take the lock, count the attempt, return the job with the message
+                        (from the session's keys, where intake put it: custody)
+    next message missing  (its q<seq> field deleted by hand or lost; or, for a message
+                        sequenced before custody, its entry deleted from the stream) wait
+                        DIALOG_GAP_TIMEOUT_S from when the gap was first seen, then take the
+                        lock and return a gap job: the caller dead-letters that seq (gap)
+                        and the session moves on
 
   KEYS[1] inbound stream   KEYS[2] ready set   KEYS[3] session key prefix
 
@@ -68,10 +71,13 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
       rcall('ZREM', ready, sid)
     else
       local seq = applied + 1
-      local id = rcall('HGET', state, 'q' .. seq)
-      local rows = id and rcall('XRANGE', stream, id, id) or {}
+      local stored = rcall('HGET', state, 'q' .. seq)
+      local id, fields = load_message(stream, stored)
+      if not id and stored and string.find(stored, '^%d+%-%d+$') then
+        id = stored  -- an entry id from before custody: the gap event names it
+      end
       local kind, gap_since = 'm', tonumber(h[8])
-      if #rows == 0 then
+      if not fields then
         kind = 'g'
         if not gap_since then
           rcall('HSET', state, 'g', now)
@@ -90,7 +96,7 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
         rcall('HSET', state, 'n', attempts)
         rcall('ZADD', ready, now + lock_ttl, sid)
         kind = kind == 'm' and 'm' or 'g'
-        jobs[#jobs + 1] = {kind, sid, token, seq, id or '', rows[1] and rows[1][2] or {},
+        jobs[#jobs + 1] = {kind, sid, token, seq, id or '', fields or {},
                            h[3] or '', h[4] or '0', attempts, h[6] or '', h[7] or ''}
         receipt[#receipt + 1] = {kind, sid, token, seq, id or ''}
       end

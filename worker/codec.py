@@ -9,7 +9,9 @@ be UTF-8.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -150,3 +152,69 @@ def decode_message(
 def text(value: bytes | str) -> str:
     """A value from Redis as text (ids and numbers the scripts wrote or validated)."""
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+# Python text may hold lone surrogates (a UTF-16 pair cut in two, e.g. an API message
+# truncated mid-emoji). They are not UTF-8: redis-py refuses to encode them, and Redis' cjson
+# refuses their JSON escape (\ud83d). Everything the worker sends to Redis goes through the two
+# helpers below, which write each one as the visible text \udXXX instead.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def redis_text(value: str) -> str:
+    """`value` as valid UTF-8 text, lone surrogates written as the text ``\\udXXX``."""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", value)
+
+
+def json_bytes(value: Any) -> bytes:
+    """JSON for Redis: UTF-8 (not ASCII escapes), lone surrogates as the text ``\\udXXX``."""
+    dumped = json.dumps(value, ensure_ascii=False)
+    # A surrogate can only stand inside a JSON string, where "\\\\" is one backslash.
+    return _SURROGATE.sub(lambda m: f"\\\\u{ord(m.group()):04x}", dumped).encode("utf-8")
+
+
+def unpack_custody(raw: bytes) -> tuple[str, dict[bytes, bytes]] | None:
+    """The entry id and fields of a sequenced message as intake stored them (the q<seq> field
+    of its session's state: cmsgpack of the id and the flat field list, see lua/_common.lua),
+    or None when the value is not in that format (e.g. a plain entry id written before
+    custody)."""
+    try:
+        entry_id, pos = _unpack_str(raw, 0)
+        count, pos = _unpack_array_header(raw, pos)
+        flat = []
+        for _ in range(count):
+            value, pos = _unpack_str(raw, pos)
+            flat.append(value)
+    except (IndexError, ValueError, struct.error):
+        return None
+    if pos != len(raw) or count % 2:
+        return None
+    return entry_id.decode("utf-8", "replace"), fields_dict(flat)
+
+
+def _unpack_str(raw: bytes, pos: int) -> tuple[bytes, int]:
+    tag = raw[pos]
+    if 0xA0 <= tag <= 0xBF:
+        size, pos = tag & 0x1F, pos + 1
+    elif tag in (0xD9, 0xC4):
+        size, pos = raw[pos + 1], pos + 2
+    elif tag in (0xDA, 0xC5):
+        size, pos = struct.unpack_from(">H", raw, pos + 1)[0], pos + 3
+    elif tag in (0xDB, 0xC6):
+        size, pos = struct.unpack_from(">I", raw, pos + 1)[0], pos + 5
+    else:
+        raise ValueError(f"not a string: 0x{tag:02x}")
+    if pos + size > len(raw):
+        raise ValueError("truncated")
+    return raw[pos : pos + size], pos + size
+
+
+def _unpack_array_header(raw: bytes, pos: int) -> tuple[int, int]:
+    tag = raw[pos]
+    if 0x90 <= tag <= 0x9F:
+        return tag & 0x0F, pos + 1
+    if tag == 0xDC:
+        return struct.unpack_from(">H", raw, pos + 1)[0], pos + 3
+    if tag == 0xDD:
+        return struct.unpack_from(">I", raw, pos + 1)[0], pos + 5
+    raise ValueError(f"not an array: 0x{tag:02x}")

@@ -314,7 +314,13 @@ class Worker:
             except redis.exceptions.RedisError as exc:
                 failures += 1
                 wait_s = min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures)
-                log.warning("loop_error", loop=name, error=repr(exc), failures=failures)
+                log.warning(
+                    "loop_error",
+                    loop=name,
+                    error=str(exc),  # redis-py's repr() hides Redis' message
+                    error_type=type(exc).__name__,
+                    failures=failures,
+                )
             except Exception:
                 failures += 1
                 wait_s = min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures)
@@ -384,6 +390,8 @@ class Worker:
                         __version__,
                         claim_idle_ms,
                         s.fallback_reply,
+                        k.shard,
+                        len(self.shards),
                     ],
                 ),
             )
@@ -421,7 +429,13 @@ class Worker:
         """One task per session whose lock the intake took; its held entries go with it.
         Synchronous: nothing may come between a script's reply and the start of its jobs."""
         _, _, rows, held_rows, counts = reply
-        dups, refused, contended = (int(c) for c in counts)
+        dups, refused, contended, trimmed, ahead = (int(c) for c in counts)
+        if trimmed:
+            self.metrics.inbound_trimmed.inc(trimmed)
+            log.error("inbound_trimmed", count=trimmed, stream=shard.keys.stream)
+        if ahead:
+            self.metrics.inbound_id_ahead.inc()
+            log.error("inbound_id_ahead", stream=shard.keys.stream)
         if dups:
             self.metrics.messages.labels("duplicate").inc(dups)
         if refused:

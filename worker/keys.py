@@ -18,7 +18,8 @@ injective, and no brace is left inside), so the brace pair after the tag delimit
 no two sessions' keys can collide (``a:lock`` vs ``a``, msg ids ending in ``:state``).
 
 Per session: ``state`` (hash: ``d`` state JSON, ``v`` version, ``a`` applied seq, ``s`` last
-assigned seq, ``q<seq>`` stream entry of each sequenced, unapplied message, ``n``/``f``/``e``
+assigned seq, ``q<seq>`` each sequenced, unapplied message itself: its entry id and fields,
+moved there from the stream at intake (codec.unpack_custody reads it), ``n``/``f``/``e``
 attempts of the next message, ``g`` when a gap was first seen), ``lock`` (holder token, PX
 lease) and ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id).
 """
@@ -126,6 +127,22 @@ class Keys:
             shard=shard,
             tag=tag,
         )
+
+    @property
+    def inbound(self) -> str:
+        """The inbound stream's bookkeeping (a hash, lua/intake-5.lua): ``trimmed`` counts
+        unread entries something other than a worker removed; ``ahead`` holds the stream's
+        last id while it is far ahead of the clock; ``added``/``length`` are intake's own
+        baseline. Derived from the ready set's name in the scripts (inbound_key)."""
+        return f"{self.ready}:inbound"
+
+    @property
+    def ages(self) -> str:
+        """A sorted set: each session with messages outstanding -> when its next message was
+        appended (ms). Its first member is the oldest outstanding message (O(log n)), which
+        the inbound stream no longer shows: it holds only unread entries. Derived from the
+        ready set's name in the scripts (ages_key)."""
+        return f"{self.ready}:ages"
 
     @property
     def reshard_moved(self) -> str:

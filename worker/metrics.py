@@ -68,6 +68,14 @@ class Metrics:
             "Messages handed straight to the lock holder by its previous commit",
             registry=r,
         )
+        # Unread inbound entries removed by something other than a worker (MAXLEN, MINID,
+        # XTRIM, XDEL), and a stream whose last id was pushed ahead (see lua/intake-5.lua).
+        self.inbound_trimmed = Counter(
+            "dialog_inbound_trimmed", "Unread inbound entries lost to trimming or XDEL", registry=r
+        )
+        self.inbound_id_ahead = Counter(
+            "dialog_inbound_id_ahead", "Inbound stream found with its last id ahead", registry=r
+        )
         self.processing = Histogram(
             "dialog_processing_seconds",
             "From start of processing to commit, per message",

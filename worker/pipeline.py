@@ -26,7 +26,15 @@ import redis.exceptions
 import structlog
 
 from dialog_worker import __version__
-from dialog_worker.codec import MalformedEntry, Message, decode_message, fields_dict, text
+from dialog_worker.codec import (
+    MalformedEntry,
+    Message,
+    decode_message,
+    fields_dict,
+    json_bytes,
+    redis_text,
+    text,
+)
 from dialog_worker.config import Settings
 from dialog_worker.engine import Engine, initial_state, run_step
 from dialog_worker.errors import PermanentError
@@ -191,7 +199,12 @@ class Pipeline:
                 )
                 job = await self._process(job)
         except redis.exceptions.RedisError as exc:
-            log.warning("redis_error", error=repr(exc), note="session resumes after its lease")
+            log.warning(
+                "redis_error",
+                error=str(exc),
+                error_type=type(exc).__name__,
+                note="session resumes after its lease",
+            )
         except Exception:
             log.exception("unexpected_error", note="session resumes after its lease")
         finally:
@@ -297,6 +310,8 @@ class Pipeline:
     ) -> Job | None:
         settings = self.settings
         held = job.held
+        # The message's own msg_id for every outcome; a gap's is what survives of it (the
+        # entry id of a message sequenced before custody, else nothing).
         msg_id = (
             msg.msg_id
             if msg is not None
@@ -320,9 +335,9 @@ class Pipeline:
             "version": job.version + 1,
         }
         try:
-            doc = json.dumps(new_state, ensure_ascii=False).encode("utf-8")
-            reply_bytes = reply.encode("utf-8")
-        except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+            doc = json_bytes(new_state)
+            reply_bytes = redis_text(reply).encode("utf-8")
+        except (TypeError, ValueError) as exc:
             if dead_letter is not None:
                 raise
             return await self._deadletter(
@@ -344,15 +359,27 @@ class Pipeline:
             job.seq,
             job.version,
             doc,
-            msg_id,
+            redis_text(msg_id),
             reply_bytes,
             "applied" if dead_letter is None else "dead_lettered",
             job.entry_id,
-            json.dumps(_flat(dead_letter)) if dead_letter is not None else "",
+            json_bytes(_flat(dead_letter)) if dead_letter is not None else "",
             known_next,
         ]
         result = await self.committers[job.keys.shard].commit(args)
         code = Code(int(result[0]))
+        if code is Code.INVALID:
+            # Refused by the script for this commit alone (the others of the call were
+            # written): nothing was written for it. A normal result is dead-lettered; a dead
+            # letter that cannot be written is a failed attempt, retried with backoff.
+            why = text(result[1])
+            log.error("commit_invalid", error=why)
+            if dead_letter is None:
+                return await self._deadletter(
+                    job, msg, "permanent", f"the commit was refused by Redis: {why}"
+                )
+            await self._retry(job, f"the dead letter was refused by Redis: {why}", None)
+            return None
         if code in (Code.FENCED_TOKEN, Code.FENCED_VERSION):
             self.metrics.fencing_rejections.inc()
             log.warning("commit_fenced", outcome="fenced", reason=code.name.lower())
@@ -420,7 +447,14 @@ class Pipeline:
         raw = await _shielded(
             self.scripts.release(
                 keys=[keys.ready, keys.session_prefix],
-                args=[job.token, job.session_id, job.seq, delay_ms, error, "1" if counts else "0"],
+                args=[
+                    job.token,
+                    job.session_id,
+                    job.seq,
+                    delay_ms,
+                    redis_text(error),
+                    "1" if counts else "0",
+                ],
             )
         )
         return Code(int(raw))
@@ -433,8 +467,8 @@ class Pipeline:
         error: str,
         attempts: int | None = None,
     ) -> Job | None:
-        """Dead-letter in the session's order: the dead letter (the original fields are
-        copied by the commit script, byte for byte), a fallback reply, a history turn and the
+        """Dead-letter in the session's order: the dead letter (the original fields and the seq
+        are added by the commit script, byte for byte), a fallback reply, a history turn and the
         applied_seq advance, so the session's later messages go on."""
         failed_at = str(now_ms())
         letter = {
@@ -446,8 +480,6 @@ class Pipeline:
             "consumer": self.settings.consumer,
             "worker_version": __version__,
         }
-        if job.gap:
-            letter = {"seq": str(job.seq), **letter}
         log.warning("dead_letter", outcome="dead_lettered", error=error, error_kind=kind)
         state = job.load_state()
         kept = {k: v for k, v in state.items() if k not in ("history",)}

@@ -174,7 +174,7 @@ async def reshard(
     for keys in before.shards:
         if keys.stream not in new_streams:
             await step()
-            await redis.delete(keys.stream, keys.ready)
+            await redis.delete(keys.stream, keys.ready, keys.inbound, keys.ages)
         if keys.dlq not in new_dlqs:
             await step()
             await redis.delete(keys.dlq)

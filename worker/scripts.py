@@ -22,6 +22,7 @@ class Code(enum.IntEnum):
     RELEASED = 7
     FENCED_TOKEN = -1
     FENCED_VERSION = -2
+    INVALID = -3  # commit-5.lua: this commit's arguments cannot be written (the others are)
 
 
 def lua_dir() -> Path:

@@ -12,10 +12,20 @@ purpose, as by a producer that missed the reply. A few messages are poison (the 
 on "boom ..." every time): they must be dead-lettered after DIALOG_MAX_ATTEMPTS, and their
 sessions go on.
 
+Hostile producers too: one more sender appends to its own 30 sessions with `XADD MAXLEN ~ 8`
+(the server keeps 8 entries per stream node, so `~` does trim whenever the unread backlog
+grows), which removes unread entries of everyone, and once during the run someone XDELs an
+acknowledged entry of the main workload (by then sequenced: nothing happens) and appends and
+deletes one entry in the same transaction (an unread deletion for certain). Custody means a
+sequenced message is never touched by either; the unread entries they remove are lost, and
+each one must be counted by the workers (the inbound hash's `trimmed`).
+
 After a bounded fault phase the faults stop, the queue drains (deadline poll), and a checker in
 the style of Jepsen's total-queue checker reads every session's state history, the whole reply
 stream and the DLQ:
-- lost: an acknowledged send that was neither applied nor dead-lettered;
+- lost: an acknowledged send that was neither applied nor dead-lettered, beyond the entries
+  the workers counted as trimmed (each entry either has exactly one reply event or was
+  trimmed unread, and the trimmed ones are exactly the count);
 - applied twice: a msg_id finished (applied or dead-lettered) more than once, or twice in a
   history;
 - out of order: a session's history not in send order, or its seqs not 1, 2, 3...;
@@ -91,11 +101,15 @@ class Message:
 
 @dataclass
 class Workload:
-    """The senders: bursts to random sessions; a session's messages go out one by one."""
+    """The senders: bursts to random sessions; a session's messages go out one by one. With
+    `maxlen`, every XADD trims the stream (MAXLEN ~), as a producer copying a common idiom."""
 
     r: redis.asyncio.Redis
     stream: str
     rng: random.Random
+    prefix: str = "c"
+    sessions: int = SESSIONS
+    maxlen: int | None = None
     messages: dict[str, Message] = field(default_factory=dict)
     sent_per_session: Counter[str] = field(default_factory=Counter)
     poison_left: int = POISON_MESSAGES
@@ -103,10 +117,11 @@ class Workload:
     busy: set[str] = field(default_factory=set)
 
     async def run(self) -> None:
-        sessions = [f"c{i}" for i in range(SESSIONS)]
+        sessions = [f"{self.prefix}{i}" for i in range(self.sessions)]
         async with asyncio.TaskGroup() as tg:
             while not self.stop.is_set():
-                for sid in self.rng.sample(sessions, self.rng.randint(30, 120)):
+                burst = min(len(sessions), self.rng.randint(30, 120))
+                for sid in self.rng.sample(sessions, burst):
                     if sid not in self.busy:
                         self.busy.add(sid)
                         tg.create_task(self._burst(sid, self.rng.randint(1, 3)))
@@ -118,7 +133,7 @@ class Workload:
             for _ in range(n):
                 self.sent_per_session[sid] += 1
                 index = self.sent_per_session[sid]
-                poison = self.poison_left > 0 and self.rng.random() < 0.002
+                poison = self.maxlen is None and self.poison_left > 0 and self.rng.random() < 0.002
                 self.poison_left -= poison
                 m = Message(sid, index, f"{sid}-m{index}", poison)
                 self.messages[m.msg_id] = m
@@ -133,7 +148,12 @@ class Workload:
         fields = {"session_id": m.session_id, "text": text, "msg_id": m.msg_id}
         while True:
             try:
-                entry_id = await self.r.xadd(self.stream, fields)  # type: ignore[arg-type]
+                entry_id = await self.r.xadd(
+                    self.stream,
+                    fields,  # type: ignore[arg-type]
+                    maxlen=self.maxlen,
+                    approximate=True,
+                )
                 m.entry_ids.append(entry_id.decode())
                 return
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
@@ -151,6 +171,7 @@ class Chaos:
     live: list[WorkerProc]
     injected: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
+    xdel_results: list[int] = field(default_factory=list)
 
     async def run(self, until: float) -> None:
         while time.monotonic() < until:
@@ -178,6 +199,29 @@ class Chaos:
         if code != 0:
             self.problems.append(f"{victim.name} exited {code} on SIGTERM")
         await self._replace(victim)
+
+    async def hostile_xdel(self, load: Workload, trimmer: Workload) -> None:
+        """Once: XDEL of an acknowledged entry of the main workload (read by now: custody makes
+        it a no-op), then an append and its deletion in one transaction (unread for certain)."""
+        sent = [e for m in load.messages.values() for e in m.entry_ids]
+        if sent:
+            self.xdel_results.append(int(await load.r.xdel(load.stream, self.rng.choice(sent))))
+        m = Message("t-hostile", 1, "t-hostile-m1", False)
+        trimmer.messages[m.msg_id] = m
+        fields = ["session_id", m.session_id, "text", "pesan 1", "msg_id", m.msg_id]
+        # One atomic step, so no worker reads it in between.
+        append_and_delete = (
+            "local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV)) "
+            "redis.call('XDEL', KEYS[1], id) return id"
+        )
+        while True:
+            try:
+                entry_id = await load.r.eval(append_and_delete, 1, load.stream, *fields)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                await asyncio.sleep(0.05)  # Redis is down (a fault): try again
+                continue
+            m.entry_ids.append(entry_id.decode())
+            return
 
     async def kill9_redis(self) -> None:
         await asyncio.to_thread(self.server.kill)
@@ -222,7 +266,10 @@ async def leftovers(r: redis.asyncio.Redis, keys: Keys) -> dict[str, int]:
 async def check(
     r: redis.asyncio.Redis, keys: Keys, messages: dict[str, Message]
 ) -> tuple[dict[str, int], list[str]]:
-    """Jepsen-style total-queue check: returns counts and the problems found."""
+    """Jepsen-style total-queue check: returns counts and the problems found. An entry with no
+    reply event was trimmed unread (custody: nothing else can make one vanish); the workers'
+    count of trimmed entries must match them (plus, at most, the entries of XADDs that raised
+    but landed, whose ids nobody knows)."""
     problems: list[str] = []
     events = await read_all(r, keys.replies)
     letters = await read_all(r, keys.dlq)
@@ -238,7 +285,24 @@ async def check(
             finished[e["msg_id"]].append(e)
     lettered = Counter(f.get("msg_id", "") for f in letters)
 
-    lost = [m for m in messages.values() if m.entry_ids and not finished[m.msg_id]]
+    vanished = {e for m in messages.values() for e in m.entry_ids if per_entry[e] == 0}
+    trimmed = int(await r.hget(keys.inbound, "trimmed") or 0)
+    unknown = trimmed - len(vanished)
+    failed = sum(m.failed_xadds for m in messages.values())
+    if not 0 <= unknown <= failed:
+        # Redis' own count of appends, against the XADDs it acknowledged: fewer means Redis
+        # lost acknowledged entries (no counter of Redis' can then show them as trimmed).
+        acked = sum(len(m.entry_ids) for m in messages.values())
+        added = int((await r.xinfo_stream(keys.stream))["entries-added"])
+        problems.append(
+            f"{trimmed} entries counted as trimmed, {len(vanished)} vanished (and {failed} "
+            f"XADDs raised); Redis counts {added} appends for {acked} acknowledged XADDs"
+        )
+    lost = [
+        m
+        for m in messages.values()
+        if m.entry_ids and not finished[m.msg_id] and not set(m.entry_ids) <= vanished
+    ]
     twice = [k for k, v in finished.items() if len(v) > 1]
     dead = [k for k, v in finished.items() if v and v[0]["outcome"] == "dead_lettered"]
     problems += [f"lost: {m.msg_id} (entries {m.entry_ids})" for m in lost[:10]]
@@ -252,11 +316,12 @@ async def check(
         if (
             m.poison
             and m.entry_ids
+            and not set(m.entry_ids) <= vanished
             and [e["outcome"] for e in finished[m.msg_id]] != ["dead_lettered"]
         ):
             problems.append(f"poison {m.msg_id} ended {finished[m.msg_id]}")
         for entry_id in m.entry_ids:
-            if per_entry[entry_id] != 1:
+            if per_entry[entry_id] != 1 and entry_id not in vanished:
                 problems.append(f"{m.msg_id}: entry {entry_id} has {per_entry[entry_id]} events")
         for d in duplicates[m.msg_id]:
             if not finished[m.msg_id] or d["seq"] != finished[m.msg_id][0]["seq"]:
@@ -284,6 +349,13 @@ async def check(
         "applied": sum(1 for v in finished.values() if v and v[0]["outcome"] == "applied"),
         "dead_lettered": len(dead),
         "duplicate_events": sum(len(v) for v in duplicates.values()),
+        "poison": sum(
+            1 for m in messages.values() if m.poison and not set(m.entry_ids) <= vanished
+        ),
+        "trimmed_entries_counted": trimmed,
+        "trimmed_messages": sum(
+            1 for m in messages.values() if m.entry_ids and set(m.entry_ids) <= vanished
+        ),
         "lost": len(lost),
         "applied_twice": len(twice),
         "out_of_order_sessions": out_of_order,
@@ -298,7 +370,13 @@ async def test_chaos_total_queue(tmp_path: Path) -> None:
     from conftest import worker_env  # a plain function of tests/conftest.py
 
     print(f"\n[chaos] seed {SEED} (CHAOS_SEED={SEED} replays this workload and fault schedule)")
-    server = RedisServer(tmp_path / "redis", appendonly=True, fsync="always").start()
+    # 8 entries per stream node: the trimming producer's MAXLEN ~ 8 trims a backlog of ~16.
+    server = RedisServer(
+        tmp_path / "redis",
+        appendonly=True,
+        fsync="always",
+        extra=("--stream-node-max-entries", "8"),
+    ).start()
     env = worker_env(server.url, **WORKER_ENV)
     keys = Keys.from_settings(load_settings(environ=env))
     pool = WorkerPool(env, tmp_path)
@@ -314,11 +392,19 @@ async def test_chaos_total_queue(tmp_path: Path) -> None:
         live = await asyncio.to_thread(lambda: pool.start(WORKERS, metrics=True))
         chaos = Chaos(server, pool, random.Random(SEED), live)
         load = Workload(sender_redis, keys.stream, random.Random(SEED + 1))
+        trimmer = Workload(
+            sender_redis, keys.stream, random.Random(SEED + 2), prefix="t", sessions=30, maxlen=8
+        )
         started = time.monotonic()
         sender = asyncio.create_task(load.run())
+        trimming = asyncio.create_task(trimmer.run())
+        await chaos.run(until=started + FAULT_PHASE_S / 3)
+        await chaos.hostile_xdel(load, trimmer)
         await chaos.run(until=started + FAULT_PHASE_S)
         load.stop.set()
+        trimmer.stop.set()
         await sender
+        await trimming
         faults_s = time.monotonic() - started
 
         last: dict[str, int] = {}
@@ -334,7 +420,7 @@ async def test_chaos_total_queue(tmp_path: Path) -> None:
         except AssertionError as exc:
             problems.append(f"{exc}: {last}")  # check what there is all the same
         drain_s = time.monotonic() - started - faults_s
-        counts, found = await check(reader, keys, load.messages)
+        counts, found = await check(reader, keys, {**load.messages, **trimmer.messages})
         problems += found + chaos.problems
         problems += [f"{w.name} is not running" for w in chaos.live if not w.alive()]
         print(
@@ -348,9 +434,9 @@ async def test_chaos_total_queue(tmp_path: Path) -> None:
               f"{(await reader.xinfo_stream(keys.stream))['entries-added']}")  # fmt: skip
         assert not problems, f"{len(problems)} problems, e.g.: " + "\n".join(problems[:20])
         assert counts["lost"] == counts["applied_twice"] == counts["out_of_order_sessions"] == 0
-        assert counts["dead_lettered"] == sum(
-            1 for m in load.messages.values() if m.poison and m.entry_ids
-        )
+        assert counts["dead_lettered"] == counts["poison"]
+        assert chaos.xdel_results in ([0], [1])  # 0 unless that entry was still unread
+        assert counts["trimmed_entries_counted"] >= 1  # the hostile append-and-delete at least
         assert set(chaos.injected) == set(FAULTS), f"not every kind of fault: {chaos.injected}"
     finally:
         await sender_redis.aclose()

@@ -67,8 +67,10 @@ async def test_step_that_always_raises_is_dead_lettered_after_max_attempts(clien
     assert await wait_applied(client, sent, timeout_s=30)
     [letter] = await dead_letters(client)
     # The original fields byte for byte (session_id, text and the msg_id the client
-    # generated), plus the worker's; no producer-visible seq (the reply event carries it).
-    assert set(letter) == {"session_id", "text", "msg_id"} | LETTER_FIELDS
+    # generated), plus the worker's, and the message's seq (every dead letter of a sequenced
+    # message has it).
+    assert set(letter) == {"session_id", "text", "msg_id", "seq"} | LETTER_FIELDS
+    assert letter["seq"] == "2"
     assert (letter["session_id"], letter["text"]) == ("p1", "boom here")
     assert letter["msg_id"] == poison.msg_id
     assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "3")

@@ -7,13 +7,19 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import anyio
 import pytest
 import redis
+import structlog.testing
 from redis_server import wait_until_async as poll
 
 from dialog_worker.client import DialogClient
+from dialog_worker.codec import unpack_custody
+from dialog_worker.config import load_settings
+from dialog_worker.daemon import Worker
+from dialog_worker.errors import PermanentError
 from dialog_worker.keys import Keys
 from dialog_worker.verify import Sent, check, send_bursts, wait_applied
 
@@ -193,14 +199,13 @@ async def test_kill_9_between_intake_and_commit_keeps_the_seq(client, workers, e
     sk = client.keys.session("k9")
     await poll(lambda: client.redis.exists(sk.lock), 10, "the worker to hold the session")
     victim.kill()
-    # Sequenced and indexed at intake; nothing sits in a pending list.
-    assert await client.redis.hmget(sk.state, ["q1", "q2", "s", "a"]) == [
-        first.decode(),
-        second.decode(),
-        "2",
-        None,
-    ]
+    # Sequenced and moved into the session's keys at intake; nothing sits in a pending list
+    # or in the stream.
+    q1, q2, last, applied = raw.hmget(sk.state, ["q1", "q2", "s", "a"])
+    assert [unpack_custody(q)[0] for q in (q1, q2)] == [first.decode(), second.decode()]
+    assert (last, applied) == (b"2", None)
     assert (await client.redis.xpending("dialog", "dialog-workers"))["pending"] == 0
+    assert await client.redis.xlen("dialog") == 0
     flag.unlink()
     started = time.monotonic()
     workers.start(1, **fault)
@@ -216,15 +221,38 @@ async def test_kill_9_between_intake_and_commit_keeps_the_seq(client, workers, e
     assert state["memory"]["userName"] == "Budi"
 
 
-async def test_a_deleted_predecessor_is_skipped_as_a_gap(client, workers, env):
+async def test_a_hostile_xdel_of_a_queued_message_changes_nothing(client, workers, env):
+    """Custody: the review's XDEL of a sequenced entry made a gap dead letter without the text
+    or the msg_id, and a re-send was answered duplicate. Now the entry is gone from the stream
+    at intake, and the message is applied with its own msg_id."""
+    raw = raw_client(env)
+    [w] = workers.start(1, DIALOG_LOCK_TTL_MS="500", **FAULT_ENGINE)
+    raw.xadd("dialog", {"session_id": "xd", "text": "sleep 30", "msg_id": "m1"})
+    sk = client.keys.session("xd")
+    await poll(lambda: client.redis.exists(sk.lock), 10, "the worker to hold the session")
+    second = raw.xadd("dialog", {"session_id": "xd", "text": "nama saya Budi", "msg_id": "m2"})
+    await poll(lambda: client.redis.hexists(sk.state, "q2"), 10, "seq 2 to be sequenced")
+    w.kill()
+    assert raw.xdel("dialog", second) == 0  # nothing left to delete
+    raw.xtrim("dialog", maxlen=0, approximate=False)
+    workers.start(1, DIALOG_LOCK_TTL_MS="500")
+    sent = [Sent("xd", 1, "m1", "sleep 30"), Sent("xd", 2, "m2", "nama saya Budi")]
+    assert await wait_applied(client, sent, timeout_s=20)
+    assert [(e["seq"], e["msg_id"], e["outcome"]) for e in await events(client)] == [
+        ("1", "m1", "applied"),
+        ("2", "m2", "applied"),
+    ]
+    assert (await client.state("xd"))["memory"]["userName"] == "Budi"
+
+
+async def test_a_missing_predecessor_is_skipped_as_a_gap(client, workers, env):
     raw = raw_client(env)
     [w] = workers.start(1, DIALOG_GAP_TIMEOUT_S="0.5", DIALOG_LOCK_TTL_MS="500", **FAULT_ENGINE)
     raw.xadd("dialog", {"session_id": "gap", "text": "sleep 30", "msg_id": "m1"})
     sk = client.keys.session("gap")
     await poll(lambda: client.redis.exists(sk.lock), 10, "the worker to hold the session")
     w.kill()
-    gone = await client.redis.hget(sk.state, "q1")
-    await client.redis.xdel("dialog", gone)  # an operator deletes the stuck message
+    await client.redis.hdel(sk.state, "q1")  # the worker's own key edited by hand, or lost
     raw.xadd("dialog", {"session_id": "gap", "text": "nama saya Budi", "msg_id": "m2"})
     workers.start(1, DIALOG_GAP_TIMEOUT_S="0.5", DIALOG_LOCK_TTL_MS="500")
     sent = [Sent("gap", 2, "m2", "nama saya Budi")]
@@ -301,3 +329,121 @@ async def _outcomes(client: DialogClient, sid: str, want: list[str]) -> bool:
 
 async def _gone(client: DialogClient, key: str) -> bool:
     return not await client.redis.exists(key)
+
+
+class _CutSurrogateEngine:
+    """Every step waits until all have started (so their commits meet in one group commit);
+    the session "bad" fails with an error text cut inside a UTF-16 surrogate pair."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.calls: dict[str, int] = {}
+        self.all_started = anyio.Event()
+
+    async def step(self, state: dict, message: dict) -> tuple[dict, str]:
+        sid = message["session_id"]
+        self.calls[sid] = self.calls.get(sid, 0) + 1
+        if len(self.calls) >= self.n:
+            self.all_started.set()
+        with anyio.move_on_after(5):
+            await self.all_started.wait()
+        if sid == "bad":
+            raise PermanentError("API said: cut \ud83d")
+        return {**state, "step": "DONE"}, "ok"
+
+
+async def test_an_engine_error_with_a_lone_surrogate_fails_alone_in_a_group_commit(client, env):
+    """The review's case: the dead letter's JSON carried the escape \\ud83d, Redis' cjson
+    refused it, and the whole group commit failed: every healthy session of the batch threw
+    its finished step away and ran it again after its lease."""
+    sessions = [f"ok{i}" for i in range(9)] + ["bad"] + [f"ok{i}" for i in range(9, 19)]
+    raw = raw_client(env)
+    for sid in sessions:
+        raw.xadd("dialog", {"session_id": sid, "text": "hi"})
+    engine = _CutSurrogateEngine(len(sessions))
+    worker = Worker(load_settings(environ=env), engine)
+
+    async def finished() -> bool:
+        return len(await events(client)) >= len(sessions)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        try:
+            await poll(finished, 15, "every session to finish")
+        finally:
+            worker.stop()
+    assert engine.calls == {sid: 1 for sid in sessions}  # no step ran twice
+    outcomes = {e["session_id"]: e["outcome"] for e in await events(client)}
+    assert outcomes == {sid: "dead_lettered" if sid == "bad" else "applied" for sid in sessions}
+    [letter] = [f for _, f in await client.redis.xrange(client.keys.dlq)]
+    assert (letter["session_id"], letter["seq"]) == ("bad", "1")
+    # Escaped as text, not lost:
+    assert letter["error"].splitlines()[0] == "PermanentError: API said: cut \\ud83d"
+
+
+def _runbook_recovery_script() -> str:
+    """The EVAL of docs/runbook.md's recovery, exactly as an operator would paste it."""
+    runbook = Path(__file__).resolve().parents[2] / "docs" / "runbook.md"
+    section = runbook.read_text().split("## Inbound stream trimmed or pushed ahead", 1)[1]
+    [line] = [x for x in section.splitlines() if x.startswith('redis-cli EVAL "')]
+    script, _, rest = line.removeprefix('redis-cli EVAL "').rpartition('"')
+    assert rest.strip() == "1 dialog dialog-workers", rest
+    return script
+
+
+async def test_a_pushed_ahead_stream_is_recovered_as_the_runbook_says(client, workers, env):
+    raw = raw_client(env)
+    workers.start(1)
+    sent = [Sent(f"pa{i}", 1, f"pa{i}-1", "nama saya Budi") for i in range(5)]
+    for s in sent[:3]:
+        raw.xadd("dialog", {"session_id": s.session_id, "text": s.text, "msg_id": s.msg_id})
+    top = "18446744073709551615-18446744073709551615"
+    raw.xadd("dialog", {"session_id": "pa-top", "text": "hi", "msg_id": "top"}, id=top)
+    with pytest.raises(redis.ResponseError, match="exhausted"):
+        raw.xadd("dialog", {"session_id": "pa3", "text": "x"})
+    script = _runbook_recovery_script()
+
+    async def drained_stream() -> bool:
+        return await client.redis.xlen("dialog") == 0
+
+    async def not_ahead() -> bool:
+        return not await client.redis.hexists(client.keys.inbound, "ahead")
+
+    await poll(drained_stream, 10, "the workers to drain it")
+    assert await client.redis.hget(client.keys.inbound, "ahead") == top  # detected
+
+    async def recovered() -> bool:
+        try:
+            return raw.eval(script, 1, "dialog", "dialog-workers") == b"OK"
+        except redis.ResponseError as exc:
+            assert "still unread" in str(exc)
+            return False
+
+    await poll(recovered, 10, "the recovery to answer OK")
+    for s in sent[3:]:
+        raw.xadd("dialog", {"session_id": s.session_id, "text": s.text, "msg_id": s.msg_id})
+    everything = [*sent, Sent("pa-top", 1, "top", "hi")]
+    assert await wait_applied(client, everything, timeout_s=20)
+    assert await check(client, everything) == []
+    await poll(not_ahead, 10, "the ahead mark to clear")
+
+
+async def test_a_redis_error_is_logged_with_redis_own_message(client, env):
+    """redis-py 8's repr() of a ResponseError hides Redis' message: the log must carry it."""
+    raw = raw_client(env)
+    raw.set("dialog-replies", "not a stream")  # every intake call now fails, saying why
+    worker = Worker(load_settings(environ=env), _CutSurrogateEngine(1))
+    with structlog.testing.capture_logs() as logs:
+
+        async def logged() -> bool:
+            return any(e.get("event") == "loop_error" for e in logs)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.run)
+            try:
+                await poll(logged, 10, "the intake's failure to be logged")
+            finally:
+                worker.stop()
+    [first, *_] = [e for e in logs if e.get("event") == "loop_error"]
+    assert "WRONGTYPE dialog-replies is a string" in first["error"]
+    assert first["error_type"] == "ResponseError"

@@ -11,9 +11,11 @@ import anyio
 import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
+from dialog_worker.codec import json_bytes, unpack_custody
 from dialog_worker.config import Settings
-from dialog_worker.keys import Keys
+from dialog_worker.keys import Keys, shard_of
 from dialog_worker.scripts import Code, Scripts, source
 
 pytestmark = pytest.mark.integration
@@ -128,9 +130,10 @@ async def test_intake_sequences_plain_entries_in_stream_order_and_leaves_nothing
                                                        (b"b", 2, ids[4])]  # fmt: skip
     assert (await h.r.xpending(h.k.stream, h.k.group))["pending"] == 0
     state = await h.state("a")
-    assert state[b"s"] == b"3" and state[b"q2"] == ids[2]
+    assert state[b"s"] == b"3" and unpack_custody(state[b"q2"]) == (
+        ids[2].decode(), {b"session_id": b"a", b"text": b"hi"})  # fmt: skip
     assert await h.r.ttl(h.k.session("a").state) == -1  # persistent while outstanding
-    assert await h.r.xlen(h.k.stream) == 5  # entries stay until their commit
+    assert await h.r.xlen(h.k.stream) == 0  # custody: the stream holds only unread entries
     assert await h.r.zscore(h.k.ready, "a") is not None
 
 
@@ -174,7 +177,7 @@ async def test_a_refused_entry_is_dead_lettered_alone_with_its_raw_fields(
     good = await xadd(h, "good")
     _, read, jobs, _, counts = await h.intake()
     assert read == 2 and [j[3] for j in jobs] == [good]
-    assert [int(c) for c in counts] == [0, 1, 0]
+    assert [int(c) for c in counts] == [0, 1, 0, 0, 0]
     [letter] = await h.dead()
     for name, value in fields.items():
         assert letter[name.encode()] == (value if isinstance(value, bytes) else value.encode())
@@ -185,7 +188,7 @@ async def test_a_refused_entry_is_dead_lettered_alone_with_its_raw_fields(
     assert len(events) == (1 if names_session else 0)
     if names_session:
         assert events[0][b"outcome"] == b"dead_lettered" and events[0][b"seq"] == b"0"
-    assert await h.r.xlen(h.k.stream) == 1  # the refused entry is gone, the good one waits
+    assert await h.r.xlen(h.k.stream) == 0  # the refused entry is gone, the good one moved
 
 
 async def test_an_entry_with_5000_fields_is_kept_whole_in_its_dead_letter(h):
@@ -205,7 +208,7 @@ async def test_33_extra_fields_are_refused_and_32_are_accepted(h):
     await h.r.xadd(h.k.stream, base | {f"f{i}": "v" for i in range(33)})
     await h.r.xadd(h.k.stream, base | {"msg_id": "m2"} | {f"f{i}": "v" for i in range(32)})
     _, _, jobs, _, counts = await h.intake()
-    assert len(jobs) == 1 and [int(c) for c in counts] == [0, 1, 0]
+    assert len(jobs) == 1 and [int(c) for c in counts] == [0, 1, 0, 0, 0]
 
 
 async def test_a_repeated_msg_id_gets_one_duplicate_event_with_the_original_seq_and_reply(h):
@@ -215,7 +218,7 @@ async def test_a_repeated_msg_id_gets_one_duplicate_event_with_the_original_seq_
     assert (await h.commit(commit_args(job, doc)))[0][0] == Code.COMMITTED
     again = await xadd(h, "d", "first again", msg_id="m-1")
     _, _, jobs, _, counts = await h.intake()
-    assert jobs == [] and [int(c) for c in counts] == [1, 0, 0]
+    assert jobs == [] and [int(c) for c in counts] == [1, 0, 0, 0, 0]
     event = (await h.replies())[-1]
     assert (event[b"outcome"], event[b"seq"], event[b"reply"]) == (
         b"duplicate", b"1", b"the answer")  # fmt: skip
@@ -249,7 +252,7 @@ async def test_an_entry_that_names_a_field_twice_is_refused(h):
         "XADD", h.k.stream, "*", "session_id", "a", "text", "x", "session_id", "b"
     )
     _, read, jobs, _, counts = await h.intake()
-    assert (read, jobs, [int(c) for c in counts]) == (1, [], [0, 1, 0])
+    assert (read, jobs, [int(c) for c in counts]) == (1, [], [0, 1, 0, 0, 0])
     [letter] = await h.dead()
     assert b"session_id appears more than once" in letter[b"error"]
     assert await h.state("a") == {} and await h.state("b") == {}
@@ -260,7 +263,7 @@ async def test_a_copy_of_an_outstanding_message_is_answered_by_its_commit_after_
     _, _, [job], _, _ = await h.intake()
     copy = await xadd(h, "cw", "nama saya Budi", msg_id="m-1")
     _, _, jobs, held, counts = await h.intake()
-    assert (jobs, held, [int(c) for c in counts]) == ([], [], [1, 0, 0])
+    assert (jobs, held, [int(c) for c in counts]) == ([], [], [1, 0, 0, 0, 0])
     assert await h.replies() == []  # not before the original's own event
     [r] = await h.commit(commit_args(job))
     assert int(r[0]) == Code.COMMITTED
@@ -283,7 +286,7 @@ async def test_copies_waiting_for_one_message_are_bounded_and_the_rest_answered_
     answered = await h.replies()
     assert 0 < kept < 100 and len(answered) == 100 - kept
     assert {(e[b"outcome"], e[b"seq"]) for e in answered} == {(b"duplicate", b"1")}
-    assert await h.r.xlen(h.k.stream) == 1 + kept
+    assert await h.r.xlen(h.k.stream) == 0  # copies too left the stream at intake
 
 
 async def test_a_new_message_stops_the_idle_ttl_of_its_session(h):
@@ -301,7 +304,7 @@ async def test_intake_leaves_a_lock_someone_else_holds_and_looks_again_when_it_e
     await h.r.set(lock, "someone-else", px=3000)
     await xadd(h, "l")
     _, read, jobs, _, counts = await h.intake()
-    assert (read, jobs, [int(c) for c in counts]) == (1, [], [0, 0, 1])
+    assert (read, jobs, [int(c) for c in counts]) == (1, [], [0, 0, 1, 0, 0])
     assert await h.r.get(lock) == b"someone-else"
     now = await server_ms(h)
     due = await h.r.zscore(h.k.ready, "l")
@@ -376,7 +379,7 @@ async def test_a_commit_with_a_stale_token_or_version_writes_nothing(h):
     r1, r2 = await h.commit(commit_args(job, token=b"stolen"), commit_args(job, version=7))
     assert (int(r1[0]), int(r2[0])) == (Code.FENCED_TOKEN, Code.FENCED_VERSION)
     assert await h.state("f") == before
-    assert await h.replies() == [] and await h.r.xlen(h.k.stream) == 1
+    assert await h.replies() == [] and b"q1" in await h.state("f")
 
 
 async def test_group_commit_fences_each_commit_alone(h):
@@ -410,13 +413,39 @@ async def test_commit_hands_the_lock_to_the_next_entry_with_or_without_its_field
     "bad",
     ["[1, 2, 3", '["error"]', '["error", 1]', json.dumps(["f", "v"] * 33)],
 )
-async def test_commit_validates_every_argument_before_its_first_write(h, bad):
-    for sid in ["v1", "v2"]:
+async def test_a_commit_that_cannot_be_written_fails_alone_and_the_others_are_written(h, bad):
+    for sid in ["v1", "v2", "v3"]:
         await xadd(h, sid)
     _, _, jobs, _, _ = await h.intake()
-    with pytest.raises(Exception, match="dead-letter fields"):
-        await h.commit(commit_args(jobs[0]), commit_args(jobs[1], dead=bad))
-    assert await h.replies() == [] and b"d" not in await h.state("v1")
+    r1, r2, r3 = await h.commit(
+        commit_args(jobs[0]), commit_args(jobs[1], dead=bad, outcome="dead_lettered"),
+        commit_args(jobs[2]),
+    )  # fmt: skip
+    assert (int(r1[0]), int(r2[0]), int(r3[0])) == (Code.COMMITTED, Code.INVALID, Code.COMMITTED)
+    assert b"dead-letter fields" in r2[1]
+    assert [e[b"session_id"] for e in await h.replies()] == [b"v1", b"v3"]
+    assert b"d" not in await h.state("v2") and b"q1" in await h.state("v2")
+    assert await h.dead() == [] and await h.r.get(h.k.session("v2").lock) == jobs[1][1]
+
+
+async def test_a_lone_surrogate_in_an_error_is_a_dead_letter_of_its_own_commit_only(h):
+    """What the review saw: json.dumps writes a lone surrogate as the escape \\ud83d, which
+    Redis' cjson refuses; the whole group commit failed. Each commit stands alone, and the
+    worker's JSON never holds such an escape (json_bytes)."""
+    for sid in ["s1", "s2"]:
+        await xadd(h, sid)
+    _, _, jobs, _, _ = await h.intake()
+    error = "API said: cut \ud83d"
+    refused = json.dumps(["error", error, "error_kind", "permanent"])
+    [r1, r2] = await h.commit(
+        commit_args(jobs[0], dead=refused, outcome="dead_lettered"), commit_args(jobs[1])
+    )
+    assert (int(r1[0]), int(r2[0])) == (Code.INVALID, Code.COMMITTED)
+    clean = json_bytes(["error", error, "error_kind", "permanent"])
+    [r1] = await h.commit(commit_args(jobs[0], dead=clean, outcome="dead_lettered"))
+    assert int(r1[0]) == Code.COMMITTED
+    [letter] = await h.dead()
+    assert letter[b"error"] == b"API said: cut \\ud83d" and letter[b"seq"] == b"1"
 
 
 async def test_a_dead_letter_commit_copies_the_original_fields_byte_for_byte(h):
@@ -439,14 +468,30 @@ async def test_a_commit_for_a_seq_that_is_not_the_next_one_writes_nothing(h):
     [r] = await h.commit(commit_args(skipping))
     assert int(r[0]) == Code.FENCED_VERSION
     assert b"d" not in await h.state("o") and await h.replies() == []
-    assert await h.r.xlen(h.k.stream) == 2
+    assert {b"q1", b"q2"} <= set(await h.state("o"))
 
 
-async def test_a_commit_whose_next_entry_is_missing_releases_and_leaves_the_session_due(h):
-    await xadd(h, "mn")
-    second = await xadd(h, "mn")
+async def test_producer_commands_cannot_touch_a_sequenced_message(h):
+    """Custody: once sequenced, a message lives in its session's keys. XDEL, XTRIM MAXLEN 0,
+    MINID and XADD MAXLEN = 1 by a producer find nothing of it; it is handed on intact."""
+    await xadd(h, "cu")
+    second = await xadd(h, "cu", "kedua", msg_id="m-2", note=b"\xff")
     _, _, [job], _, _ = await h.intake()
-    await h.r.xdel(h.k.stream, second)  # deleted by hand, or lost
+    assert await h.r.xdel(h.k.stream, second) == 0
+    await h.r.xtrim(h.k.stream, maxlen=0, approximate=False)
+    await h.r.execute_command("XTRIM", h.k.stream, "MINID", "=", "9999999999999")
+    await h.r.xadd(h.k.stream, {"session_id": "other", "text": "x"}, maxlen=1, approximate=False)
+    [r] = await h.commit(commit_args(job))
+    assert (int(r[0]), int(r[2]), r[3]) == (Code.HANDOFF, 2, second)
+    fields = dict(zip(r[4][0::2], r[4][1::2], strict=True))
+    assert fields == {b"session_id": b"cu", b"text": b"kedua", b"msg_id": b"m-2", b"note": b"\xff"}
+
+
+async def test_a_commit_whose_next_message_is_missing_releases_and_leaves_the_session_due(h):
+    await xadd(h, "mn")
+    await xadd(h, "mn")
+    _, _, [job], _, _ = await h.intake()
+    await h.r.hdel(h.k.session("mn").state, "q2")  # deleted by hand, or lost
     [r] = await h.commit(commit_args(job))
     assert int(r[0]) == Code.COMMITTED
     assert await h.r.exists(h.k.session("mn").lock) == 0
@@ -492,9 +537,9 @@ async def test_resume_leaves_a_held_session_alone_until_its_lease_ends(h):
 
 
 async def test_a_missing_entry_is_a_gap_only_after_the_gap_timeout(h):
-    entry = await xadd(h, "gap")
+    await xadd(h, "gap")
     _, _, [_job], _, _ = await h.intake()
-    await h.r.xdel(h.k.stream, entry)
+    await h.r.hdel(h.k.session("gap").state, "q1")  # deleted by hand, or lost
     await h.r.delete(h.k.session("gap").lock)
     await h.r.zadd(h.k.ready, {"gap": 0})
     [rows, _] = await h.resume(gap_ms=60_000)
@@ -665,3 +710,137 @@ async def test_resume_skips_a_session_whose_state_key_has_the_wrong_type(h):
     [rows, _] = await h.resume()
     assert [r[1] for r in rows] == [b"fine"]
     assert await h.r.zscore(h.k.ready, "corrupt") > 1  # looked at again later, alone
+
+
+# ---------------------------------------------------------------------------------------------
+# custody: what producer commands on the inbound stream can still do
+
+
+async def test_unread_entries_removed_by_producer_commands_are_counted_at_intake(h):
+    await xadd(h, "a")
+    await h.intake()  # the first call sets the baseline
+    for i in range(5):
+        await xadd(h, "t", f"m{i}")
+    await h.r.xtrim(h.k.stream, maxlen=2, approximate=False)  # 3 unread entries gone
+    gone = await xadd(h, "t", "x")
+    await h.r.xdel(h.k.stream, gone)  # 1 more
+    await h.r.execute_command("XTRIM", h.k.stream, "MINID", "=", gone)  # the 2 before it
+    await h.r.xadd(h.k.stream, {"session_id": "t", "text": "last"}, maxlen=1, approximate=False)
+    _, read, _, _, counts = await h.intake()
+    assert (read, int(counts[3])) == (1, 6)
+    assert await h.r.hget(h.k.inbound, "trimmed") == b"6"
+    # The intake's own deletions, duplicates and refusals are not trimming.
+    await xadd(h, "t", "again", msg_id="d-1")
+    await xadd(h, "t", "again", msg_id="d-1")
+    await h.r.xadd(h.k.stream, {"text": "no session"})
+    _, read, _, _, counts = await h.intake()
+    assert (read, int(counts[3])) == (3, 0)
+    assert await h.r.hget(h.k.inbound, "trimmed") == b"6"
+
+
+async def test_a_last_id_pushed_ahead_is_reported_once(h):
+    await xadd(h, "a")
+    await h.intake()
+    top = "18446744073709551615-18446744073709551615"
+    await h.r.xadd(h.k.stream, {"session_id": "b", "text": "x"}, id=top)
+    with pytest.raises(ResponseError, match="exhausted"):
+        await xadd(h, "c")  # every producer's XADD * fails from now on
+    _, read, _, _, counts = await h.intake()
+    assert (read, int(counts[4])) == (1, 1)
+    assert await h.r.hget(h.k.inbound, "ahead") == top.encode()
+    _, _, _, _, counts = await h.intake()
+    assert int(counts[4]) == 0  # reported once; the hash keeps saying it until it is over
+
+
+async def test_a_gap_frees_its_msg_id_so_a_resend_is_applied(h):
+    await xadd(h, "gm", "first")
+    await xadd(h, "gm", "second", msg_id="m-2")
+    _, _, [job], _, _ = await h.intake()
+    [r] = await h.commit(commit_args(job))
+    await h.r.hdel(h.k.session("gm").state, "q2")  # lost
+    await h.r.delete(h.k.session("gm").lock)
+    await h.r.zadd(h.k.ready, {"gm": 0})
+    await h.r.hset(h.k.session("gm").state, "g", 1)  # seen long ago
+    [[row], _] = await h.resume(gap_ms=1)
+    assert (row[0], int(row[3])) == (b"g", 2)
+    gap = [b"gm", row[2], 2, row[4], [], b"", int(row[7])]
+    letter = json.dumps(["error", "gap", "error_kind", "gap"])
+    args = commit_args(gap, dead=letter, outcome="dead_lettered")
+    args[5] = b"m-2"  # the msg_id, when the worker knows it
+    [r] = await h.commit(args)
+    assert int(r[0]) == Code.COMMITTED
+    assert not await h.r.exists(h.k.session("gm").dedupe("m-2"))
+    [letter_fields] = await h.dead()
+    assert (letter_fields[b"seq"], letter_fields[b"error_kind"]) == (b"2", b"gap")
+    await xadd(h, "gm", "second again", msg_id="m-2")
+    _, _, [job], _, counts = await h.intake()
+    assert (int(job[2]), int(counts[0])) == (3, 0)  # sequenced anew, not a duplicate
+
+
+async def test_an_oversized_entry_with_a_bad_msg_id_is_answered_under_its_entry_id(h):
+    """The msg_id is checked before the size: the refusal's event never carries one that is
+    unusable (here with a control character)."""
+    bad = await h.r.xadd(h.k.stream, {"session_id": "s", "text": "x" * 70_000, "msg_id": "m\x01"})
+    await h.intake()
+    [event] = await h.replies()
+    assert (event[b"msg_id"], event[b"outcome"]) == (bad, b"dead_lettered")
+    [letter] = await h.dead()
+    assert b"msg_id contains control characters" in letter[b"error"]
+
+
+async def test_an_entry_appended_to_another_shards_stream_is_refused_without_a_second_state(h):
+    shards = 3
+    ids = [f"w{i}" for i in range(20)] + [f"sesi-ñ-日本-{i}" for i in range(20)] + ["{x}", "%7D"]
+    for sid in ids:
+        await xadd(h, sid)
+    k = h.k
+    reply = await h.s.intake(
+        keys=[k.stream, k.ready, k.session_prefix, k.dlq, k.replies],
+        args=[k.group, "c1", 100, "t-shard", TTL_MS, 3600, 65536, 32, 0, "test", 0, FALLBACK,
+              1, shards],
+    )  # fmt: skip
+    _, read, jobs, _, counts = reply
+    mine = [sid for sid in ids if shard_of(sid, shards) == 1]  # the same CRC-32 as Python's
+    assert 0 < len(mine) < len(ids)
+    assert (read, [j[0].decode() for j in jobs]) == (len(ids), mine)
+    assert int(counts[1]) == len(ids) - len(mine)
+    letters = await h.dead()
+    assert all(b"belongs to shard" in letter[b"error"] for letter in letters)
+    for sid in set(ids) - set(mine):  # no second state, no place in this shard's ready set
+        assert await h.state(sid) == {} and await h.r.zscore(k.ready, sid) is None
+
+
+async def test_trim_detection_says_why_it_is_off_when_the_acl_refuses_xinfo_stream(h):
+    """An ACL without XINFO STREAM (an old config/redis-acl.conf) must not stop intake, nor
+    leave trim detection off without a word: the inbound hash says why."""
+    await h.r.execute_command(
+        "ACL", "SETUSER", "narrow", "on", "nopass", "~*", "+@all", "-xinfo|stream"
+    )
+    kw = h.r.connection_pool.connection_kwargs
+    narrow = Redis(host=kw["host"], port=kw["port"], username="narrow", password="x")
+    try:
+        await xadd(h, "a")
+        _, read, jobs, _, _ = await Harness(narrow, h.k).intake()
+        assert (read, len(jobs)) == (1, 1)
+        assert b"xinfo" in (await h.r.hget(h.k.inbound, "error") or b"").lower()
+        h.calls += 1  # a token base of its own (t1 was the narrow call's)
+        await h.intake()  # allowed again: the reason goes
+        assert await h.r.hget(h.k.inbound, "error") is None
+    finally:
+        await narrow.aclose()
+        await h.r.execute_command("ACL", "DELUSER", "narrow")
+
+
+async def test_the_ages_say_when_each_sessions_next_message_was_appended(h):
+    """The stream shows only unread entries; the ages show the oldest outstanding message."""
+
+    def ms(entry_id: bytes) -> float:
+        return float(entry_id.split(b"-")[0])
+
+    a1, a2, b1 = await xadd(h, "a"), await xadd(h, "a"), await xadd(h, "b")
+    _, _, [ja, jb], _, _ = await h.intake()
+    assert dict(await h.r.zrange(h.k.ages, 0, -1, withscores=True)) == {b"a": ms(a1), b"b": ms(b1)}
+    [r] = await h.commit(commit_args(ja))
+    assert int(r[0]) == Code.HANDOFF and await h.r.zscore(h.k.ages, "a") == ms(a2)
+    await h.commit(commit_args([b"a", ja[1], 2, a2, [], b"", int(r[1])]), commit_args(jb))
+    assert await h.r.zcard(h.k.ages) == 0  # nothing outstanding
