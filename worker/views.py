@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from dialog_worker.codec import unpack_custody
 from dialog_worker.keys import Keys
-from dialog_worker.streams import StreamReader, first_id, undecoded
+from dialog_worker.streams import StreamReader, first_id, shown, undecoded
 
 
 def entry_age_s(entry_id: str, now_ms: int) -> float:
@@ -19,21 +20,34 @@ def entry_age_s(entry_id: str, now_ms: int) -> float:
 
 
 async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
-    """The `stats` keys. Every entry in the inbound stream is a message not yet finished
-    (applied messages are deleted), so ``oldest_pending_age_s`` is the age of the stream's
-    first entry (0 when it is empty); ``waiting`` counts the entries already delivered and
-    sequenced (stream length minus lag), ``delayed`` the sessions in the ready set (sessions
-    with messages outstanding).
+    """The `stats` keys. The inbound stream holds only unread entries (intake moves each
+    message it sequences into its session's keys), so ``lag`` is what no worker has read yet;
+    ``waiting`` counts the sessions with sequenced messages not applied yet (the ages set),
+    ``delayed`` the sessions in the ready set, and ``oldest_pending_age_s`` is the age of the
+    oldest message not finished: the older of the first unread entry and the oldest
+    outstanding message of any session. ``trimmed`` counts unread entries something other
+    than a worker removed (XTRIM, MAXLEN, XDEL), ``id_ahead`` is the inbound stream's last id
+    while it is pushed far ahead of the clock, ``trim_check_error`` why that check is off.
 
-    A constant number of O(1) commands whatever the backlog (the metrics sampler runs this
-    every few seconds): no scan of the stream. Producer data is never decoded: only the first
-    entry's id is read."""
+    A constant number of O(1) or O(log n) commands whatever the backlog (the metrics sampler
+    runs this every few seconds): no scan of the stream. Producer data is never decoded: only
+    the first entry's id is read."""
     now = int(time.time() * 1000)
     async with redis.pipeline(transaction=False) as pipe:
         pipe.xlen(keys.stream)
         pipe.zcard(keys.ready)
         pipe.xlen(keys.dlq)
-        stream_length, delayed, dlq_length = await pipe.execute()
+        pipe.zcard(keys.ages)
+        pipe.zrange(keys.ages, 0, 0, withscores=True)
+        pipe.hmget(keys.inbound, "trimmed", "ahead", "error")
+        (
+            stream_length,
+            delayed,
+            dlq_length,
+            waiting,
+            oldest_outstanding,
+            inbound,
+        ) = await pipe.execute()
     first = await first_id(redis, keys.stream)
     lag: int | None = stream_length  # no group yet: nothing has been read
     entries_read: int | None = None
@@ -51,27 +65,33 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
         pass  # no stream yet
     if first is not None:
         oldest = entry_age_s(first, now)
+    if oldest_outstanding:
+        oldest = max(oldest, max(0.0, (now - float(oldest_outstanding[0][1])) / 1000))
     if lag is None:
         # Redis reports no lag once an entry at or after the group's position was deleted
-        # (this design deletes finished entries). What was appended minus what the group
-        # read is the same figure whenever the group's read counter is known; else the
-        # stream length bounds it.
+        # (intake deletes what it reads). What was appended minus what the group read is the
+        # same figure whenever the group's read counter is known; else the stream length
+        # bounds it.
         lag = await _lag_from_counters(redis, keys, entries_read, int(stream_length))
     # Replaying the AOF after a crash does not advance the group's entries-read (the intake
     # script's reads are logged as XCLAIMs), so Redis 7.0 can report more lag than there are
     # entries; nothing unread can be more than what the stream holds.
     lag = min(int(lag), int(stream_length))
+    trimmed, ahead, check_error = inbound
     return {
         "stream": keys.stream,
         "group": keys.group,
         "stream_length": stream_length,
         "lag": lag,
         "pending": pending,
-        "waiting": max(0, stream_length - (lag or 0)),
+        "waiting": waiting,
         "oldest_pending_age_s": round(oldest, 3),
         "delayed": delayed,
         "dlq_length": dlq_length,
         "consumers": consumers,
+        "trimmed": _int(trimmed) or 0,
+        "id_ahead": ahead,
+        "trim_check_error": check_error,
     }
 
 
@@ -121,10 +141,14 @@ async def aggregate_stats(redis: Redis, shards: Sequence[Keys]) -> dict[str, Any
     if len(per_shard) == 1:
         return per_shard[0]
     total: dict[str, Any] = {"stream": [s["stream"] for s in per_shard], "group": shards[0].group}
-    for key in ("stream_length", "lag", "pending", "waiting", "delayed", "dlq_length"):
+    for key in ("stream_length", "lag", "pending", "waiting", "delayed", "dlq_length", "trimmed"):
         total[key] = sum(s[key] or 0 for s in per_shard)
     total["oldest_pending_age_s"] = max(s["oldest_pending_age_s"] for s in per_shard)
     total["consumers"] = max(s["consumers"] for s in per_shard)
+    total["id_ahead"] = next((s["id_ahead"] for s in per_shard if s["id_ahead"]), None)
+    total["trim_check_error"] = next(
+        (s["trim_check_error"] for s in per_shard if s["trim_check_error"]), None
+    )
     total["shards"] = [{"shard": k.shard, **s} for k, s in zip(shards, per_shard, strict=True)]
     return total
 
@@ -137,29 +161,41 @@ async def session_view(
     redis: Redis, keys: Keys, session_id: str, reader: StreamReader
 ) -> dict[str, Any]:
     """Everything about one session: lock holder and TTL, applied vs last assigned seq, the
-    next message's attempts and last error, its sequenced messages still waiting in the stream,
-    when the ready set looks at it next, and its dead letters (scans bounded by SCAN_LIMIT).
-    Stream entries come through `reader`: producer bytes are shown escaped, never decoded."""
+    next message's attempts and last error, its sequenced messages still waiting (kept in the
+    session's state hash since intake), when the ready set looks at it next, and its dead
+    letters (a scan bounded by SCAN_LIMIT). The state hash is read undecoded: a waiting
+    message holds producer bytes, which are shown escaped, never decoded."""
     sk = keys.session(session_id)
-    fields = cast(dict[str, str], await redis.hgetall(sk.state))
+    raw = await undecoded(redis, "HGETALL", sk.state)
+    fields = {shown(k): v for k, v in (raw or {}).items()}
     holder = await redis.get(sk.lock)
     ttl_ms = await redis.pttl(sk.lock)
     due = await redis.zscore(keys.ready, session_id)
     state = json.loads(fields["d"]) if "d" in fields else None
     applied = int(fields.get("a", 0))
+    now = _now_ms()
     waiting = []
-    for name, entry_id in sorted(
+    for name, value in sorted(
         ((n, v) for n, v in fields.items() if n[:1] == "q" and n[1:].isdigit()),
         key=lambda item: int(item[0][1:]),
     ):
-        entry = await reader.one(keys.stream, entry_id)
+        held = unpack_custody(value)
+        if held is not None:
+            entry_id, message = held
+            msg_id = message.get(b"msg_id")
+            present = True
+        else:  # sequenced before custody: a plain entry id, the message still in the stream
+            entry_id = shown(value)
+            entry = await reader.one(keys.stream, entry_id)
+            msg_id = entry.raw("msg_id") if entry else None
+            present = entry is not None
         waiting.append(
             {
                 "seq": int(name[1:]),
                 "entry_id": entry_id,
-                "msg_id": (entry.get("msg_id") or entry_id) if entry else None,
-                "age_s": entry_age_s(entry_id, _now_ms()),
-                "present": entry is not None,
+                "msg_id": shown(msg_id) if msg_id is not None else entry_id if present else None,
+                "age_s": entry_age_s(entry_id, now),
+                "present": present,
             }
         )
     want = session_id.encode()
@@ -176,6 +212,7 @@ async def session_view(
         }
         for e in letters
     ]
+    last_error = fields.get("e")
     return {
         "session_id": session_id,
         "lock": {"token": holder, "ttl_ms": ttl_ms if ttl_ms >= 0 else None},
@@ -187,12 +224,12 @@ async def session_view(
             {
                 "seq": applied + 1,
                 "attempts": int(fields.get("n", 0)),
-                "last_error": fields.get("e"),
+                "last_error": shown(last_error) if last_error is not None else None,
             }
             if int(fields.get("s", 0)) > applied
             else None
         ),
-        "next_look_in_s": round((float(due) - _now_ms()) / 1000, 3) if due is not None else None,
+        "next_look_in_s": round((float(due) - now) / 1000, 3) if due is not None else None,
         "waiting": waiting,
         "dead_letters": dead,
     }
