@@ -72,6 +72,8 @@ class Settings:
     reclaim_interval_ms: int = 5000
     consumer_idle_delete_s: int = 3600
     redis_ca_path: str = ""
+    allow_eviction: bool = False
+    redis_check_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         for field, suffix in DERIVED_NAMES.items():
@@ -166,6 +168,13 @@ def _choice(*choices: str) -> Callable[[str, Any], str]:
     return parse
 
 
+def _flag(name: str, raw: Any) -> bool:
+    value = str(raw).strip().lower()
+    if value not in ("0", "1", "true", "false", "yes", "no"):
+        raise ConfigError(name, f"expected 1 or 0, got {raw!r}")
+    return value in ("1", "true", "yes")
+
+
 def _name(name: str, raw: Any) -> str:
     value = str(raw).strip()
     if not value or any(c.isspace() for c in value):
@@ -235,6 +244,8 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "reclaim_interval_ms": _int(10),
     "consumer_idle_delete_s": _int(1),
     "redis_ca_path": _text,
+    "allow_eviction": _flag,
+    "redis_check_interval_s": _float(1.0),
 }
 
 # Environment names that do not follow the DIALOG_<FIELD> pattern.

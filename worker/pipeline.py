@@ -33,6 +33,7 @@ from dialog_worker.errors import PermanentError
 from dialog_worker.failures import describe_failure, retry_after_of, retry_delay_ms
 from dialog_worker.keys import Keys
 from dialog_worker.metrics import Metrics
+from dialog_worker.redis_checks import oom
 from dialog_worker.scripts import Code, Scripts
 
 log = structlog.get_logger("dialog_worker.pipeline")
@@ -133,8 +134,11 @@ class Committer:
             args += commit_args
         try:
             with anyio.CancelScope(shield=True):
-                results = await self.scripts.commit(
-                    keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args
+                results = await oom.call(  # out of memory: wait for room, lease kept
+                    "commit",
+                    lambda: self.scripts.commit(
+                        keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args
+                    ),
                 )
         except Exception as exc:  # every waiter gets the failure; none is left hanging
             for _, slot in batch:
@@ -418,9 +422,19 @@ class Pipeline:
     async def _release(self, job: Job, delay_ms: int, error: str, counts: bool) -> Code:
         keys = job.keys
         raw = await _shielded(
-            self.scripts.release(
-                keys=[keys.ready, keys.session_prefix],
-                args=[job.token, job.session_id, job.seq, delay_ms, error, "1" if counts else "0"],
+            oom.call(  # out of memory: wait for room (the release writes the error)
+                "release",
+                lambda: self.scripts.release(
+                    keys=[keys.ready, keys.session_prefix],
+                    args=[
+                        job.token,
+                        job.session_id,
+                        job.seq,
+                        delay_ms,
+                        error,
+                        "1" if counts else "0",
+                    ],
+                ),
             )
         )
         return Code(int(raw))

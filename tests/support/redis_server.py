@@ -110,7 +110,8 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
+                # NOAUTH: it answers, and wants a password (a test's `--requirepass`).
+                return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 
