@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio
+import redis.exceptions
 from conftest import worker_env
 from redis_server import RedisServer, free_port, wait_until
 from worker_procs import REPO_DIR, WorkerPool
@@ -240,3 +242,152 @@ def test_no_aof_is_one_warning_line(redis_server: RedisServer, tmp_path: Path) -
         assert w.terminate() == 0
     finally:
         pool.stop_all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Out of memory is backpressure
+
+
+async def test_every_script_is_refused_before_it_runs_when_redis_is_out_of_memory(
+    tmp_path: Path,
+) -> None:
+    """Each script declares its flags, so over maxmemory Redis refuses it whole (OOM) before
+    its first command; renew alone may run (allow-oom: it only extends leases)."""
+    from redis.asyncio import Redis as AsyncRedis
+
+    from dialog_worker.scripts import Scripts
+
+    server = RedisServer(tmp_path / "redis", extra=("--maxmemory", "8mb")).start()
+    r = AsyncRedis.from_url(server.url)
+    try:
+        scripts = Scripts.register(r)
+        await r.xadd("dialog", {"session_id": "s1", "text": "hi"})
+        await r.setrange("filler", 9 * 1024 * 1024, "x")  # allowed: memory was below the limit
+        before = {k: await r.dump(k) for k in await r.keys("*") if k != b"filler"}
+        for field in ("intake", "resume", "commit", "release", "delconsumer"):
+            script = getattr(scripts, field)
+            assert script.source.startswith("#!lua flags=\n"), field
+            with pytest.raises(redis.exceptions.OutOfMemoryError):
+                # Keys and arguments that would make every one of them write something.
+                await script(
+                    keys=["dialog", "dialog:{dialog}:ready", "dialog:{dialog}:s:", "d", "r"],
+                    args=["dialog-workers", "c", 10, "t", 1000, 60, 65536, 32, 100, "v", 0, "f"],
+                )
+        assert scripts.renew.source.startswith("#!lua flags=allow-oom\n")
+        assert (
+            await scripts.renew(keys=["dialog:{dialog}:ready", "dialog:{dialog}:s:"], args=[1000])
+            == []
+        )
+        after = {k: await r.dump(k) for k in await r.keys("*") if k != b"filler"}
+        assert after == before, "a refused script wrote something"
+    finally:
+        await r.aclose()
+        server.stop()
+
+
+def scrape_sum(procs: list, name: str, label: str = "") -> float:
+    from test_faults import metric
+
+    return sum(metric(w.metrics_text(), name, label) for w in procs if w.alive())
+
+
+async def test_out_of_memory_mid_burst_holds_the_pool_and_loses_nothing(tmp_path: Path) -> None:
+    """Redis reaches maxmemory in the middle of a burst (a big key fills it): producers are
+    refused (they retry with the same msg_id), intake and commits back off, leases hold, nothing
+    is dead-lettered and no attempt is counted; once the key is deleted everything is applied
+    exactly once, in order, at its first attempt."""
+    import asyncio
+
+    from dialog_worker.client import DialogClient
+    from dialog_worker.config import load_settings
+    from dialog_worker.verify import Sent, check, wait_applied
+
+    server = RedisServer(tmp_path / "redis", extra=("--maxmemory", "64mb")).start()
+    env = worker_env(
+        server.url,
+        DIALOG_ENGINE="attempt_engine:make",
+        ATTEMPT_ENGINE_STEP_S="0.05",
+        DIALOG_LOCK_TTL_MS="1000",
+        DIALOG_VISIBILITY_TIMEOUT_MS="2000",
+    )
+    pool = WorkerPool(env, tmp_path)
+    admin = redis.asyncio.Redis.from_url(server.url)
+    client = DialogClient(settings=load_settings(environ=env), max_connections=100)
+    try:
+        procs = pool.start(2, metrics=True)
+        sessions = [f"oom{i}" for i in range(60)]
+        per_session = 8
+        sent: list[Sent] = []
+        refused_sends = 0
+        filled = asyncio.Event()
+
+        async def sender(sid: str) -> None:
+            nonlocal refused_sends
+            for i in range(1, per_session + 1):
+                msg_id = f"{sid}-m{i}"
+                while True:
+                    try:
+                        res = await client.send(sid, f"pesan {i}", msg_id=msg_id)
+                        break
+                    except redis.exceptions.OutOfMemoryError:
+                        refused_sends += 1  # refused whole: nothing was appended
+                        await asyncio.sleep(0.05)  # producer retry pacing
+                sent.append(Sent(sid, i, res.msg_id, f"pesan {i}"))
+                if len(sent) == len(sessions) * per_session // 3:
+                    # A third of the burst is in: fill Redis past maxmemory.
+                    info = await admin.info("memory")
+                    room = int(info["maxmemory"]) - int(info["used_memory"])
+                    await admin.setrange("filler", room + 2 * 1024 * 1024, "x")
+                    filled.set()
+
+        senders = asyncio.gather(*(sender(sid) for sid in sessions))
+        await asyncio.wait_for(filled.wait(), 30)
+        sent_at_fill = len(sent)
+        await asyncio.sleep(1.0)  # let in-flight steps reach their commits
+        applied_then = await applied_total(admin, sessions)
+        oom_backing_off = await asyncio.to_thread(scrape_sum, procs, "dialog_redis_oom_backoff")
+        await asyncio.sleep(2.0)  # held longer than a lease (1 s): leases must be renewed
+        held_s = 3.0
+        assert await applied_total(admin, sessions) == applied_then, "a commit went through"
+        assert await admin.xlen("dialog-dlq") == 0
+        refusals = await asyncio.to_thread(scrape_sum, procs, "dialog_redis_oom_total")
+        assert refusals > 0 and oom_backing_off >= 1
+        assert all(w.alive() for w in procs)
+        await admin.delete("filler")
+        freed = time.monotonic()
+        await senders
+        assert await wait_applied(client, sent, timeout_s=60)
+        drained_s = time.monotonic() - freed
+        assert await check(client, sent) == []
+        replies = await admin.xrange("dialog-replies")
+        assert {f[b"reply"] for _, f in replies} == {b"attempt=1"}, "an attempt was counted"
+        assert await admin.xlen("dialog-dlq") == 0
+        totals = {
+            name: await asyncio.to_thread(scrape_sum, procs, metric_name, label)
+            for name, (metric_name, label) in {
+                "reclaimed": ("dialog_reclaimed_total", ""),
+                "fencing": ("dialog_fencing_rejections_total", ""),
+                "retried": ("dialog_retries_total", 'reason="error"'),
+                "dead_lettered": ("dialog_messages_total", 'outcome="dead_lettered"'),
+            }.items()
+        }
+        assert totals == {"reclaimed": 0, "fencing": 0, "retried": 0, "dead_lettered": 0}
+        print(
+            f"\n[oom] filled after {sent_at_fill} sends; held {held_s:.0f}s with "
+            f"{applied_then} applied; {int(refusals)} script calls refused for memory, "
+            f"{refused_sends} sends refused and retried; all {len(sent)} applied once, "
+            f"attempt 1, {drained_s:.1f}s after the memory was freed"
+        )
+    finally:
+        await client.aclose()
+        await admin.aclose()
+        pool.stop_all()
+        server.stop()
+
+
+async def applied_total(r, sessions: list[str]) -> int:
+    total = 0
+    for sid in sessions:
+        got = await r.hget(f"dialog:{{dialog}}:s:{{{sid}}}:state", "a")
+        total += int(got or 0)
+    return total
