@@ -565,8 +565,11 @@ def test_kubernetes_service_pdb_and_keda_scaledobject(manifests: dict[str, dict[
     [trigger] = scaled["spec"]["triggers"]
     meta = trigger["metadata"]
     assert trigger["type"] == "redis-streams"
-    assert (meta["stream"], meta["consumerGroup"]) == (DEFAULTS.stream, DEFAULTS.group)
-    counts = [k for k in ("lagCount", "pendingEntriesCount") if k in meta]
+    assert (meta["stream"], meta.get("consumerGroup", DEFAULTS.group)) == (
+        DEFAULTS.stream,
+        DEFAULTS.group,
+    )
+    counts = [k for k in ("lagCount", "pendingEntriesCount", "streamLength") if k in meta]
     assert counts and all(str(meta[k]).isdigit() and int(meta[k]) > 0 for k in counts)
     assert all(isinstance(v, str) for v in meta.values()), "KEDA metadata values are strings"
     auth = manifests[f"TriggerAuthentication/{trigger['authenticationRef']['name']}"]
