@@ -16,6 +16,7 @@ import redis.asyncio
 import redis.exceptions
 from conftest import worker_env
 from redis_server import RedisServer, free_port, wait_until
+from redis_server import wait_until_async as poll
 from worker_procs import REPO_DIR, WorkerPool
 
 pytestmark = pytest.mark.fault
@@ -505,3 +506,129 @@ async def test_aof_restart_reports_no_phantom_lag(tmp_path: Path) -> None:
         r.close()
         pool.stop_all()
         server.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# A forward step of Redis' clock
+
+
+async def test_redis_clock_jumps_an_hour_mid_burst(tmp_path: Path) -> None:
+    """Redis' wall clock steps +1 h while a burst is worked on: every lock lease and every
+    timer in Redis runs out at once. Fencing holds: 0 messages applied twice, 0 out of order,
+    nothing dead-lettered (no false gap). Idle states whose TTL the step ran out are gone, as
+    an expired state is: the session's next message starts a new conversation at seq 1."""
+    import asyncio
+    from collections import defaultdict
+
+    import clock_shift
+    from test_faults import metric
+
+    from dialog_worker.client import DialogClient
+    from dialog_worker.config import load_settings
+    from dialog_worker.verify import send_bursts, wait_applied
+
+    library = clock_shift.build(tmp_path)
+    if library is None:
+        pytest.skip("no C compiler (cc) to build tests/support/clockshift.c")
+    clock = clock_shift.ClockShift(tmp_path, library)
+    server = RedisServer(tmp_path / "redis", appendonly=True, env=clock.env).start()
+    env = worker_env(
+        server.url,
+        DIALOG_ENGINE="attempt_engine:make",
+        ATTEMPT_ENGINE_STEP_S="0.05",
+        DIALOG_STATE_TTL_S="1800",
+    )
+    pool = WorkerPool(env, tmp_path)
+    r = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
+    client = DialogClient(settings=load_settings(environ=env), max_connections=100)
+    try:
+        procs = pool.start(2, metrics=True)
+        idle = await send_bursts(client, [f"idle{i}" for i in range(20)], ["a", "b", "c"])
+        assert await wait_applied(client, idle, timeout_s=30)
+        busy_sessions = [f"busy{i}" for i in range(60)]
+        texts = [f"pesan {j}" for j in range(1, 11)]
+        sending = asyncio.create_task(send_bursts(client, busy_sessions, texts))
+
+        async def a_third_applied() -> bool:
+            got = await asyncio.gather(*(r.hget(state_key(s), "a") for s in busy_sessions))
+            return sum(int(a or 0) for a in got) >= len(busy_sessions) * len(texts) // 3
+
+        await poll(a_third_applied, 30, "a third of the burst applied")
+        before = int((await r.time())[0])
+        clock.step(3600)
+        await poll(lambda: redis_time_after(r, before + 3000), 5, "Redis' clock stepped")
+        jumped_ms = int((await r.time())[0]) * 1000
+        busy = await sending
+
+        async def replies() -> dict[tuple[str, str], list[tuple[str, dict[str, str]]]]:
+            events: dict[tuple[str, str], list[tuple[str, dict[str, str]]]] = defaultdict(list)
+            for entry_id, f in await r.xrange("dialog-replies"):
+                events[(f["session_id"], f["msg_id"])].append((entry_id, f))
+            return events
+
+        async def all_answered() -> bool:
+            events = await replies()
+            return all((s.session_id, s.msg_id) in events for s in busy)
+
+        await poll(all_answered, 60, "a reply event for every message of the burst")
+        events = await replies()
+        applied_twice = [k for k, evs in events.items() if len(evs) > 1]
+        not_applied = [
+            k for k, evs in events.items() if any(f["outcome"] != "applied" for _, f in evs)
+        ]
+        out_of_order = []
+        by_session: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        for s in busy:
+            [(entry_id, f)] = events[(s.session_id, s.msg_id)][:1]
+            by_session[s.session_id].append((entry_id, int(f["seq"])))
+            if int(f["seq"]) != s.seq:
+                out_of_order.append((s.session_id, s.msg_id, f["seq"], s.seq))
+        for sid, seqs in by_session.items():
+            in_stream_order = [seq for _, seq in sorted(seqs, key=lambda e: stream_id(e[0]))]
+            if in_stream_order != sorted(in_stream_order):
+                out_of_order.append((sid, in_stream_order))
+        assert applied_twice == [] and not_applied == [] and out_of_order == []
+        assert await r.xlen("dialog-dlq") == 0, "a false gap or an exhausted message"
+        # Busy sessions: the whole conversation in the state, or (finished before the step,
+        # then idle past DIALOG_STATE_TTL_S) no state at all, never a partial one.
+        kept = expired = 0
+        for sid in busy_sessions:
+            state = await client.state(sid)
+            last_event = max(stream_id(e) for e, _ in (events[k][0] for k in events if k[0] == sid))
+            if state is None:
+                assert last_event < (jumped_ms, 0), f"{sid}: state gone while it was worked on"
+                expired += 1
+            else:
+                assert state["applied_seq"] == len(texts), state
+                assert [t["seq"] for t in state["history"]] == list(range(1, len(texts) + 1))
+                kept += 1
+        # Idle sessions: their states expired with the step; a new message starts over.
+        assert all([await client.state(s) is None for s in {s.session_id for s in idle}])
+        again = await client.ask("idle0", "nama saya Budi", timeout=20)
+        assert (again.outcome, again.seq) == ("applied", 1)
+        fenced = sum(metric(w.metrics_text(), "dialog_fencing_rejections_total") for w in procs)
+        taken = sum(metric(w.metrics_text(), "dialog_reclaimed_total") for w in procs)
+        print(
+            f"\n[clock] +3600 s after {len(busy) // 3}+ of {len(busy)} applied: 0 applied "
+            f"twice, 0 out of order, 0 dead letters; {int(taken)} sessions taken over, "
+            f"{int(fenced)} results fenced; {kept} busy states kept, {expired} expired idle; "
+            f"20 idle states expired"
+        )
+    finally:
+        await client.aclose()
+        await r.aclose()
+        pool.stop_all()
+        server.stop()
+
+
+def state_key(session_id: str) -> str:
+    return f"dialog:{{dialog}}:s:{{{session_id}}}:state"
+
+
+def stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, n = entry_id.partition("-")
+    return int(ms), int(n or 0)
+
+
+async def redis_time_after(r, seconds: int) -> bool:
+    return int((await r.time())[0]) >= seconds
