@@ -188,10 +188,21 @@ def _text(name: str, raw: Any) -> str:
 
 def _url(name: str, raw: Any) -> str:
     value = str(raw).strip()
+    if value.startswith("redis+sentinel://"):
+        from dialog_worker.redis_conn import parse_sentinel_url  # it imports this module
+
+        try:
+            parse_sentinel_url(value)
+        except ValueError as exc:
+            raise ConfigError(name, str(exc)) from None
+        return value
     if not value.startswith(("redis://", "rediss://", "unix://")):
         # The value may hold a password: show only the scheme part, if there is one.
         scheme = value.split("://", 1)[0] if "://" in value else "no scheme"
-        raise ConfigError(name, f"must start with redis://, rediss:// or unix://, got {scheme!r}")
+        raise ConfigError(
+            name,
+            f"must start with redis://, rediss://, unix:// or redis+sentinel://, got {scheme!r}",
+        )
     # Found now rather than as a traceback at the first connection. The messages never
     # repeat the value: a mistyped URL can hold a password where the port should be.
     try:

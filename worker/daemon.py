@@ -96,6 +96,7 @@ class Worker:
         self.scripts = Scripts.register(self.raw)
         self.housekeeping = Scripts.register(self.redis)
         self.guard = redis_checks.RedisGuard(self.redis, settings, self.metrics)
+        self.failover = redis_checks.FailoverWatch(self.redis, self.metrics)
         redis_checks.oom.metrics = self.metrics
         self.leases: dict[str, Job] = {}
         self.committers = {
@@ -162,6 +163,7 @@ class Worker:
                 side.start_soon(self._watch_loop_lag)
                 side.start_soon(self._loop, "sampler", self._sample_once)
                 side.start_soon(self._loop, "redis-check", self.guard.check_once)
+                side.start_soon(self._loop, "failover-watch", self.failover.check_once)
                 async with anyio.create_task_group() as work:
                     async with anyio.create_task_group() as intake:
                         for shard in self.shards:

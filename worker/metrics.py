@@ -146,6 +146,18 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.redis_switches = Counter(
+            "dialog_redis_switches",
+            "Times the Redis server behind REDIS_URL changed under this worker (its run_id: "
+            "a failover or a restart)",
+            registry=r,
+        )
+        self.commits_lost = Counter(
+            "dialog_redis_commits_lost",
+            "Commits of this worker that Redis acknowledged and no longer had after it "
+            "changed (failover, or a restart that lost the end of its AOF)",
+            registry=r,
+        )
         for outcome in ("applied", "duplicate", "dead_lettered"):
             self.messages.labels(outcome)
         for reason in ("contended", "out_of_order", "error"):

@@ -33,7 +33,7 @@ from dialog_worker.errors import PermanentError
 from dialog_worker.failures import describe_failure, retry_after_of, retry_delay_ms
 from dialog_worker.keys import Keys
 from dialog_worker.metrics import Metrics
-from dialog_worker.redis_checks import oom
+from dialog_worker.redis_checks import ledger, oom
 from dialog_worker.scripts import Code, Scripts
 
 log = structlog.get_logger("dialog_worker.pipeline")
@@ -361,6 +361,7 @@ class Pipeline:
             self.metrics.fencing_rejections.inc()
             log.warning("commit_fenced", outcome="fenced", reason=code.name.lower())
             return None
+        ledger.committed(job.keys.session(job.session_id).state, job.version + 1)
         outcome = "dead_lettered" if dead_letter is not None else "applied"
         self.metrics.messages.labels(outcome).inc()
         self.metrics.processing.observe(time.perf_counter() - started)

@@ -347,3 +347,114 @@ def _backoff_s(failures: int) -> float:
 # One per process: the worker binds its metrics at start (daemon); the pipeline's commits and
 # releases go through it.
 oom = OomBackoff()
+
+
+# ---------------------------------------------------------------------------------------------
+# Failover: what Redis acknowledged and then lost
+
+
+class CommitLedger:
+    """This process's recent commits (state key -> the versions it wrote), kept
+    `RECENT_COMMITS_S` and for at most `RECENT_COMMITS_MAX` sessions: what a failover (or a
+    restart that lost the last second of its AOF) may have taken back."""
+
+    RECENT_COMMITS_S = 120.0
+    RECENT_COMMITS_MAX = 100_000
+
+    def __init__(self) -> None:
+        self.recent: dict[str, tuple[list[int], float]] = {}
+
+    def committed(self, state_key: str, version: int) -> None:
+        versions, _ = self.recent.pop(state_key, ([], 0.0))  # re-inserted last: time order
+        versions.append(version)
+        self.recent[state_key] = (versions[-1000:], time.monotonic())
+        if len(self.recent) > self.RECENT_COMMITS_MAX:
+            del self.recent[next(iter(self.recent))]
+
+    def prune(self) -> None:
+        horizon = time.monotonic() - self.RECENT_COMMITS_S
+        while self.recent:
+            key = next(iter(self.recent))
+            if self.recent[key][1] >= horizon:
+                return
+            del self.recent[key]
+
+
+# One per process, fed by the pipeline's commits.
+ledger = CommitLedger()
+
+
+class FailoverWatch:
+    """Notices that the Redis behind the URL is another server than a moment ago (its run_id
+    changed: a Sentinel or Cluster failover, or a restart) and checks this process's recent
+    commits against it. A commit Redis acknowledged and no longer has (the state's version
+    went back) is reported: a log line `commits_lost` with the count and some session keys,
+    and `dialog_redis_commits_lost_total`. Such a message is applied again from the surviving
+    state, so a consumer of the reply stream may see its reply twice; nothing else can tell it
+    (Redis replication is asynchronous; WAIT narrows the window, does not close it)."""
+
+    INTERVAL_S = 1.0
+    RETRY_S = 0.1
+
+    def __init__(self, redis: Redis, metrics: Metrics, commits: CommitLedger = ledger) -> None:
+        self.redis = redis
+        self.metrics = metrics
+        self.commits = commits
+        self.run_id: str | None = None
+
+    async def check_once(self) -> float:
+        try:
+            info: dict[str, Any] = await self.redis.info("server")
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            # Try again soon, not with the loops' backoff: the check must run before the
+            # lost commits' messages are applied again (after a lease), which would hide them.
+            return self.RETRY_S
+        except redis.exceptions.ResponseError as exc:
+            if unhealable(exc, _NO_SETTINGS) is None:
+                raise
+            log.warning("failover_watch_off", reason=str(exc))  # INFO refused: watch nothing
+            return 3600.0
+        run_id = _text(info.get("run_id", ""))
+        if self.run_id is None or run_id == self.run_id:
+            self.run_id = run_id
+            self.commits.prune()
+            return self.INTERVAL_S
+        before = list(self.commits.recent.items())
+        self.commits.recent.clear()
+        self.run_id = run_id
+        lost, count = await self._missing(before)
+        self.metrics.redis_switches.inc()
+        self.metrics.commits_lost.inc(count)
+        if lost:
+            log.error(
+                "commits_lost",
+                lost=count,
+                sessions=len(lost),
+                checked=len(before),
+                state_keys=lost[:20],
+                note="Redis changed (failover or restart) and no longer has these commits; "
+                "their messages are applied again, their replies may be seen twice",
+            )
+        else:
+            log.warning("redis_changed", checked=len(before), lost=0)
+        return self.INTERVAL_S
+
+    async def _missing(
+        self, commits: list[tuple[str, tuple[list[int], float]]]
+    ) -> tuple[list[str], int]:
+        """The sessions whose state went back, and how many of our commits that undid."""
+        lost: list[str] = []
+        count = 0
+        for start in range(0, len(commits), 500):
+            chunk = commits[start : start + 500]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key, _ in chunk:
+                    pipe.hget(key, "v")
+                stored = await pipe.execute()
+            for (key, (versions, _)), got in zip(chunk, stored, strict=True):
+                now = int(got) if got is not None else 0
+                undone = sum(1 for v in versions if v > now)
+                if undone:
+                    lost.append(key)
+                    count += undone
+        return lost, count
