@@ -188,17 +188,30 @@ async def read_config(client: Redis) -> ServerConfig | None:
     """The settings that matter here, from INFO (which managed services and the worker's ACL
     user allow where CONFIG GET is refused), or None where INFO is not allowed either."""
     try:
-        memory: dict[str, Any] = await client.info("memory")
-        persistence: dict[str, Any] = await client.info("persistence")
+        memory = per_node(await client.info("memory"))
+        persistence = per_node(await client.info("persistence"))
     except redis.exceptions.ResponseError as exc:  # NOPERM and unknown command included
         if unhealable(exc, _NO_SETTINGS) is None:
             raise
         return None
-    return ServerConfig(
-        maxmemory=int(memory.get("maxmemory", 0) or 0),
-        policy=_text(memory.get("maxmemory_policy", SAFE_POLICY)),
-        appendonly=str(persistence.get("aof_enabled", "0")) == "1",
-    )
+    configs = [
+        ServerConfig(
+            maxmemory=int(m.get("maxmemory", 0) or 0),
+            policy=_text(m.get("maxmemory_policy", SAFE_POLICY)),
+            appendonly=all(str(p.get("aof_enabled", "0")) == "1" for p in persistence),
+        )
+        for m in memory
+    ]
+    # In a cluster, the first node that can evict speaks for all.
+    return next((c for c in configs if eviction_problem(c)), configs[0] if configs else None)
+
+
+def per_node(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """INFO of a standalone server, or of every node of a Cluster (redis-py's cluster client
+    answers {node name: INFO})."""
+    if info and all(isinstance(v, dict) for v in info.values()):
+        return list(info.values())
+    return [info]
 
 
 _NO_SETTINGS = Settings()
@@ -414,7 +427,8 @@ class FailoverWatch:
                 raise
             log.warning("failover_watch_off", reason=str(exc))  # INFO refused: watch nothing
             return 3600.0
-        run_id = _text(info.get("run_id", ""))
+        # A cluster's: every node's, so a failover of any shard shows.
+        run_id = ",".join(sorted(_text(i.get("run_id", "")) for i in per_node(info)))
         if self.run_id is None or run_id == self.run_id:
             self.run_id = run_id
             self.commits.prune()

@@ -82,3 +82,12 @@ def test_ledger_keeps_recent_versions_per_session_in_time_order() -> None:
     ledger.committed("b", 1)
     ledger.committed("a", 2)
     assert list(ledger.recent) == ["b", "a"] and ledger.recent["a"][0] == [1, 2]
+
+
+def test_a_cluster_answers_info_per_node_and_any_evicting_node_counts() -> None:
+    from dialog_worker.redis_checks import per_node
+
+    one = {"maxmemory": 0, "maxmemory_policy": "noeviction"}
+    assert per_node(one) == [one]
+    nodes = {"127.0.0.1:7000": one, "127.0.0.1:7001": {**one, "maxmemory": 9}}
+    assert per_node(nodes) == list(nodes.values())
