@@ -11,6 +11,7 @@ template forgot to.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import re
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,7 +50,8 @@ SECURITY_HEADERS = {
     ),
     "x-content-type-options": "nosniff",
     "x-frame-options": "DENY",
-    "referrer-policy": "no-referrer",
+    # Not no-referrer: with it, browsers send "Origin: null" on our own form posts.
+    "referrer-policy": "same-origin",
     "cache-control": "no-store",
 }
 
@@ -71,6 +73,9 @@ class Console:
             undefined=jinja2.ChainableUndefined,
         )
         self.templates.filters["q"] = lambda v: urllib.parse.quote(str(v), safe="")
+        self.templates.filters["utc"] = _utc
+        self.templates.filters["show"] = lambda v: "—" if v is None or v == "" else v
+        self.templates.filters["plural"] = lambda n, word: f"{n} {word}{'' if n == 1 else 's'}"
 
     async def aclose(self) -> None:
         if self._own_client:
@@ -125,6 +130,14 @@ class Console:
         if not self.auth.check_form_token(user, token):
             raise HTTPException(403, "the form token is missing or expired: reload the page")
         return fields
+
+
+def _utc(ms: object) -> str:
+    try:
+        when = datetime.datetime.fromtimestamp(int(str(ms)) / 1000, datetime.UTC)
+    except (ValueError, OverflowError, OSError):
+        return str(ms)
+    return when.strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _own_origin(request: Request) -> str:

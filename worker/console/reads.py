@@ -26,6 +26,8 @@ PAGE_MAX = 200
 # offers to go on from where it stopped.
 LETTER_SCAN_PER_PAGE = 5_000
 REDACTED = "[redacted]"
+# A session's dead letters whose every field the timeline reads (the rest show the summary).
+TIMELINE_LETTERS = 200
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,13 +122,16 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
     view = await session_view(client.redis, keys, session_id, raw=client.raw)
     state = await client.state(session_id)
     history = state.get("history") if isinstance(state, dict) else None
-    letters = sorted(
-        (
-            {**redact.fields(d), "handle": handle(keys, str(d["id"]))}
-            for d in view.get("dead_letters", [])
-        ),
-        key=original_order,
-    )
+    now = int(time.time() * 1000)
+    letters = []
+    for n, d in enumerate(view.get("dead_letters", [])):
+        entry_id = str(d["id"])
+        # The summary names the letter; its text and attempts help to judge it (read for the
+        # first TIMELINE_LETTERS only: one XRANGE each).
+        extra = await letter_fields(client, keys, entry_id) if n < TIMELINE_LETTERS else None
+        row = {**_summary(extra or {}), **d, "age_s": round(entry_age_s(entry_id, now), 1)}
+        letters.append(redact.fields(row) | {"handle": handle(keys, entry_id), "id": entry_id})
+    letters.sort(key=original_order)
     found = bool(state is not None or view.get("last_seq") or view.get("waiting") or letters)
     return {
         "session_id": session_id,
