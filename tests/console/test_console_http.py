@@ -18,8 +18,8 @@ from redis_server import wait_until_async
 from worker_procs import WorkerPool
 
 from dialog_worker.client import DialogClient
-from dialog_worker.config import load_settings
-from dialog_worker.console.auth import NoUsers
+from dialog_worker.config import Settings, load_settings
+from dialog_worker.console.auth import Authenticator, NoUsers, Role, User
 from dialog_worker.errors import ConfigError
 
 pytestmark = pytest.mark.integration
@@ -107,7 +107,7 @@ async def test_pages_forbid_framing_and_inline_scripts(http: httpx.AsyncClient) 
 
 
 async def test_a_viewer_sees_no_action_and_the_server_refuses_one(
-    http: httpx.AsyncClient, client: DialogClient
+    http: httpx.AsyncClient, client: DialogClient, console_settings: Settings
 ) -> None:
     entry = await add_letter(client, "s1", 1)
     letters = await http.get("/letters", headers=VIEW)
@@ -125,6 +125,21 @@ async def test_a_viewer_sees_no_action_and_the_server_refuses_one(
     ):
         r = await http.post(path, headers=VIEW, data={**form, "reason": "x", "form_token": token})
         assert r.status_code == 403, r.text
+    # Even a form token minted for the viewer (the pages never give one) does not make an
+    # action theirs: the role is checked by itself.
+    own = Authenticator(console_settings).form_token(User(VIEWER[0], Role.VIEWER))
+    r = await http.post(
+        "/letters/action",
+        headers=VIEW,
+        data={
+            "action": "purge",
+            "handle": f"0:{entry}",
+            "count": "1",
+            "reason": "x",
+            "form_token": own,
+        },
+    )
+    assert r.status_code == 403 and "viewers cannot act" in r.text
     assert await client.redis.xlen(client.keys.dlq) == 1
     assert "No actions yet" in (await http.get("/audit", headers=OP)).text
 
@@ -356,3 +371,23 @@ async def test_overview_reports_the_queue(
     assert data["workers"][0]["name"] == "w1" and data["workers"][0]["idle_ms"] < 10_000
     page = (await http.get("/", headers=VIEW)).text
     assert 'data-stat="dlq_length">1<' in page and "w1" in page
+
+
+async def test_the_session_page_reads_a_bounded_number_of_dead_letters(
+    http: httpx.AsyncClient, client: DialogClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dialog_worker.console import reads
+
+    monkeypatch.setattr(reads, "SESSION_LETTER_SCAN", 5)
+    mine = [await add_letter(client, "mine", 1)]
+    for i in range(6):
+        await add_letter(client, "other", i)
+    mine.append(await add_letter(client, "mine", 2))
+    page = (await http.get("/session?id=mine", headers=VIEW)).text
+    # Only the newest five were read: the older letter of "mine" is not listed, and the page
+    # says so and links to the full list.
+    assert handles_on(page) == [f"0:{mine[1]}"]
+    assert 'id="letters-bound"' in page and "/letters?session=mine" in page
+    monkeypatch.setattr(reads, "SESSION_LETTER_SCAN", 100)
+    page = (await http.get("/session?id=mine", headers=VIEW)).text
+    assert handles_on(page) == [f"0:{e}" for e in mine] and 'id="letters-bound"' not in page
