@@ -391,3 +391,24 @@ async def test_the_session_page_reads_a_bounded_number_of_dead_letters(
     monkeypatch.setattr(reads, "SESSION_LETTER_SCAN", 100)
     page = (await http.get("/session?id=mine", headers=VIEW)).text
     assert handles_on(page) == [f"0:{e}" for e in mine] and 'id="letters-bound"' not in page
+
+
+async def test_bytes_that_are_not_text_never_break_a_page(
+    http: httpx.AsyncClient, client: DialogClient, console_settings: Settings
+) -> None:
+    from dialog_worker.keys import audit_key
+
+    raw = client.raw
+    keys = client.keys_for("bin")
+    # A waiting message kept as packed bytes in the session's state hash, a dead letter and an
+    # audit entry with bytes that are not UTF-8.
+    await raw.hset(keys.session("bin").state, mapping={b"s": b"1", b"q1": b"\xaf\x92\xff\x00"})
+    await raw.xadd(keys.dlq, {b"session_id": b"bin", b"text": b"\xff\xfe", b"seq": b"1"})
+    await raw.xadd(audit_key(console_settings), {b"who": b"\xff", b"action": b"x"})
+    session = await http.get("/session?id=bin", headers=VIEW)
+    assert session.status_code == 200 and len(handles_on(session.text)) == 1
+    assert "\\xff\\xfe" in session.text
+    letters = await http.get("/letters", headers=VIEW)
+    assert letters.status_code == 200 and "\\xff\\xfe" in letters.text
+    audit = await http.get("/audit", headers=VIEW)
+    assert audit.status_code == 200 and "\\xff" in audit.text

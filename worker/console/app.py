@@ -64,7 +64,9 @@ class Console:
         self.auth = Authenticator(settings)  # raises NoUsers first: no users, no console
         self._own_client = client is None
         self.client = client or DialogClient(settings=settings, max_connections=32)
-        self.audit = AuditLog(self.client.redis, audit_key(settings), settings.console_audit_maxlen)
+        self.audit = AuditLog(
+            self.client.redis, self.client.raw, audit_key(settings), settings.console_audit_maxlen
+        )
         self.redact = reads.Redactor.from_setting(settings.console_redact_fields)
         self.templates = jinja2.Environment(
             loader=jinja2.FileSystemLoader(HERE / "templates"),

@@ -18,7 +18,8 @@ FIELDS = ("at_ms", "who", "role", "action", "target", "reason", "outcome", "deta
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AuditLog:
-    redis: Redis  # a client decoding responses to str
+    redis: Redis  # a client decoding responses to str, for XADD
+    raw: Redis  # a bytes client, for reading
     key: str
     maxlen: int
 
@@ -52,12 +53,19 @@ class AuditLog:
         return str(entry_id)
 
     async def page(self, before: str | None, count: int) -> list[dict[str, str]]:
-        """Newest first; `before`: the id the previous page ended at (exclusive)."""
+        """Newest first; `before`: the id the previous page ended at (exclusive). Read as
+        bytes and decoded field by field: an entry someone else wrote cannot break the page."""
         high = f"({before}" if before else "+"
         rows = cast(
-            list[tuple[str, dict[str, str]]],
-            await self.redis.xrevrange(self.key, max=high, min="-", count=count),
+            list[tuple[bytes, dict[bytes, bytes]]],
+            await self.raw.xrevrange(self.key, max=high, min="-", count=count),
         )
-        return [
-            {"id": entry_id, **{k: fields.get(k, "") for k in FIELDS}} for entry_id, fields in rows
-        ]
+        out = []
+        for entry_id, fields in rows:
+            text = {_text(k): _text(v) for k, v in fields.items()}
+            out.append({"id": _text(entry_id), **{k: text.get(k, "") for k in FIELDS}})
+        return out
+
+
+def _text(value: bytes) -> str:
+    return value.decode("utf-8", "backslashreplace")

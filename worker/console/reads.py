@@ -123,9 +123,18 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
     # `session_view` would read the shard's whole dead-letter stream (up to 100,000 entries,
     # most of a second) for this session's letters; it is given a stream name that holds
     # nothing, and the letters are read below, newest first and bounded.
-    view = await session_view(
-        client.redis, dataclasses.replace(keys, dlq=keys.dlq + ":none"), session_id, client.raw
-    )
+    view: dict[str, Any] = {}
+    view_error = None
+    try:
+        view = await session_view(
+            client.redis,
+            dataclasses.replace(keys, dlq=keys.dlq + ":none"),
+            session_id,
+            _entry_reader(client),
+        )
+    except (UnicodeDecodeError, ValueError, TypeError) as exc:
+        # Bookkeeping that does not parse must not hide the rest (state, dead letters).
+        view_error = f"{type(exc).__name__}: {exc}"
     state = await client.state(session_id)
     history = state.get("history") if isinstance(state, dict) else None
     found_letters, scanned, complete = await session_letters(client, keys, session_id)
@@ -140,7 +149,8 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
     return {
         "session_id": session_id,
         "shard": keys.shard,
-        "found": found,
+        "found": found or view_error is not None,
+        "view_error": view_error,
         "view": {k: v for k, v in view.items() if k not in ("dead_letters", "waiting")},
         "lock": view.get("lock") or {},
         "in_flight": view.get("in_flight"),
@@ -188,6 +198,12 @@ async def session_letters(
 
 def _int(value: str | None) -> int | None:
     return int(value) if value is not None and value.isascii() and value.isdigit() else None
+
+
+def _entry_reader(client: DialogClient) -> Any:
+    """What `session_view` reads stream entries with: the client's one reader of producer
+    bytes where it has one (`entries`), else its bytes client."""
+    return getattr(client, "entries", None) or client.raw
 
 
 def original_order(letter: Mapping[str, Any]) -> tuple[int, int, int]:
