@@ -447,3 +447,25 @@ async def test_pages_over_two_shards_list_every_letter_once_in_order(
                 if not url:
                     break
     assert seen == expected
+
+
+async def test_the_back_link_after_an_action_stays_on_the_console(
+    http: httpx.AsyncClient, client: DialogClient
+) -> None:
+    for back in ("//evil.example/x", "/\\evil.example", "https://evil.example", "javascript:x"):
+        entry = await add_letter(client, "s1", 1)
+        page = (await http.get("/letters", headers=OP)).text
+        r = await http.post(
+            "/letters/action",
+            headers=OP,
+            data={
+                "action": "purge",
+                "handle": f"0:{entry}",
+                "count": "1",
+                "reason": "r",
+                "back": back,
+                "form_token": form_token(page),
+            },
+        )
+        assert r.status_code == 200 and 'id="back"' in r.text
+        assert '<a href="/" id="back">' in r.text, back

@@ -330,7 +330,7 @@ async def _act(
         await c.audit.append(user, action, target, reason, "refused", {"error": str(exc)}, ref)
         raise HTTPException(400, str(exc)) from None
     await c.audit.append(user, action, target, reason, "done", outcome.as_dict(), ref)
-    if not back.startswith("/") or back.startswith("//"):
+    if not back.startswith(("/letters", "/session?")):  # never another site ("//x", "/\\x")
         back = "/"
     return c.page(
         request,
