@@ -469,3 +469,25 @@ async def test_the_back_link_after_an_action_stays_on_the_console(
         )
         assert r.status_code == 200 and 'id="back"' in r.text
         assert '<a href="/" id="back">' in r.text, back
+
+
+async def test_the_json_endpoints_read_what_the_pages_show(
+    http: httpx.AsyncClient, client: DialogClient
+) -> None:
+    sid = HOSTILE_IDS[0]
+    entries = [await add_letter(client, sid, i) for i in range(3)]
+    assert (await http.get("/api/session", params={"id": sid})).status_code == 401
+    r = await http.get("/api/session", params={"id": sid}, headers=VIEW)
+    assert r.status_code == 200
+    data = r.json()
+    assert data["session_id"] == sid
+    assert [d["handle"] for d in data["dead_letters"]] == [f"0:{e}" for e in entries]
+    first = (await http.get("/api/letters?limit=2", headers=VIEW)).json()
+    assert [row["handle"] for row in first["letters"]] == [f"0:{e}" for e in entries[:2]]
+    rest = await http.get("/api/letters", params={"after": first["next_after"]}, headers=VIEW)
+    assert [row["handle"] for row in rest.json()["letters"]] == [f"0:{entries[2]}"]
+    assert rest.json()["next_after"] is None
+    bad = await http.get("/api/letters?limit=0", headers=VIEW)
+    assert bad.status_code == 400 and "limit" in bad.json()["error"]
+    missing = await http.get("/api/session?id=nobody", headers=VIEW)
+    assert missing.status_code == 404 and missing.json()["found"] is False

@@ -215,6 +215,22 @@ async def overview_json(c: Console, request: Request) -> Response:
     return JSONResponse(await reads.overview(c.client))
 
 
+async def session_json(c: Console, request: Request) -> Response:
+    c.user(request)
+    session_id = _session_id(request.query_params.get("id"))
+    data = await reads.timeline(c.client, session_id, c.redact)
+    return JSONResponse(data, status_code=200 if data["found"] else 404)
+
+
+async def letters_json(c: Console, request: Request) -> Response:
+    c.user(request)
+    flt, limit, cursor = _letter_query(request)
+    page = await _letters(c, flt, cursor, limit)
+    return JSONResponse(
+        {"letters": page.rows, "next_after": page.next_cursor, "scanned": page.scanned}
+    )
+
+
 async def session_page(c: Console, request: Request) -> Response:
     user = c.user(request)
     raw = request.query_params.get("id")
@@ -248,17 +264,8 @@ async def letters_list(c: Console, request: Request) -> Response:
     user = c.user(request)
     q = request.query_params
     session_raw = q.get("session") or None
-    flt = reads.LetterFilter(
-        kind=q.get("kind") or None,
-        session_id=_session_id(session_raw) if session_raw else None,
-        older_than_s=_duration(q.get("older_than")),
-    )
-    limit = _limit(q.get("limit"))
-    cursor = q.get("after") or None
-    try:
-        page = await reads.letters_page(c.client, flt, cursor, limit, c.redact)
-    except ValidationError as exc:
-        raise HTTPException(400, str(exc)) from None
+    flt, limit, cursor = _letter_query(request)
+    page = await _letters(c, flt, cursor, limit)
     keep = {
         k: v
         for k, v in (
@@ -286,6 +293,26 @@ async def letters_list(c: Console, request: Request) -> Response:
         first_url="/letters?" + urllib.parse.urlencode(keep),
         cursor=cursor,
     )
+
+
+def _letter_query(request: Request) -> tuple[reads.LetterFilter, int, str | None]:
+    q = request.query_params
+    session_raw = q.get("session") or None
+    flt = reads.LetterFilter(
+        kind=q.get("kind") or None,
+        session_id=_session_id(session_raw) if session_raw else None,
+        older_than_s=_duration(q.get("older_than")),
+    )
+    return flt, _limit(q.get("limit")), q.get("after") or None
+
+
+async def _letters(
+    c: Console, flt: reads.LetterFilter, cursor: str | None, limit: int
+) -> reads.LetterPage:
+    try:
+        return await reads.letters_page(c.client, flt, cursor, limit, c.redact)
+    except ValidationError as exc:
+        raise HTTPException(400, str(exc)) from None
 
 
 async def letters_action(c: Console, request: Request) -> Response:
@@ -417,6 +444,8 @@ def create_app(settings: Settings, client: DialogClient | None = None) -> Starle
         routes=[
             Route("/", bind(overview_page)),
             Route("/api/overview", bind(overview_json)),
+            Route("/api/session", bind(session_json)),
+            Route("/api/letters", bind(letters_json)),
             Route("/session", bind(session_page)),
             Route("/session/redrive", bind(session_redrive), methods=["POST"]),
             Route("/letters", bind(letters_list)),
