@@ -222,6 +222,13 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--timeout", type=float, default=120.0, help="seconds to wait for replies (default 120)"
     )
+    console = sub.add_parser(
+        "console", help="web console for operators (needs the http extra; docs/console.md)"
+    )
+    console.add_argument("--host", help="address to listen on (DIALOG_CONSOLE_HOST)")
+    console.add_argument(
+        "--port", type=int, help="port to listen on (DIALOG_CONSOLE_PORT, default 8090)"
+    )
     bench.add_parser(sub)
     return p
 
@@ -229,6 +236,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     overrides: dict[str, Any] = {}
+    if args.command == "console":
+        overrides = {"console_host": args.host, "console_port": args.port}
     if args.command == "run":
         overrides = {"concurrency": args.concurrency, "consumer": args.consumer}
         # A stop asked for while the worker is still starting (nothing taken yet) is a clean
@@ -520,6 +529,21 @@ async def _reshard(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _console(settings: Settings, args: argparse.Namespace) -> int:
+    from dialog_worker.console import MISSING_EXTRA, serve
+    from dialog_worker.console.auth import NoUsers
+
+    try:
+        await serve(settings)
+    except NoUsers as exc:
+        raise ValidationError(str(exc)) from None
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("starlette", "uvicorn", "jinja2"):
+            raise
+        raise ValidationError(MISSING_EXTRA) from None
+    return EXIT_OK
+
+
 _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
     "send": _send,
     "ask": _ask,
@@ -531,4 +555,5 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] =
     "dlq": _dlq,
     "reshard": _reshard,
     "bench": bench.bench_command,
+    "console": _console,
 }

@@ -79,6 +79,15 @@ class Settings:
     allow_eviction: bool = False
     redis_check_interval_s: float = 60.0
 
+    # `dialog-worker console` (docs/console.md): who may sign in, as "name:token,..." lists;
+    # it refuses to start with neither.
+    console_host: str = "127.0.0.1"
+    console_port: int = 8090
+    console_operators: str = ""
+    console_viewers: str = ""
+    console_redact_fields: str = ""
+    console_audit_maxlen: int = 100_000
+
     def __post_init__(self) -> None:
         for field, suffix in DERIVED_NAMES.items():
             if not getattr(self, field):
@@ -190,6 +199,30 @@ def _text(name: str, raw: Any) -> str:
     return str(raw)
 
 
+CONSOLE_TOKEN_MIN_CHARS = 16
+
+
+def _credentials(name: str, raw: Any) -> str:
+    """ "name:token,name:token": names without spaces, colons or commas; tokens of at least
+    CONSOLE_TOKEN_MIN_CHARS characters. Messages name the entry, never repeat a token."""
+    value = str(raw).strip()
+    for position, item in enumerate((i.strip() for i in value.split(",") if i.strip()), 1):
+        user, sep, token = item.partition(":")
+        if not sep or not user or any(c.isspace() for c in user):
+            raise ConfigError(name, f"entry {position} must be name:token (a name without spaces)")
+        if len(token) < CONSOLE_TOKEN_MIN_CHARS or any(c.isspace() or c == "," for c in token):
+            raise ConfigError(
+                name,
+                f"the token of {user!r} must be at least {CONSOLE_TOKEN_MIN_CHARS} characters "
+                "without spaces",
+            )
+    return value
+
+
+def _names(name: str, raw: Any) -> str:
+    return ",".join(n.strip() for n in str(raw).split(",") if n.strip())
+
+
 def _url(name: str, raw: Any) -> str:
     value = str(raw).strip()
     if value.startswith("redis+sentinel://"):
@@ -261,6 +294,13 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "redis_ca_path": _text,
     "allow_eviction": _flag,
     "redis_check_interval_s": _float(1.0),
+
+    "console_host": _name,
+    "console_port": _int(0, 65535),
+    "console_operators": _credentials,
+    "console_viewers": _credentials,
+    "console_redact_fields": _names,
+    "console_audit_maxlen": _int(1),
 }
 
 # Environment names that do not follow the DIALOG_<FIELD> pattern.

@@ -171,6 +171,11 @@ def shards_key(settings: Settings) -> str:
     return f"{settings.prefix}:shards"
 
 
+def audit_key(settings: Settings) -> str:
+    """The console's audit stream: one per deployment, beside the inbound stream's name."""
+    return f"{settings.stream}-audit"
+
+
 def sharded(settings: Settings) -> bool:
     return settings.redis_mode == "cluster" or settings.shards > 1
 

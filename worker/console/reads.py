@@ -1,0 +1,395 @@
+"""What the console shows, read from Redis and never from its own memory. Every read is
+bounded: O(1) commands for the overview, one session's keys (and its shard's dead letters,
+scanned as `session_view` does) for a timeline, and at most `LETTER_SCAN_PER_PAGE` dead
+letters per shard for one page of the dead-letter list. Nothing here writes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from dialog_worker.client import DialogClient
+from dialog_worker.codec import check_id
+from dialog_worker.errors import ValidationError
+from dialog_worker.keys import Keys
+from dialog_worker.views import aggregate_stats, entry_age_s, reply_group_lags, session_view
+
+PAGE_DEFAULT = 50
+PAGE_MAX = 200
+# Dead letters read per shard to fill one filtered page; a page that stops here says so and
+# offers to go on from where it stopped.
+LETTER_SCAN_PER_PAGE = 5_000
+REDACTED = "[redacted]"
+# The newest dead letters of a shard the session page reads for the session's own (about
+# 100 ms for 10,000 on a laptop-class core).
+SESSION_LETTER_SCAN = 10_000
+
+
+# ---------------------------------------------------------------------------------------------
+# redaction
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Redactor:
+    """Hides the values of the configured field names wherever they appear: message and
+    dead-letter fields, and keys of the state at any depth."""
+
+    names: frozenset[str]
+
+    @classmethod
+    def from_setting(cls, listed: str) -> Redactor:
+        return cls(frozenset(n.strip() for n in listed.split(",") if n.strip()))
+
+    def fields(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: (REDACTED if k in self.names else v) for k, v in fields.items()}
+
+    def value(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: (REDACTED if k in self.names else self.value(v)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.value(v) for v in value]
+        return value
+
+
+# ---------------------------------------------------------------------------------------------
+# overview
+
+# The figures of `stats` the overview shows first, with their labels; any others follow.
+HEADLINE = (
+    ("stream_length", "inbound depth"),
+    ("oldest_pending_age_s", "oldest age (s)"),
+    ("pending", "in flight"),
+    ("lag", "unread"),
+    ("delayed", "ready set"),
+    ("dlq_length", "dead letters"),
+)
+
+
+async def overview(client: DialogClient) -> dict[str, Any]:
+    shards = client.topology.shards
+    stats = await aggregate_stats(client.redis, shards)
+    reply_lag: dict[str, int] = {}
+    workers: list[dict[str, Any]] = []
+    for keys in shards:
+        for group, lag in (await reply_group_lags(client.redis, keys)).items():
+            reply_lag[group] = reply_lag.get(group, 0) + lag
+        workers += await _consumers(client.redis, keys)
+    workers.sort(key=lambda w: (w["idle_ms"], w["name"]))
+    return {
+        "at_ms": int(time.time() * 1000),
+        "headline": [{"key": k, "label": label, "value": stats.get(k)} for k, label in HEADLINE],
+        "stats": {k: v for k, v in stats.items() if k != "shards"},
+        "reply_group_lag": reply_lag,
+        "workers": workers,
+    }
+
+
+async def _consumers(redis: Redis, keys: Keys) -> list[dict[str, Any]]:
+    """The workers' consumers: `idle_ms` is the time since each last read the stream, which a
+    live worker does at least every DIALOG_READ_BLOCK_MS: its heartbeat as Redis sees it."""
+    try:
+        rows = await redis.xinfo_consumers(keys.stream, keys.group)
+    except ResponseError:
+        return []  # no stream or group yet
+    return [
+        {
+            "name": str(r.get("name")),
+            "shard": keys.shard,
+            "pending": int(r.get("pending", 0)),
+            "idle_ms": int(r.get("idle", 0)),
+            "inactive_ms": r.get("inactive"),
+        }
+        for r in rows
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# one session
+
+
+def session_id_arg(raw: str | None) -> str:
+    """A session id from a request, checked as the client checks it (ValidationError)."""
+    return check_id("session_id", raw if raw is not None else "")
+
+
+async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> dict[str, Any]:
+    keys = client.keys_for(session_id)
+    # `session_view` would read the shard's whole dead-letter stream (up to 100,000 entries,
+    # most of a second) for this session's letters; it is given a stream name that holds
+    # nothing, and the letters are read below, newest first and bounded.
+    view: dict[str, Any] = {}
+    view_error = None
+    try:
+        view = await session_view(
+            client.redis,
+            dataclasses.replace(keys, dlq=keys.dlq + ":none"),
+            session_id,
+            _entry_reader(client),
+        )
+    except (UnicodeDecodeError, ValueError, TypeError) as exc:
+        # Bookkeeping that does not parse must not hide the rest (state, dead letters).
+        view_error = f"{type(exc).__name__}: {exc}"
+    state = await client.state(session_id)
+    history = state.get("history") if isinstance(state, dict) else None
+    found_letters, scanned, complete = await session_letters(client, keys, session_id)
+    now = int(time.time() * 1000)
+    letters = []
+    for entry_id, fields in found_letters:
+        row: dict[str, Any] = {**_summary(fields), "seq": _int(fields.get("seq"))}
+        row["age_s"] = round(entry_age_s(entry_id, now), 1)
+        letters.append(redact.fields(row) | {"handle": handle(keys, entry_id), "id": entry_id})
+    letters.sort(key=original_order)
+    found = bool(state is not None or view.get("last_seq") or view.get("waiting") or letters)
+    return {
+        "session_id": session_id,
+        "shard": keys.shard,
+        "found": found or view_error is not None,
+        "view_error": view_error,
+        "view": {k: v for k, v in view.items() if k not in ("dead_letters", "waiting")},
+        "lock": view.get("lock") or {},
+        "in_flight": view.get("in_flight"),
+        "waiting": [redact.fields(w) for w in view.get("waiting", [])],
+        "dead_letters": letters,
+        "letters_scanned": scanned,
+        "letters_complete": complete,
+        "history": redact.value(history) if isinstance(history, list) else [],
+        "state_json": (
+            None
+            if state is None
+            else json.dumps(redact.value(state), indent=2, ensure_ascii=False, sort_keys=True)
+        ),
+    }
+
+
+async def session_letters(
+    client: DialogClient, keys: Keys, session_id: str, scan: int | None = None
+) -> tuple[list[tuple[str, dict[str, str]]], int, bool]:
+    """The session's dead letters among the newest `scan` (SESSION_LETTER_SCAN) of its
+    shard, how many were read, and whether that was all of them. Without an index of each
+    session's letters this is a scan; the bound keeps the page fast on a large stream, and
+    the dead-letter list (filtered by session) pages through the rest."""
+    bound = SESSION_LETTER_SCAN if scan is None else scan
+    want = session_id.encode("utf-8")
+    found: list[tuple[str, dict[str, str]]] = []
+    high = "+"
+    scanned = 0
+    while scanned < bound:
+        count = min(1000, bound - scanned)
+        batch = cast(
+            list[tuple[bytes, dict[bytes, bytes]]],
+            await client.raw.xrevrange(keys.dlq, max=high, min="-", count=count),
+        )
+        scanned += len(batch)
+        for raw_id, raw_fields in batch:
+            if raw_fields.get(b"session_id") == want:
+                found.append((_text(raw_id), {_text(k): _text(v) for k, v in raw_fields.items()}))
+        if len(batch) < count:
+            return found, scanned, True
+        high = f"({_text(batch[-1][0])}"
+    more = await client.raw.xrevrange(keys.dlq, max=high, min="-", count=1)
+    return found, scanned, not more
+
+
+def _int(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
+
+
+def _entry_reader(client: DialogClient) -> Any:
+    """What `session_view` reads stream entries with: the client's one reader of producer
+    bytes where it has one (`entries`), else its bytes client."""
+    return getattr(client, "entries", None) or client.raw
+
+
+def original_order(letter: Mapping[str, Any]) -> tuple[int, int, int]:
+    """A session's dead letters in the order their messages were sequenced (seq), those
+    without a seq after, each group in dead-letter order."""
+    seq = letter.get("seq")
+    ms, n = id_key(str(letter.get("id", "0-0")))
+    return (0, int(seq), 0) if isinstance(seq, int) else (1, ms, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# dead letters
+
+
+def handle(keys: Keys, entry_id: str) -> str:
+    """The console's name of one dead letter: its shard and its entry id (entry ids are
+    unique within one shard's stream only)."""
+    return f"{keys.shard}:{entry_id}"
+
+
+def parse_handle(client: DialogClient, raw: str) -> tuple[Keys, str]:
+    shard, sep, entry_id = raw.partition(":")
+    if not sep or not shard.isdigit() or not _is_entry_id(entry_id):
+        raise ValidationError(f"not a dead-letter handle: {raw!r}")
+    try:
+        return client.topology.shard(int(shard)), entry_id
+    except IndexError as exc:
+        raise ValidationError(str(exc)) from None
+
+
+def _is_entry_id(value: str) -> bool:
+    ms, sep, n = value.partition("-")
+    ok = ms.isascii() and ms.isdigit() and len(ms) <= 20
+    return ok and (not sep or (n.isascii() and n.isdigit() and len(n) <= 20))
+
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, n = entry_id.partition("-")
+    try:
+        return int(ms), int(n or 0)
+    except ValueError:
+        return 0, 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LetterFilter:
+    kind: str | None = None
+    session_id: str | None = None
+    older_than_s: float | None = None
+
+    def matches(self, fields: Mapping[str, str]) -> bool:
+        if self.kind is not None and fields.get("error_kind") != self.kind:
+            return False
+        return self.session_id is None or fields.get("session_id") == self.session_id
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LetterPage:
+    rows: list[dict[str, Any]]
+    next_cursor: str | None  # "<shard>:<entry id>" to continue after, or None: the end
+    scanned: int
+
+
+async def letters_page(
+    client: DialogClient,
+    flt: LetterFilter,
+    cursor: str | None,
+    limit: int,
+    redact: Redactor,
+    now_ms: int | None = None,
+) -> LetterPage:
+    """One page of dead letters over every shard, oldest first, after `cursor`. Each shard
+    is read from the cursor's entry id for at most LETTER_SCAN_PER_PAGE entries; when a shard
+    stops there, nothing past the point where it stopped is shown (another shard's later
+    letters would otherwise jump ahead of its unread ones)."""
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    after: tuple[int, int, int] | None = None
+    start = "-"
+    if cursor:
+        keys, entry_id = parse_handle(client, cursor)
+        ms, n = id_key(entry_id)
+        after = (ms, n, keys.shard)
+        start = entry_id
+    end = "+"
+    if flt.older_than_s is not None:
+        cutoff = now - int(flt.older_than_s * 1000)
+        if cutoff <= 0:
+            return LetterPage([], None, 0)
+        end = f"({cutoff}-0"
+    found: list[tuple[tuple[int, int, int], dict[str, Any]]] = []
+    horizon: tuple[int, int, int] | None = None  # the first place a shard stopped early
+    scanned = 0
+    for keys in client.topology.shards:
+        rows, stopped_at, count = await _scan(client.raw, keys, start, end, after, flt, limit)
+        scanned += count
+        found += rows
+        if stopped_at is not None and (horizon is None or stopped_at < horizon):
+            horizon = stopped_at
+    found.sort(key=lambda r: r[0])
+    if horizon is not None:
+        found = [r for r in found if r[0] <= horizon]
+    page = found[:limit]
+    if len(found) > limit:
+        next_cursor: str | None = page[-1][1]["handle"]
+    elif horizon is not None:
+        next_cursor = f"{horizon[2]}:{horizon[0]}-{horizon[1]}"
+    else:
+        next_cursor = None
+    rows_out = []
+    for _, row in page:
+        row["age_s"] = round(entry_age_s(row["id"], now), 1)
+        rows_out.append(redact.fields(row) | {"handle": row["handle"], "id": row["id"]})
+    return LetterPage(rows_out, next_cursor, scanned)
+
+
+async def _scan(
+    raw: Redis,
+    keys: Keys,
+    start: str,
+    end: str,
+    after: tuple[int, int, int] | None,
+    flt: LetterFilter,
+    limit: int,
+) -> tuple[list[tuple[tuple[int, int, int], dict[str, Any]]], tuple[int, int, int] | None, int]:
+    """Matching letters of one shard (at most limit + 1), where it stopped reading early (or
+    None when it reached the end) and how many it read."""
+    out: list[tuple[tuple[int, int, int], dict[str, Any]]] = []
+    scanned = 0
+    cursor = start
+    while True:
+        want = min(1000, LETTER_SCAN_PER_PAGE - scanned)
+        batch = cast(
+            list[tuple[bytes, dict[bytes, bytes]]],
+            await raw.xrange(keys.dlq, min=cursor, max=end, count=want),
+        )
+        scanned += len(batch)
+        last: tuple[int, int, int] | None = None
+        for raw_id, raw_fields in batch:
+            entry_id = _text(raw_id)
+            ms, n = id_key(entry_id)
+            last = (ms, n, keys.shard)
+            if after is not None and last <= after:
+                continue
+            fields = {_text(k): _text(v) for k, v in raw_fields.items()}
+            if flt.matches(fields):
+                row = {"id": entry_id, "handle": handle(keys, entry_id), "shard": keys.shard}
+                out.append((last, row | _summary(fields)))
+                if len(out) > limit:
+                    return out, last, scanned
+        if len(batch) < want:
+            return out, None, scanned
+        if scanned >= LETTER_SCAN_PER_PAGE:
+            return out, last, scanned
+        cursor = f"({_text(batch[-1][0])}"
+
+
+_SUMMARY = (
+    "session_id",
+    "msg_id",
+    "seq",
+    "error_kind",
+    "error",
+    "attempts",
+    "last_failed_at",
+    "text",
+)
+
+
+def _summary(fields: Mapping[str, str]) -> dict[str, str | None]:
+    return {k: fields.get(k) for k in _SUMMARY}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else value
+
+
+async def letter_fields(client: DialogClient, keys: Keys, entry_id: str) -> dict[str, str] | None:
+    """Every field of one dead letter, or None when it is gone."""
+    rows = cast(
+        list[tuple[bytes, dict[bytes, bytes]]],
+        await client.raw.xrange(keys.dlq, min=entry_id, max=entry_id),
+    )
+    if not rows:
+        return None
+    return {_text(k): _text(v) for k, v in rows[0][1].items()}
+
+
+def distinct(values: Iterable[str | None]) -> list[str]:
+    return sorted({v for v in values if v})
