@@ -2,7 +2,8 @@
 
 For applications: `DialogClient` (send, ask, replies, ack, state) and `Reply`;
 `SyncDialogClient` (send, ask, state) for code without an event loop. For engines:
-the `Engine` protocol, `TransientError` and `PermanentError` (docs/engine.md).
+the `Engine` protocol, `TransientError` and `PermanentError`, and `emit` to stream a reply as it
+is written (docs/engine.md).
 """
 
 # Set before the imports below: dialog_worker.pipeline reads it from here.
@@ -11,7 +12,9 @@ __version__ = "0.1.0"
 from dialog_worker.client import DialogClient, SendResult
 from dialog_worker.engine import Engine
 from dialog_worker.errors import PermanentError, ReplyStreamError, ReplyTimeout, TransientError
+from dialog_worker.partials import StreamEvent
 from dialog_worker.replies import Reply
+from dialog_worker.streaming import emit
 from dialog_worker.sync_client import SyncDialogClient
 
 __all__ = [
@@ -22,7 +25,9 @@ __all__ = [
     "ReplyStreamError",
     "ReplyTimeout",
     "SendResult",
+    "StreamEvent",
     "SyncDialogClient",
     "TransientError",
     "__version__",
+    "emit",
 ]

@@ -3,12 +3,13 @@ session state (``DialogClient``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import math
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -21,6 +22,7 @@ from dialog_worker.codec import MAX_EXTRA_FIELDS, RESERVED_FIELDS, check_id, che
 from dialog_worker.config import Settings, load_settings
 from dialog_worker.errors import ReplyTimeout, ValidationError
 from dialog_worker.keys import Keys, Topology
+from dialog_worker.partials import Cursor, MessageKeys, StreamEvent, follow, parse_cursor
 from dialog_worker.redis_conn import check_topology, connect, prepare
 from dialog_worker.replies import Reply, ReplyRouter, ReplySubscription
 
@@ -175,6 +177,75 @@ class DialogClient:
         finally:
             router.forget(session_id, msg_id, waiter)
 
+    async def stream(
+        self,
+        session_id: str,
+        msg_id: str,
+        after: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - bounds the whole iteration
+    ) -> AsyncIterator[StreamEvent]:
+        """The answer to one message as it is written: `StreamEvent`s ``delta`` (append),
+        ``reset`` (a new attempt: clear), ``resync`` (replace with the whole text so far) and
+        finally ``end`` (outcome and the committed reply, which replaces what was shown).
+
+        ``after`` is the ``cursor`` of the last event you handled (``<msg_id>:<attempt>:<pos>``):
+        you get every later piece once. A finished message yields its ``end`` at once; resumed
+        from the end's own cursor, nothing. Raises `ReplyTimeout` after ``timeout`` seconds
+        without the end (the message may still be answered: stream it again)."""
+        check_id("session_id", session_id)
+        check_id("msg_id", msg_id)
+        cursor = parse_cursor(after, msg_id) if after is not None else None
+        deadline = _deadline(timeout)
+        router = self._router(self.keys_for(session_id).replies)
+        waiter = router.expect(session_id, msg_id)
+        try:
+            await router.start()
+            async for event in self._follow(session_id, msg_id, cursor, waiter, deadline):
+                yield event
+        except TimeoutError:
+            raise ReplyTimeout(session_id, msg_id, timeout or 0, router.problem()) from None
+        finally:
+            router.forget(session_id, msg_id, waiter)
+
+    async def ask_stream(
+        self,
+        session_id: str,
+        text: str,
+        msg_id: str | None = None,
+        timeout: float = 60,  # noqa: ASYNC109 - bounds the whole iteration
+        meta: Mapping[str, str] | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """Send a message and stream its answer (events as `stream`). The msg_id is made before
+        the send (a uuid unless given) and is on every event: after a failed send or a
+        timeout, stream it again (or resend with the same msg_id) instead of sending anew."""
+        check_id("session_id", session_id)
+        msg_id = check_id("msg_id", msg_id) if msg_id is not None else uuid.uuid4().hex
+        deadline = _deadline(timeout)
+        router = self._router(self.keys_for(session_id).replies)
+        waiter = router.expect(session_id, msg_id)
+        try:
+            await router.start()
+            await self.send(session_id, text, msg_id=msg_id, meta=meta)
+            async for event in self._follow(session_id, msg_id, None, waiter, deadline):
+                yield event
+        except TimeoutError:
+            raise ReplyTimeout(session_id, msg_id, timeout, router.problem()) from None
+        finally:
+            router.forget(session_id, msg_id, waiter)
+
+    def _follow(
+        self,
+        session_id: str,
+        msg_id: str,
+        after: Cursor | None,
+        waiter: asyncio.Future[Reply],
+        deadline: float | None,
+    ) -> AsyncIterator[StreamEvent]:
+        session = self.keys_for(session_id).session(session_id)
+        keys = MessageKeys(session.partial(msg_id), session.state, session.dedupe(msg_id))
+        block_ms = self.settings.read_block_ms
+        return follow(self._reader_client(), keys, msg_id, after, waiter, deadline, block_ms)
+
     @property
     def waiting_replies(self) -> int:
         """How many `ask` calls are waiting for their reply right now."""
@@ -319,6 +390,16 @@ class DialogClient:
     def keys_for(self, session_id: str) -> Keys:
         """The shard a session belongs to (the only one in the plain layout)."""
         return self.topology.for_session(session_id)
+
+
+def _deadline(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not (
+        isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0
+    ):
+        raise ValidationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return asyncio.get_running_loop().time() + timeout
 
 
 def _is_stream_id(value: object) -> bool:

@@ -76,6 +76,14 @@ class Settings:
     reclaim_interval_ms: int = 5000
     consumer_idle_delete_s: int = 3600
     redis_ca_path: str = ""
+    # Streamed replies (worker/streaming.py) and the HTTP gateway (worker/gateway/).
+    partial_ttl_s: int = 600
+    partial_maxlen: int = 1000
+    partial_flush_ms: int = 40
+    partial_flush_chars: int = 512
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    http_token: str = ""
 
     def __post_init__(self) -> None:
         for field, suffix in DERIVED_NAMES.items():
@@ -239,6 +247,13 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "reclaim_interval_ms": _int(10),
     "consumer_idle_delete_s": _int(1),
     "redis_ca_path": _text,
+    "partial_ttl_s": _int(1),
+    "partial_maxlen": _int(10, 1_000_000),
+    "partial_flush_ms": _int(0, 10_000),
+    "partial_flush_chars": _int(1),
+    "http_host": _name,
+    "http_port": _int(0, 65535),
+    "http_token": _text,
 }
 
 # Environment names that do not follow the DIALOG_<FIELD> pattern.

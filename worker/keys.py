@@ -84,6 +84,10 @@ class SessionKeys:
     def dedupe(self, msg_id: str) -> str:
         return self.dedupe_prefix + msg_id
 
+    def partial(self, msg_id: str) -> str:
+        """The stream of a message's partial reply (worker/streaming.py)."""
+        return self.state.removesuffix(":state") + ":partial:" + msg_id
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Keys:
