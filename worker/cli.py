@@ -121,6 +121,12 @@ def _parser() -> argparse.ArgumentParser:
         "--msg-id to keep waiting (a seen msg_id is never applied twice)",
     )
     ask.add_argument("--msg-id", help="message id (default: a new random one)")
+    ask.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the answer as it is written: one JSON line per event (delta, reset, "
+        "resync), then the end event with the committed reply",
+    )
 
     replies = sub.add_parser(
         "replies",
@@ -337,6 +343,8 @@ async def _send(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _ask(settings: Settings, args: argparse.Namespace) -> int:
+    if args.stream:
+        return await _ask_stream(settings, args)
     async with DialogClient(settings=settings) as c:
         try:
             reply = await c.ask(args.session, args.text, msg_id=args.msg_id, timeout=args.timeout)
@@ -345,6 +353,21 @@ async def _ask(settings: Settings, args: argparse.Namespace) -> int:
             return EXIT_FAILURE
     _emit(reply.as_dict())
     return EXIT_FAILURE if reply.outcome == "dead_lettered" else EXIT_OK
+
+
+async def _ask_stream(settings: Settings, args: argparse.Namespace) -> int:
+    outcome = ""
+    async with DialogClient(settings=settings) as c:
+        try:
+            async for event in c.ask_stream(
+                args.session, args.text, msg_id=args.msg_id, timeout=args.timeout
+            ):
+                _emit({"session_id": args.session, **event.as_dict()})
+                outcome = event.outcome or ""
+        except (ReplyTimeout, ReplyStreamError) as exc:
+            print(f"dialog-worker: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+    return EXIT_FAILURE if outcome in ("dead_lettered", "expired") else EXIT_OK
 
 
 async def _replies(settings: Settings, args: argparse.Namespace) -> int:

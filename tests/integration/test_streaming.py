@@ -250,3 +250,29 @@ async def test_a_partial_stream_is_capped_and_a_reader_behind_the_cap_resyncs(
     events = [e async for e in client.stream("st-9", "m9", after="m9:1:0", timeout=5)]
     assert events[0].kind == "resync"
     assert shown(events[:-1]) == text
+
+
+async def test_cli_ask_stream_prints_each_event_as_a_json_line(
+    env: dict[str, str], workers: WorkerPool
+):
+    import json
+    import subprocess
+    import sys
+
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "dialog_worker", "ask", "st-10", "30 5", "--stream"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(lines) >= 3
+    assert {line["kind"] for line in lines[:-1]} == {"delta"}
+    reply = "".join(f"w{i} " for i in range(30))
+    assert "".join(line["text"] for line in lines[:-1]) == reply
+    assert (lines[-1]["kind"], lines[-1]["outcome"], lines[-1]["text"]) == ("end", "applied", reply)
+    assert lines[-1]["session_id"] == "st-10"
