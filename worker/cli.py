@@ -215,6 +215,19 @@ def _parser() -> argparse.ArgumentParser:
         help="skip the check that no consumer of the group was active recently",
     )
 
+    serve = sub.add_parser(
+        "serve",
+        help="the HTTP gateway: send messages and stream their answers to browsers (needs "
+        "dialog-worker[http])",
+    )
+    serve.add_argument("--host", help="address to listen on (default DIALOG_HTTP_HOST, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default DIALOG_HTTP_PORT, 8080)")
+    serve.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="accept requests without DIALOG_HTTP_TOKEN (only on a loopback address)",
+    )
+
     verify = sub.add_parser("verify", help="concurrency verification against running workers")
     verify.add_argument("--sessions", type=_positive_int, default=50, help="sessions (default 50)")
     verify.add_argument(
@@ -534,9 +547,20 @@ async def _reshard(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _serve(settings: Settings, args: argparse.Namespace) -> int:
+    try:
+        from dialog_worker.gateway.serve import serve
+    except ModuleNotFoundError as exc:
+        raise ConfigError("serve", f"needs {exc.name}: pip install 'dialog-worker[http]'") from None
+    host = args.host or settings.http_host
+    port = args.port if args.port is not None else settings.http_port
+    return await serve(settings, host, port, args.no_auth)
+
+
 _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
     "send": _send,
     "ask": _ask,
+    "serve": _serve,
     "replies": _replies,
     "state": _state,
     "session": _session,
