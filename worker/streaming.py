@@ -6,17 +6,19 @@ the text the step returns. The pipeline runs each step inside `PartialReplies.ru
 a `PartialWriter` in a context variable: an ``async def`` step sees it directly, a plain
 ``def`` step in its worker thread too (``anyio.to_thread.run_sync`` copies the context).
 
-The writer never makes one Redis call per token: text is gathered for
-``DIALOG_PARTIAL_FLUSH_MS`` (or until ``DIALOG_PARTIAL_FLUSH_CHARS``) and appended as one
-entry by one script call, fenced by the session lock, so a worker that lost its lease writes
-nothing. After the commit the pipeline appends the end entry (outcome and committed reply);
-readers do not depend on it (worker/partials.py derives the end from the commit too).
+The writer never makes one Redis call per token, nor one per answer: text is gathered for
+``DIALOG_PARTIAL_FLUSH_MS`` (or until ``DIALOG_PARTIAL_FLUSH_CHARS``), then what every live
+step of the worker emitted goes in one script call (one per shard), each answer's batch
+fenced by its session lock, so a worker that lost its lease writes nothing. After the commit
+the pipeline appends the end entry (outcome and committed reply); readers do not depend on it
+(worker/partials.py derives the end from the commit too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import dataclasses
 import threading
@@ -46,7 +48,7 @@ APPENDED, ALREADY, FENCED, STALE = 1, 0, -1, -3
 _current: contextvars.ContextVar[PartialWriter | None] = contextvars.ContextVar(
     "dialog_worker_partial_writer", default=None
 )
-# Flush tasks left to finish on their own (a failed step does not wait for them).
+# The flush tasks (held here: the loop keeps only weak references to tasks).
 _background: set[asyncio.Task[None]] = set()
 
 
@@ -63,30 +65,27 @@ def emit(text: str) -> None:
 
 
 class PartialWriter:
-    """The partial stream of one attempt of one message: gathers emitted text (from the loop or
-    from the step's thread) and appends it in batches, in order, from one flush task."""
+    """The partial stream of one attempt of one message: gathers what the step emits (on the
+    loop or in the step's thread). `PartialReplies` writes it, with every other live answer of
+    the worker, in one call per flush interval."""
 
     def __init__(self, replies: PartialReplies, job: Job, msg_id: str, attempt: int) -> None:
         self.replies = replies
-        self.settings = replies.settings
         session = job.keys.session(job.session_id)
         self.keys = [session.lock, session.partial(msg_id)]
+        self.shard = job.keys.shard
         self.token = job.token
         self.seq = job.seq
         self.attempt = attempt
         self.pos = 0  # position of the next entry
-        self.loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._lock = threading.Lock()
         self._pending: list[str] = []
         self._pending_chars = 0
         self._sent: list[str] = []  # the text written so far, for snapshots
-        self._wake = asyncio.Event()
-        self._urgent = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self.closed = False
         self.fenced = False
-        self._snapshot_every = max(1, self.settings.partial_maxlen // 2)
+        self.inflight = 0  # batches of this writer in a call not answered yet
+        self.drained: asyncio.Event | None = None  # set by `finish`, set when all is written
 
     @property
     def wrote(self) -> bool:
@@ -99,89 +98,68 @@ class PartialWriter:
             self._pending.append(text)
             self._pending_chars += len(text)
             first = len(self._pending) == 1
-            urgent = self._pending_chars >= self.settings.partial_flush_chars
+            urgent = self._pending_chars >= self.replies.settings.partial_flush_chars
         if first or urgent:
-            if threading.get_ident() == self._loop_thread:
-                self._kick(urgent)
-            else:
-                self.loop.call_soon_threadsafe(self._kick, urgent)
+            self.replies.wake(self, urgent)
 
-    def _kick(self, urgent: bool) -> None:
-        if self._task is None:
-            self._task = self.loop.create_task(self._run(), name="dialog-partial-writer")
-            _background.add(self._task)
-            self._task.add_done_callback(_background.discard)
-        self._wake.set()
-        if urgent:
-            self._urgent.set()
-
-    async def _run(self) -> None:
-        interval = self.settings.partial_flush_ms / 1000
-        while True:
-            await self._wake.wait()
-            if not self._urgent.is_set() and interval > 0:
-                # Gather: one call per interval, not one per token.
-                try:
-                    await asyncio.wait_for(self._urgent.wait(), interval)
-                except TimeoutError:
-                    pass
-            self._wake.clear()
-            self._urgent.clear()
-            await self._flush()
-            if self.closed:
-                return
-
-    async def _flush(self) -> None:
+    def take(self) -> str:
         with self._lock:
             parts, self._pending, self._pending_chars = self._pending, [], 0
-        if not parts or self.fenced:
-            return
-        text = "".join(parts)
-        for start in range(0, len(text), MAX_ENTRY_CHARS):
-            piece = text[start : start + MAX_ENTRY_CHARS]
-            if not await self._append(piece):
-                with self._lock:  # written later, in order, or dropped if the step ends first
-                    self._pending.insert(0, text[start:])
-                    self._pending_chars += len(text) - start
-                return
+        return "".join(parts)
 
-    async def _append(self, piece: str) -> bool:
-        """One entry; False when it must be tried again later (Redis failed)."""
-        pos = self.pos
-        full = ""
-        if pos and pos % self._snapshot_every == 0:
-            full = "".join(self._sent) + piece
-        try:
-            code = await self.replies.call(
-                self.keys, "d", self.token, self.attempt, pos, self.seq, piece, full, ""
-            )
-        except (redis.exceptions.RedisError, OSError) as exc:
-            log.warning("partial_write_failed", error=str(exc), note="retried at the next flush")
-            return False
-        if code in (FENCED, STALE):
-            self.fenced = True  # the lease is lost: the commit will be fenced as well
-            return True
-        self._sent.append(piece)
-        self.pos = pos + 1
-        return True
+    def give_back(self, text: str) -> None:
+        """A write failed: the text goes first in the next one (dropped if the step ended)."""
+        with self._lock:
+            if self.fenced:
+                return
+            self._pending.insert(0, text)
+            self._pending_chars += len(text)
+
+    def batches(self, text: str) -> list[tuple[int, str, str]]:
+        """(pos, piece, snapshot) for the entries of ``text``: a huge emit is split, and every
+        `partial_maxlen // 2` entries carries the whole text so far."""
+        every = max(1, self.replies.settings.partial_maxlen // 2)
+        out = []
+        so_far = None
+        for i, start in enumerate(range(0, len(text), MAX_ENTRY_CHARS)):
+            piece = text[start : start + MAX_ENTRY_CHARS]
+            pos = self.pos + i
+            full = ""
+            if pos and pos % every == 0:
+                so_far = "".join(self._sent) + text[: start + len(piece)]
+                full = so_far
+            out.append((pos, piece, full))
+        return out
+
+    def written(self, pieces: list[str], codes: list[int]) -> None:
+        for piece, code in zip(pieces, codes, strict=True):
+            if code in (FENCED, STALE):
+                self.fenced = True  # the lease is lost: the commit will be fenced as well
+                return
+            self._sent.append(piece)
+            self.pos += 1
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self.fenced or not (self._pending or self.inflight)
 
     async def finish(self) -> None:
-        """The step returned: write what is still gathered, then stop."""
+        """The step returned: wait until what it emitted is written (the next flush, sent at
+        once)."""
         with self._lock:
             self.closed = True
-        if self._task is not None:
-            self._wake.set()
-            self._urgent.set()
-            await self._task
+        if self.idle():
+            return
+        self.drained = asyncio.Event()
+        self.replies.wake(self, urgent=True)
+        await self.drained.wait()
 
     def abandon(self) -> None:
-        """The step failed or was cancelled: what is gathered is dropped; a write in flight
-        completes on its own (the next attempt's entries tell readers to start over)."""
+        """The step failed or was cancelled: what is gathered is dropped (the next attempt's
+        entries tell readers to start over)."""
         with self._lock:
             self.closed = True
             self._pending, self._pending_chars = [], 0
-        self._wake.set()
-        self._urgent.set()
 
 
 @dataclasses.dataclass(slots=True)
@@ -192,27 +170,125 @@ class _Ended:
     seq: int
 
 
+# Most batches in one script call.
+FLUSH_BATCH = 256
+
+
 class PartialReplies:
-    """The pipeline's handle on partial streams: runs steps with a writer in context, and
-    appends the end entry after a commit."""
+    """The pipeline's handle on partial streams: runs steps with a writer in context, writes
+    what every live step emitted in one call per interval (per shard), and appends the end
+    entry after a commit."""
 
     def __init__(self, redis: Redis, settings: Settings) -> None:
         self.settings = settings
         self.script = Script(redis, source("emit"))
+        self._dirty: dict[PartialWriter, None] = {}  # writers with text to write, in order
+        self._wakeup: asyncio.Event | None = None
+        self._urgent: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
         # Steps that wrote, waiting for their commit (bounded: a commit that never comes,
         # fenced or failed, must not leak its entry).
         self._written: collections.OrderedDict[tuple[str, int], _Ended] = collections.OrderedDict()
         self._written_cap = 4 * settings.concurrency + 16
 
-    async def call(self, keys: list[str], *args: str | int) -> int:
+    def wake(self, writer: PartialWriter, urgent: bool) -> None:
+        """From the loop or a step's thread: ``writer`` has text to write."""
+        if threading.get_ident() == self._loop_thread:
+            self._mark(writer, urgent)
+        elif self._loop is not None:
+            self._loop.call_soon_threadsafe(self._mark, writer, urgent)
+
+    def _mark(self, writer: PartialWriter, urgent: bool) -> None:
+        self._dirty[writer] = None
+        if self._task is None or self._task.done():
+            self._wakeup, self._urgent = asyncio.Event(), asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="dialog-partial-writer"
+            )
+            _background.add(self._task)
+            self._task.add_done_callback(_background.discard)
+        assert self._wakeup is not None and self._urgent is not None
+        self._wakeup.set()
+        if urgent:
+            self._urgent.set()
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None and self._urgent is not None
+        interval = self.settings.partial_flush_ms / 1000
+        while True:
+            await self._wakeup.wait()
+            if not self._urgent.is_set() and interval > 0:
+                # Gather: one call per interval for every live answer, not one per token.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), interval)
+            self._wakeup.clear()
+            self._urgent.clear()
+            writers, self._dirty = list(self._dirty), {}
+            try:
+                await self._flush(writers)
+            except Exception:  # never let the writer task die: log, and go on
+                log.exception("partial_flush_failed")
+
+    async def _flush(self, writers: list[PartialWriter]) -> None:
+        by_shard: dict[int, list[tuple[PartialWriter, str]]] = {}
+        for writer in writers:
+            text = writer.take()
+            if text and not writer.fenced:
+                by_shard.setdefault(writer.shard, []).append((writer, text))
+            elif writer.drained is not None and writer.idle():
+                writer.drained.set()
+        for batch in by_shard.values():
+            for i in range(0, len(batch), FLUSH_BATCH):
+                await self._send(batch[i : i + FLUSH_BATCH])
+
+    async def _send(self, batch: list[tuple[PartialWriter, str]]) -> None:
+        keys: list[str] = []
+        args: list[str | int] = []
+        plan: list[tuple[PartialWriter, str, list[str]]] = []
+        for writer, text in batch:
+            pieces = []
+            for pos, piece, full in writer.batches(text):
+                keys += writer.keys
+                args += ["d", writer.token, writer.attempt, pos, writer.seq, piece, full, ""]
+                pieces.append(piece)
+            plan.append((writer, text, pieces))
+            writer.inflight += 1
+        try:
+            codes = await self.call(keys, args)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.warning("partial_write_failed", error=str(exc), note="retried at the next flush")
+            for writer, text, _ in plan:
+                writer.inflight -= 1
+                writer.give_back(text)
+                self._dirty[writer] = None
+            assert self._wakeup is not None
+            self._wakeup.set()
+            return
+        at = 0
+        for writer, _, pieces in plan:
+            writer.inflight -= 1
+            writer.written(pieces, codes[at : at + len(pieces)])
+            at += len(pieces)
+            if writer.drained is not None and writer.idle():
+                writer.drained.set()
+
+    async def call(self, keys: list[str], args: list[str | int]) -> list[int]:
         s = self.settings
+        width = 8
         raw = await asyncio.shield(
-            self.script(keys=keys, args=[*args, s.partial_maxlen, s.partial_ttl_s])
+            self.script(
+                keys=keys, args=[s.partial_maxlen, s.partial_ttl_s, len(args) // width, *args]
+            )
         )
-        return int(raw)
+        return [int(code) for code in raw]
 
     async def run(self, job: Job, msg: Message, step: Awaitable[T]) -> T:
         """Await ``step`` (the engine step of ``msg``) with a writer for what it emits."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
         writer = PartialWriter(self, job, msg.msg_id, job.attempts)
         token = _current.set(writer)
         try:
@@ -241,10 +317,9 @@ class PartialReplies:
                 return
             session = job.keys.session(job.session_id)
             ended = _Ended([session.lock, session.partial(msg_id)], job.attempts, 0, job.seq)
+        args: list[str | int] = ["e", "", ended.attempt, ended.pos, ended.seq, reply, "", outcome]
         try:
-            await self.call(
-                ended.keys, "e", "", ended.attempt, ended.pos, ended.seq, reply, "", outcome
-            )
+            await self.call(ended.keys, args)
         except (redis.exceptions.RedisError, OSError) as exc:
             log.warning("partial_end_failed", error=str(exc), note="readers take the commit")
 

@@ -191,7 +191,8 @@ async def _emit(client: DialogClient, *args: str | int, maxlen: int = 1000) -> i
     session = client.keys.session("st-9")
     script = Script(client.redis, source("emit"))
     keys = [session.lock, session.partial("m9")]
-    return int(await script(keys=keys, args=[*args, maxlen, 600]))
+    [code] = await script(keys=keys, args=[maxlen, 600, 1, *args])
+    return int(code)
 
 
 async def test_only_the_lock_holder_appends_and_a_resent_batch_is_written_once(
@@ -276,3 +277,26 @@ async def test_cli_ask_stream_prints_each_event_as_a_json_line(
     assert "".join(line["text"] for line in lines[:-1]) == reply
     assert (lines[-1]["kind"], lines[-1]["outcome"], lines[-1]["text"]) == ("end", "applied", reply)
     assert lines[-1]["session_id"] == "st-10"
+
+
+async def test_one_script_call_writes_the_batches_of_every_live_answer(
+    client: DialogClient, workers: WorkerPool
+):
+    """20 answers streamed at once by one worker: the writes are grouped across answers, so
+    the worker's script calls (intake, commit and emit together) are far fewer than the
+    entries written."""
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    before = (await client.redis.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+
+    async def one(i: int) -> list[StreamEvent]:
+        return await collect(client, f"st-g{i}", "80 5", msg_id=f"g{i}")
+
+    answers = await asyncio.gather(*(one(i) for i in range(20)))
+    after = (await client.redis.info("commandstats"))["cmdstat_evalsha"]["calls"]
+    reply = "".join(f"w{i} " for i in range(80))
+    assert all(shown(events) == reply == streamed(events) for events in answers)
+    entries = 0
+    for i in range(20):
+        entries += await client.redis.xlen(client.keys.session(f"st-g{i}").partial(f"g{i}"))
+    assert entries >= 20 * 5
+    assert after - before < entries / 2, (after - before, entries)
