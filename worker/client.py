@@ -22,7 +22,14 @@ from dialog_worker.codec import MAX_EXTRA_FIELDS, RESERVED_FIELDS, check_id, che
 from dialog_worker.config import Settings, load_settings
 from dialog_worker.errors import ReplyTimeout, ValidationError
 from dialog_worker.keys import Keys, Topology
-from dialog_worker.partials import Cursor, MessageKeys, StreamEvent, follow, parse_cursor
+from dialog_worker.partials import (
+    Cursor,
+    MessageKeys,
+    PartialRouter,
+    StreamEvent,
+    follow,
+    parse_cursor,
+)
 from dialog_worker.redis_conn import check_topology, connect, prepare
 from dialog_worker.replies import Reply, ReplyRouter, ReplySubscription
 
@@ -76,6 +83,7 @@ class DialogClient:
         self._reader_prepared = False
         self._routers: dict[str, ReplyRouter] = {}
         self._subscriptions: set[ReplySubscription] = set()
+        self._partial_routers: dict[int, PartialRouter] = {}  # per shard (worker/partials.py)
 
     async def __aenter__(self) -> DialogClient:
         await self._prepare()
@@ -94,6 +102,8 @@ class DialogClient:
             await subscription.aclose()
         for router in self._routers.values():
             await router.aclose()
+        for partials in self._partial_routers.values():
+            await partials.aclose()
         if self._reader is not None:
             await self._reader.aclose()
         await self.redis.aclose()
@@ -241,10 +251,13 @@ class DialogClient:
         waiter: asyncio.Future[Reply],
         deadline: float | None,
     ) -> AsyncIterator[StreamEvent]:
-        session = self.keys_for(session_id).session(session_id)
+        shard = self.keys_for(session_id)
+        session = shard.session(session_id)
         keys = MessageKeys(session.partial(msg_id), session.state, session.dedupe(msg_id))
-        block_ms = self.settings.read_block_ms
-        return follow(self._reader_client(), keys, msg_id, after, waiter, deadline, block_ms)
+        router = self._partial_routers.get(shard.shard)
+        if router is None:
+            router = self._partial_routers[shard.shard] = PartialRouter(self._reader_client())
+        return follow(self._reader_client(), router, keys, msg_id, after, waiter, deadline)
 
     @property
     def waiting_replies(self) -> int:

@@ -35,10 +35,13 @@ import json
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, cast
 
+import structlog
 from redis.asyncio import Redis
 
 from dialog_worker.errors import ValidationError
 from dialog_worker.replies import Reply
+
+log = structlog.get_logger("dialog_worker.partials")
 
 EVENT_KINDS = ("delta", "reset", "resync", "end")
 _MAX_NUMBER_DIGITS = 18
@@ -206,62 +209,240 @@ class MessageKeys:
 
 async def follow(
     redis: Redis,
+    router: PartialRouter,
     keys: MessageKeys,
     msg_id: str,
     after: Cursor | None,
     reply: asyncio.Future[Reply],
     deadline: float | None,
-    block_ms: int,
 ) -> AsyncIterator[StreamEvent]:
     """The events of one message's answer from ``after`` on, ending with ``end``.
 
-    ``reply`` is a waiter for the message's reply event, registered before this is called (so
-    a commit that lands while we read cannot be missed). ``deadline`` (``loop.time()``) bounds
-    the wait: `TimeoutError` after it. ``redis`` returns bytes.
+    Catches up with XRANGE in pieces, then takes new entries from ``router`` (one blocking
+    read for every answer this client follows), and reads again by itself whenever the router
+    says it fell behind. ``reply`` is a waiter for the message's reply event, registered
+    before this is called (so a commit that lands meanwhile cannot be missed). ``deadline``
+    (``loop.time()``) bounds the wait: `TimeoutError` after it. ``redis`` returns bytes.
     """
     tracker = Tracker(msg_id, after)
-    last_id = b"-"
+    last_id: tuple[int, int] | None = None  # the newest entry handled
     loop = asyncio.get_running_loop()
     next_check = 0.0
-    while True:
-        rows = cast(
-            list[tuple[bytes, dict[bytes, bytes]]],
-            await redis.xrange(keys.partial, min=last_id, max="+", count=PAGE),
-        )
-        for entry_id, fields in rows:
-            last_id = b"(" + entry_id
-            for event in tracker.feed(fields):
-                if event.kind == "end":
-                    if not tracker.resumed_at_end():
-                        yield event
-                    return
-                yield event
-        if len(rows) == PAGE:
-            continue
-        # Caught up with the stream: is the message finished?
-        if reply.done() and (reply.cancelled() or reply.exception() is not None):
-            # The reply reader failed: the state checks below still end the wait.
-            reply = loop.create_future()
-        if reply.done():
-            got = reply.result()
-            end = tracker.end(got.outcome, got.text)
-            if not tracker.resumed_at_end():
-                yield end
-            return
-        if loop.time() >= next_check:
-            found = await _finished(redis, keys, msg_id, tracker)
-            if found is not None:
+    catch_up = True
+    read_to_end = False
+    watch = router.watch(keys.partial)
+    reply.add_done_callback(lambda _: watch.wake())
+    try:
+        while True:
+            rows: list[tuple[bytes, dict[bytes, bytes]]] = []
+            if catch_up:
+                start = "-" if last_id is None else f"({last_id[0]}-{last_id[1]}"
+                rows = cast(
+                    list[tuple[bytes, dict[bytes, bytes]]],
+                    await redis.xrange(keys.partial, min=start, max="+", count=PAGE),
+                )
+                catch_up = len(rows) == PAGE
+                if not catch_up and not read_to_end:
+                    watch.listen_after(last_id if not rows else _entry_id(rows[-1][0]))
+            else:
+                rows, behind = watch.take()
+                catch_up = behind
+            for entry_id, fields in rows:
+                parsed = _entry_id(entry_id)
+                if last_id is not None and parsed <= last_id:
+                    continue  # the router's read overlapped what we had
+                last_id = parsed
+                for event in tracker.feed(fields):
+                    if event.kind == "end":
+                        if not tracker.resumed_at_end():
+                            yield event
+                        return
+                    yield event
+            if catch_up or rows:
+                continue
+            # Nothing new: is the message finished?
+            if reply.done() and (reply.cancelled() or reply.exception() is not None):
+                # The reply reader failed: the state checks below still end the wait.
+                reply = loop.create_future()
+            if reply.done() and not read_to_end:
+                # Everything the step emitted was written before its commit: read it all
+                # first (the router may not have delivered the last of it yet).
+                read_to_end = catch_up = True
+                watch.close()
+                continue
+            if reply.done():
+                got = reply.result()
+                end = tracker.end(got.outcome, got.text)
                 if not tracker.resumed_at_end():
-                    yield found
+                    yield end
                 return
-            next_check = loop.time() + IDLE_CHECK_S
-        wait_s = min(block_ms / 1000, max(0.0, next_check - loop.time()))
-        if deadline is not None:
-            left = deadline - loop.time()
-            if left <= 0:
-                raise TimeoutError
-            wait_s = min(wait_s, left)
-        await _wait_for_more(redis, keys.partial, last_id, reply, wait_s)
+            if loop.time() >= next_check:
+                found = await _finished(redis, keys, msg_id, tracker)
+                if found is not None:
+                    if not tracker.resumed_at_end():
+                        yield found
+                    return
+                next_check = loop.time() + IDLE_CHECK_S
+            wait_s = max(0.0, next_check - loop.time())
+            if deadline is not None:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                wait_s = min(wait_s, left)
+            await watch.wait(wait_s)
+    finally:
+        watch.close()
+
+
+def _entry_id(raw: bytes) -> tuple[int, int]:
+    ms, _, seq = raw.partition(b"-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return (0, 0)
+
+
+# A follower's entries not taken yet, at most: past this it reads by itself (bounded memory
+# whatever a slow follower does).
+WATCH_BACKLOG = 256
+# The router's longest blocking read: a newly watched stream joins the read within this.
+ROUTER_BLOCK_MS = 100
+# Least time between two reads while entries keep coming: each read carries more streams'
+# entries (fewer commands per token), for at most this much added latency.
+ROUTER_GATHER_S = 0.01
+
+
+class Watch:
+    """One follower's place at the router: entries of its stream as they come."""
+
+    def __init__(self, router: PartialRouter, key: str) -> None:
+        self.router = router
+        self.key = key
+        self._entries: list[tuple[bytes, dict[bytes, bytes]]] = []
+        self._behind = False
+        self._event = asyncio.Event()
+        self.listening = False
+
+    def listen_after(self, last: tuple[int, int] | None) -> None:
+        """Caught up to ``last``: the router delivers what comes after it."""
+        self.router.listen(self, last)
+        self.listening = True
+
+    def push(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        if self._behind:
+            return
+        if len(self._entries) + len(entries) > WATCH_BACKLOG:
+            self._entries, self._behind = [], True
+        else:
+            self._entries += entries
+        self._event.set()
+
+    def fell_behind(self) -> None:
+        self._entries, self._behind = [], True
+        self._event.set()
+
+    def take(self) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], bool]:
+        entries, behind = self._entries, self._behind
+        self._entries, self._behind = [], False
+        self._event.clear()
+        if behind:
+            self.router.unlisten(self)
+            self.listening = False
+        return entries, behind
+
+    def wake(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+
+    def close(self) -> None:
+        self.router.unlisten(self)
+
+
+class PartialRouter:
+    """One blocking XREAD for every partial stream a client follows (of one shard: their keys
+    share its slot), its entries handed to each stream's followers in memory. A thousand
+    followed answers cost one read loop, not a thousand blocked connections."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._watches: dict[str, set[Watch]] = {}
+        self._positions: dict[str, tuple[int, int]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._more = asyncio.Event()
+
+    def watch(self, key: str) -> Watch:
+        return Watch(self, key)
+
+    def listen(self, watch: Watch, last: tuple[int, int] | None) -> None:
+        self._watches.setdefault(watch.key, set()).add(watch)
+        mine = last or (0, 0)
+        known = self._positions.get(watch.key)
+        # Read from the oldest place any follower needs: the others skip what they have.
+        self._positions[watch.key] = mine if known is None else min(known, mine)
+        self._more.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="dialog-partial-router"
+            )
+
+    def unlisten(self, watch: Watch) -> None:
+        watches = self._watches.get(watch.key)
+        if watches is None:
+            return
+        watches.discard(watch)
+        if not watches:
+            del self._watches[watch.key]
+            self._positions.pop(watch.key, None)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+
+    async def _run(self) -> None:
+        pause = 0.05
+        while self._watches:
+            streams: dict[Any, Any] = {
+                key: f"{ms}-{seq}" for key, (ms, seq) in self._positions.items()
+            }
+            self._more.clear()
+            try:
+                got = await self.redis.xread(streams, count=PAGE, block=ROUTER_BLOCK_MS)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # followers read by themselves meanwhile
+                log.warning("partial_router_read_failed", error=str(exc))
+                for watches in self._watches.values():
+                    for watch in watches:
+                        watch.fell_behind()
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 2.0)
+                continue
+            pause = 0.05
+            for raw_key, entries in _streams(got):
+                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+                if not entries or key not in self._watches:
+                    continue
+                self._positions[key] = max(
+                    self._positions.get(key, (0, 0)), _entry_id(entries[-1][0])
+                )
+                for watch in list(self._watches.get(key, ())):
+                    watch.push(entries)
+            if got:
+                await asyncio.sleep(ROUTER_GATHER_S)
+
+
+def _streams(got: Any) -> list[tuple[bytes | str, list[tuple[bytes, dict[bytes, bytes]]]]]:
+    """XREAD's answer as (key, entries) pairs, in RESP2 (a list) or RESP3 (a dict) form."""
+    if not got:
+        return []
+    if isinstance(got, dict):
+        return [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in got.items()]
+    return [(k, v) for k, v in got]
 
 
 async def _finished(
@@ -286,26 +467,3 @@ async def _finished(
     text = reply_from_history(doc, msg_id, seq)
     # A state that expired, or a turn no longer kept: finished, its text is gone.
     return tracker.end("applied" if text is not None else "expired", text or "")
-
-
-async def _wait_for_more(
-    redis: Redis, key: str, last_id: bytes, reply: asyncio.Future[Reply], wait_s: float
-) -> None:
-    """Until the partial stream grows, the reply event arrives, or ``wait_s`` is over."""
-    block_ms = max(1, int(wait_s * 1000))
-    start = "0-0" if last_id == b"-" else last_id[1:]
-    read: asyncio.Future[Any] = asyncio.ensure_future(
-        redis.xread({key: start}, count=1, block=block_ms)
-    )
-    either: set[asyncio.Future[Any]] = {read, reply}
-    try:
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not read.done():
-            # The reply came first: the blocked read is given up (redis-py drops that
-            # connection; it only happens at the end of an answer that emitted nothing).
-            read.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await read
-    if read.done() and not read.cancelled():
-        read.result()  # a Redis error surfaces here

@@ -58,7 +58,11 @@ async def test_a_step_streams_batched_deltas_and_ends_with_the_committed_reply(
     assert [e.pos for e in events[:-1]] == list(range(deltas))
     assert all(e.cursor == f"m1:1:{e.pos}" for e in events[:-1])
     key = client.keys.session("st-1").partial("m1")
-    assert await client.redis.xlen(key) == deltas + 1  # the deltas and the end entry
+    # The deltas and the end entry (appended right after the commit, which readers need not
+    # wait for: the reply event ends them too).
+    await wait_until_async(
+        lambda: _length_is(client, key, deltas + 1), 5, what="the end entry appended"
+    )
     ttl = await client.redis.ttl(key)
     assert 0 < ttl <= 600
 
@@ -109,6 +113,10 @@ async def test_after_the_partial_stream_expired_a_reader_gets_the_reply_from_the
     await wait_until_async(lambda: _gone(client, key), 5, what="partial stream expired")
     late = [e async for e in client.stream("st-4", "m4", after=events[1].cursor, timeout=5)]
     assert [(e.kind, e.outcome, e.text) for e in late] == [("end", "applied", events[-1].text)]
+
+
+async def _length_is(client: DialogClient, key: str, length: int) -> bool:
+    return bool(await client.redis.xlen(key) == length)
 
 
 async def _gone(client: DialogClient, key: str) -> bool:
