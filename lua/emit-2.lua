@@ -21,7 +21,8 @@
     readers that fell behind a trim), outcome ("e" only)
 
   Returns one code per batch: 1 appended, 0 already there (nothing written), -1 FENCED_TOKEN
-  (the lock is not the caller's), -3 STALE (the stream already holds a newer attempt).
+  (the lock is not the caller's), -3 STALE (the stream already holds a newer attempt), -4 BAD
+  (the stream's key holds another type: that batch alone is refused).
 ]]
 local maxlen, ttl, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local WIDTH = 8
@@ -42,12 +43,13 @@ for i = 0, n - 1 do
       or e.attempt < 0 or e.pos < 0 or e.seq < 0 then
     return redis.error_reply('ERR emit: bad arguments for batch ' .. (i + 1))
   end
-  local err = expect_type(e.partial, 'stream')
-  if err then return err end
+  -- A key of another type (written by hand) refuses its batch alone.
+  e.bad = expect_type(e.partial, 'stream') ~= nil
   batches[#batches + 1] = e
 end
 
 local function append(e)
+  if e.bad then return -4 end
   if e.kind == 'd' and redis.pcall('GET', e.lock) ~= e.token then
     return -1
   end

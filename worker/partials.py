@@ -230,6 +230,7 @@ async def follow(
     next_check = 0.0
     catch_up = True
     read_to_end = False
+    ended: tuple[str, str] | None = None  # (outcome, reply) once the message is finished
     watch = router.watch(keys.partial)
     reply.add_done_callback(lambda _: watch.wake())
     try:
@@ -264,25 +265,23 @@ async def follow(
             if reply.done() and (reply.cancelled() or reply.exception() is not None):
                 # The reply reader failed: the state checks below still end the wait.
                 reply = loop.create_future()
-            if reply.done() and not read_to_end:
-                # Everything the step emitted was written before its commit: read it all
-                # first (the router may not have delivered the last of it yet).
-                read_to_end = catch_up = True
-                watch.close()
-                continue
-            if reply.done():
+            if ended is None and reply.done():
                 got = reply.result()
-                end = tracker.end(got.outcome, got.text)
+                ended = (got.outcome, got.text)
+            if ended is None and loop.time() >= next_check:
+                ended = await _finished(redis, keys, msg_id, tracker.seq)
+                next_check = loop.time() + IDLE_CHECK_S
+            if ended is not None:
+                if not read_to_end:
+                    # Everything the step emitted was written before its commit: read it
+                    # all first (the router may not have delivered the last of it yet).
+                    read_to_end = catch_up = True
+                    watch.close()
+                    continue
+                end = tracker.end(*ended)
                 if not tracker.resumed_at_end():
                     yield end
                 return
-            if loop.time() >= next_check:
-                found = await _finished(redis, keys, msg_id, tracker)
-                if found is not None:
-                    if not tracker.resumed_at_end():
-                        yield found
-                    return
-                next_check = loop.time() + IDLE_CHECK_S
             wait_s = max(0.0, next_check - loop.time())
             if deadline is not None:
                 left = deadline - loop.time()
@@ -446,11 +445,10 @@ def _streams(got: Any) -> list[tuple[bytes | str, list[tuple[bytes, dict[bytes, 
 
 
 async def _finished(
-    redis: Redis, keys: MessageKeys, msg_id: str, tracker: Tracker
-) -> StreamEvent | None:
-    """The end, when the session's state says the message was applied (two O(1) reads while
-    it is not; its history is read once, at the end)."""
-    seq = tracker.seq
+    redis: Redis, keys: MessageKeys, msg_id: str, seq: int | None
+) -> tuple[str, str] | None:
+    """(outcome, reply) when the session's state says the message was applied (two O(1)
+    reads while it is not; its history is read once, at the end)."""
     if seq is None:
         raw = cast(bytes | None, await redis.get(keys.dedupe))
         seq = int(raw) if raw is not None and 0 < len(raw) <= 18 and raw.isdigit() else None
@@ -459,11 +457,11 @@ async def _finished(
             # the history alone can tell.
             doc = cast(bytes | None, await redis.hget(keys.state, "d"))
             text = reply_from_history(doc, msg_id, None)
-            return None if text is None else tracker.end("applied", text)
+            return None if text is None else ("applied", text)
     applied, last, doc = cast(list[bytes | None], await redis.hmget(keys.state, ["a", "s", "d"]))
     applied_seq = int(applied) if applied is not None and applied.isdigit() else 0
     if applied_seq < seq and last is not None:
         return None  # the session has it outstanding
     text = reply_from_history(doc, msg_id, seq)
     # A state that expired, or a turn no longer kept: finished, its text is gone.
-    return tracker.end("applied" if text is not None else "expired", text or "")
+    return ("applied", text) if text is not None else ("expired", "")

@@ -43,7 +43,7 @@ T = TypeVar("T")
 # Largest text of one entry: a huge emit is split, so no reader ever reads one huge entry.
 MAX_ENTRY_CHARS = 16_384
 # Codes of lua/emit-2.lua.
-APPENDED, ALREADY, FENCED, STALE = 1, 0, -1, -3
+APPENDED, ALREADY, FENCED, STALE, BAD = 1, 0, -1, -3, -4
 
 _current: contextvars.ContextVar[PartialWriter | None] = contextvars.ContextVar(
     "dialog_worker_partial_writer", default=None
@@ -133,8 +133,10 @@ class PartialWriter:
 
     def written(self, pieces: list[str], codes: list[int]) -> None:
         for piece, code in zip(pieces, codes, strict=True):
-            if code in (FENCED, STALE):
-                self.fenced = True  # the lease is lost: the commit will be fenced as well
+            if code in (FENCED, STALE, BAD):
+                # The lease is lost (the commit will be fenced as well), or the stream's key
+                # is unusable: this answer streams no more; its end still comes from the commit.
+                self.fenced = True
                 return
             self._sent.append(piece)
             self.pos += 1
@@ -152,7 +154,11 @@ class PartialWriter:
             return
         self.drained = asyncio.Event()
         self.replies.wake(self, urgent=True)
-        await self.drained.wait()
+        try:
+            await asyncio.wait_for(self.drained.wait(), FINISH_WAIT_S)
+        except TimeoutError:
+            # Redis is slow or away: the commit goes on (readers take the end from it).
+            log.warning("partial_write_late", note="committed without the last partial text")
 
     def abandon(self) -> None:
         """The step failed or was cancelled: what is gathered is dropped (the next attempt's
@@ -170,6 +176,8 @@ class _Ended:
     seq: int
 
 
+# Longest wait, after a step returned, for its last partial text to be written.
+FINISH_WAIT_S = 5.0
 # Most batches in one script call.
 FLUSH_BATCH = 256
 
@@ -236,6 +244,8 @@ class PartialReplies:
         for writer in writers:
             text = writer.take()
             if text and not writer.fenced:
+                # Counted from now: a writer waiting in a later call is not idle either.
+                writer.inflight += 1
                 by_shard.setdefault(writer.shard, []).append((writer, text))
             elif writer.drained is not None and writer.idle():
                 writer.drained.set()
@@ -254,10 +264,9 @@ class PartialReplies:
                 args += ["d", writer.token, writer.attempt, pos, writer.seq, piece, full, ""]
                 pieces.append(piece)
             plan.append((writer, text, pieces))
-            writer.inflight += 1
         try:
             codes = await self.call(keys, args)
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
             log.warning("partial_write_failed", error=str(exc), note="retried at the next flush")
             for writer, text, _ in plan:
                 writer.inflight -= 1
@@ -265,6 +274,14 @@ class PartialReplies:
                 self._dirty[writer] = None
             assert self._wakeup is not None
             self._wakeup.set()
+            return
+        except Exception as exc:  # e.g. Redis out of memory: these answers stream no more
+            log.warning("partial_write_failed", error=str(exc), note="partial text dropped")
+            for writer, _, _ in plan:
+                writer.inflight -= 1
+                writer.fenced = True
+                if writer.drained is not None:
+                    writer.drained.set()
             return
         at = 0
         for writer, _, pieces in plan:

@@ -308,3 +308,66 @@ async def test_one_script_call_writes_the_batches_of_every_live_answer(
         entries += await client.redis.xlen(client.keys.session(f"st-g{i}").partial(f"g{i}"))
     assert entries >= 20 * 5
     assert after - before < entries / 2, (after - before, entries)
+
+
+async def test_a_partial_stream_key_of_another_type_refuses_its_batch_alone(
+    client: DialogClient,
+):
+    from dialog_worker.scripts import Script, source
+
+    script = Script(client.redis, source("emit"))
+    a, b = client.keys.session("st-11"), client.keys.session("st-12")
+    await client.redis.set(a.lock, "tok", px=5000)
+    await client.redis.set(b.lock, "tok", px=5000)
+    await client.redis.set(a.partial("x"), "not a stream")
+    keys = [a.lock, a.partial("x"), b.lock, b.partial("y")]
+    batch = ["d", "tok", 1, 0, 1, "text", "", ""]
+    codes = await script(keys=keys, args=[1000, 600, 2, *batch, *batch])
+    assert [int(c) for c in codes] == [-4, 1]
+    assert await client.redis.get(a.partial("x")) == "not a stream"
+    assert await client.redis.xlen(b.partial("y")) == 1
+
+
+async def test_a_reader_that_learns_the_end_from_the_state_still_reads_every_piece_first(
+    client: DialogClient, monkeypatch: pytest.MonkeyPatch
+):
+    """The router has not delivered the last pieces yet (here: it never does) when the
+    session's state says the message is applied: the reader reads them before the end."""
+    import json
+
+    from dialog_worker import partials
+
+    class SilentRouter(partials.PartialRouter):
+        def listen(self, watch: partials.Watch, last: tuple[int, int] | None) -> None:
+            pass
+
+    monkeypatch.setattr(partials, "IDLE_CHECK_S", 0.1)
+    session = client.keys.session("st-13")
+    await client.redis.set(session.lock, "tok", px=5000)
+    await client.redis.set(session.dedupe("m13"), 1)
+    await client.redis.hset(session.state, mapping={"a": 0, "s": 1})
+    for pos in range(3):
+        await _emit_to(client, session, "m13", pos, f"p{pos} ")
+    keys = partials.MessageKeys(session.partial("m13"), session.state, session.dedupe("m13"))
+    never: asyncio.Future = asyncio.get_running_loop().create_future()
+    events = partials.follow(
+        client.raw, SilentRouter(client.raw), keys, "m13", None, never, deadline=None
+    )
+    got = [await anext(events) for _ in range(3)]
+    for pos in range(3, 6):
+        await _emit_to(client, session, "m13", pos, f"p{pos} ")
+    reply = "".join(f"p{i} " for i in range(6))
+    turn = {"seq": 1, "msg_id": "m13", "user": "u", "bot": reply}
+    await client.redis.hset(session.state, mapping={"a": 1, "d": json.dumps({"history": [turn]})})
+    got += [e async for e in events]
+    assert [e.kind for e in got] == ["delta"] * 6 + ["end"]
+    assert streamed(got) == reply == got[-1].text
+
+
+async def _emit_to(client: DialogClient, session, msg_id: str, pos: int, text: str) -> None:
+    from dialog_worker.scripts import Script, source
+
+    script = Script(client.redis, source("emit"))
+    keys = [session.lock, session.partial(msg_id)]
+    [code] = await script(keys=keys, args=[1000, 600, 1, "d", "tok", 1, pos, 1, text, "", ""])
+    assert int(code) == 1
