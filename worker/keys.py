@@ -20,7 +20,8 @@ no two sessions' keys can collide (``a:lock`` vs ``a``, msg ids ending in ``:sta
 Per session: ``state`` (hash: ``d`` state JSON, ``v`` version, ``a`` applied seq, ``s`` last
 assigned seq, ``q<seq>`` stream entry of each sequenced, unapplied message, ``n``/``f``/``e``
 attempts of the next message, ``g`` when a gap was first seen), ``lock`` (holder token, PX
-lease) and ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id).
+lease), ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id) and
+``partial:<msg_id>`` (a streamed reply's partial text, worker/streaming.py).
 """
 
 from __future__ import annotations
