@@ -370,7 +370,6 @@ class PartialRouter:
         self._watches: dict[str, set[Watch]] = {}
         self._positions: dict[str, tuple[int, int]] = {}
         self._task: asyncio.Task[None] | None = None
-        self._more = asyncio.Event()
 
     def watch(self, key: str) -> Watch:
         return Watch(self, key)
@@ -381,7 +380,6 @@ class PartialRouter:
         known = self._positions.get(watch.key)
         # Read from the oldest place any follower needs: the others skip what they have.
         self._positions[watch.key] = mine if known is None else min(known, mine)
-        self._more.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name="dialog-partial-router"
@@ -408,7 +406,6 @@ class PartialRouter:
             streams: dict[Any, Any] = {
                 key: f"{ms}-{seq}" for key, (ms, seq) in self._positions.items()
             }
-            self._more.clear()
             try:
                 got = await self.redis.xread(streams, count=PAGE, block=ROUTER_BLOCK_MS)
             except asyncio.CancelledError:

@@ -60,7 +60,7 @@ def create_app(
     token: str | None,
     client: DialogClient | None = None,
     extra_routes: list[BaseRoute] | None = None,
-    max_connections: int = 512,
+    max_connections: int = 128,
 ) -> Starlette:
     """The app. ``token`` None means no auth (only for a loopback listener: `serve` checks).
     ``client`` is made (and closed) by the app's lifespan unless given. ``extra_routes`` are
@@ -72,7 +72,8 @@ def create_app(
             app.state.client = client
             yield
             return
-        # Each live answer holds one connection while it waits for more text.
+        # Streams share one blocking read (worker/partials.py); connections serve the sends
+        # and each stream's catch-up reads.
         async with DialogClient(settings=settings, max_connections=max_connections) as made:
             app.state.client = made
             yield
