@@ -71,8 +71,9 @@ class PartialWriter:
 
     def __init__(self, replies: PartialReplies, job: Job, msg_id: str, attempt: int) -> None:
         self.replies = replies
-        session = job.keys.session(job.session_id)
-        self.keys = [session.lock, session.partial(msg_id)]
+        self.job = job
+        self.msg_id = msg_id
+        self._keys: list[str] | None = None  # built on the first write: most steps emit nothing
         self.shard = job.keys.shard
         self.token = job.token
         self.seq = job.seq
@@ -83,6 +84,7 @@ class PartialWriter:
         self._pending_chars = 0
         self._sent: list[str] = []  # the text written so far, for snapshots
         self.closed = False
+        self.used = False  # anything emitted at all (most steps emit nothing)
         self.fenced = False
         self.inflight = 0  # batches of this writer in a call not answered yet
         self.drained: asyncio.Event | None = None  # set by `finish`, set when all is written
@@ -91,7 +93,15 @@ class PartialWriter:
     def wrote(self) -> bool:
         return self.pos > 0
 
+    @property
+    def keys(self) -> list[str]:
+        if self._keys is None:
+            session = self.job.keys.session(self.job.session_id)
+            self._keys = [session.lock, session.partial(self.msg_id)]
+        return self._keys
+
     def add(self, text: str) -> None:
+        self.used = True
         with self._lock:
             if self.closed or self.fenced:
                 return
@@ -148,6 +158,9 @@ class PartialWriter:
     async def finish(self) -> None:
         """The step returned: wait until what it emitted is written (the next flush, sent at
         once)."""
+        if not self.used:  # the step has returned: nothing can be emitted any more
+            self.closed = True
+            return
         with self._lock:
             self.closed = True
         if self.idle():
