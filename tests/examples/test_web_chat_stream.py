@@ -5,6 +5,7 @@ reply, no piece twice."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -130,3 +131,29 @@ def test_chromium_is_driven_headless_in_time():
     finally:
         browser.quit()
     assert time.monotonic() - started < 60
+
+
+async def test_the_five_minute_demo_engine_types_its_answer_word_by_word(
+    chat_page: TcpProxy, workers: WorkerPool, env: dict[str, str]
+):
+    """docs/http.md's first steps, as written: the Typist engine behind the example page."""
+    import httpx
+
+    workers.start(1, **with_examples(env), DIALOG_ENGINE="web_chat_stream:Typist")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{chat_page.port}", timeout=30) as http:
+        page = await http.get("/")
+        assert page.status_code == 200 and "EventSource" in page.text
+        sent = await http.post("/sessions/demo/messages", json={"text": "hello there"})
+        assert sent.status_code == 202
+        kinds, deltas, end = [], "", None
+        async with http.stream("GET", sent.json()["stream"]) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("event: "):
+                    kinds.append(line[7:])
+                elif line.startswith("data: ") and kinds[-1] == "delta":
+                    deltas += json.loads(line[6:])["text"]
+                elif line.startswith("data: ") and kinds[-1] == "end":
+                    end = json.loads(line[6:])["text"]
+                    break
+    assert end == deltas == "You said: hello there"
+    assert kinds.count("delta") >= 2
