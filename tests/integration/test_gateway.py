@@ -153,3 +153,43 @@ async def test_a_bad_cursor_is_a_400(gateway: GatewayProc):
             )
             assert response.status_code == 400, cursor
             assert "cursor" in response.json()["error"]
+
+
+async def test_session_events_replay_kept_turns_after_the_cursor_then_follow_new_ones(
+    gateway: GatewayProc, workers: WorkerPool
+):
+    workers.start(1)  # the built-in rules
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        for text in ("nama saya Budi", "internet mati"):
+            sent = await http.post("/sessions/ev-1/messages", json={"text": text}, headers=AUTH)
+            assert sent.status_code == 202
+            await read_sse(http, sent.json()["stream"])  # until it is answered
+        turns: list[SSE] = []
+        parser = SSEParser()
+        async with http.stream(
+            "GET", "/sessions/ev-1/events", headers={**AUTH, "Last-Event-ID": "1"}
+        ) as response:
+            assert response.headers["x-accel-buffering"] == "no"
+            async for line in response.aiter_lines():
+                event = parser.line(line)
+                if event is None:
+                    continue
+                turns.append(event)
+                if len(turns) == 1:  # the kept turn after seq 1; now a new one lands
+                    await http.post(
+                        "/sessions/ev-1/messages", json={"text": "ketiga"}, headers=AUTH
+                    )
+                if len(turns) == 2:
+                    break
+    assert [(t.id, t.data["seq"], t.data["user"]) for t in turns] == [
+        ("2", 2, "internet mati"),
+        ("3", 3, "ketiga"),
+    ]
+    assert turns[0].data["bot"].startswith("Mencatat keluhan Anda")
+
+
+async def test_session_events_refuse_a_cursor_that_is_not_a_seq(gateway: GatewayProc):
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        bad = await http.get("/sessions/a/events?after=x:1:2", headers=AUTH)
+        assert bad.status_code == 400
+        assert (await http.get("/sessions/a/events")).status_code == 401

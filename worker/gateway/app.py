@@ -2,6 +2,7 @@
 
     POST /sessions/{session_id}/messages                     send; 202 with the msg_id
     GET  /sessions/{session_id}/messages/{msg_id}/stream     the answer as server-sent events
+    GET  /sessions/{session_id}/events                       the session's turns, as they land
 
 Every request carries the token (``Authorization: Bearer <token>``, or ``?access_token=`` for
 ``EventSource``, which cannot set headers) unless the app was built without auth. Bad input is
@@ -20,7 +21,7 @@ import hmac
 import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import redis.exceptions
 from starlette.applications import Starlette
@@ -29,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from dialog_worker.client import DialogClient
+from dialog_worker.codec import check_id
 from dialog_worker.config import Settings
 from dialog_worker.errors import ReplyStreamError, ValidationError
 from dialog_worker.partials import StreamEvent
@@ -81,6 +83,7 @@ def create_app(
     routes: list[BaseRoute] = [
         Route("/sessions/{session_id}/messages", post_message, methods=["POST"]),
         Route("/sessions/{session_id}/messages/{msg_id}/stream", stream_answer, methods=["GET"]),
+        Route("/sessions/{session_id}/events", session_events, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         *(extra_routes or []),
     ]
@@ -262,3 +265,74 @@ def format_event(event: StreamEvent) -> str:
 
 def _public(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
+
+
+# How often an open /events stream looks at the session's state (one HGET while nothing
+# changed).
+EVENTS_POLL_S = 0.5
+
+
+async def session_events(request: Request) -> Response:
+    """The session's turns (message and reply, in seq order) as server-sent events ``turn``,
+    ``id:`` the turn's seq: from ``Last-Event-ID`` / ``?after=`` on (the turns the history
+    still keeps), then each new one as it is applied, for every device of the user."""
+    refused = _refused(request)
+    if refused is not None:
+        return refused
+    client: DialogClient = request.app.state.client
+    session_id = request.path_params["session_id"]
+    raw_after = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    if not (raw_after.isascii() and raw_after.isdigit() and len(raw_after) <= 18):
+        return _error(400, f"the cursor of /events is a seq (a whole number), got {raw_after!r}")
+    try:
+        check_id("session_id", session_id)
+    except ValidationError as exc:
+        return _error(400, str(exc))
+    state_key = client.keys_for(session_id).session(session_id).state
+    return StreamingResponse(
+        _turns(client, state_key, int(raw_after)),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
+async def _turns(client: DialogClient, state_key: str, after: int) -> AsyncIterator[str]:
+    yield f"retry: {RETRY_MS}\n\n"
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + CONNECTION_MAX_S
+    quiet_since = loop.time()
+    seen_applied = -1
+    while loop.time() < ends:
+        applied = cast(bytes | None, await client.raw.hget(state_key, "a"))
+        applied_seq = int(applied) if applied is not None and applied.isdigit() else 0
+        if applied_seq != seen_applied:
+            seen_applied = applied_seq
+            if applied_seq > after:
+                doc = cast(bytes | None, await client.raw.hget(state_key, "d"))
+                for turn in _history_after(doc, after):
+                    after = int(turn["seq"])
+                    data = json.dumps(turn, ensure_ascii=False)
+                    yield f"id: {after}\nevent: turn\ndata: {data}\n\n"
+                    quiet_since = loop.time()
+        if loop.time() - quiet_since >= HEARTBEAT_S:
+            yield ": keep-alive\n\n"
+            quiet_since = loop.time()
+        await asyncio.sleep(EVENTS_POLL_S)
+
+
+def _history_after(doc: bytes | None, after: int) -> list[dict[str, Any]]:
+    """The kept turns with a seq above ``after``, oldest first (nothing read from Redis is
+    trusted to be well-formed)."""
+    try:
+        state = json.loads(doc) if doc else {}
+    except (ValueError, UnicodeDecodeError):
+        return []
+    history = state.get("history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        return []
+    turns = [
+        {k: t.get(k) for k in ("seq", "msg_id", "user", "bot")}
+        for t in history
+        if isinstance(t, dict) and isinstance(t.get("seq"), int) and t["seq"] > after
+    ]
+    return sorted(turns, key=lambda t: int(t["seq"]))
