@@ -10,6 +10,9 @@ What it shows (docs/engine.md explains each):
 - ``startup()`` opens one HTTP client for the worker's life (connection pooling, a timeout on
   every call), ``shutdown()`` closes it;
 - ``async def step`` awaits the API on the event loop without blocking it;
+- the answer is streamed (``stream: true``, server-sent events) and each piece is passed to
+  ``dialog_worker.emit`` as it arrives, so readers watch it being written; the committed
+  reply is the whole text (a server that answers with plain JSON works too);
 - the conversation so far (the state's ``history``) is sent as context;
 - failures are sorted by what a retry can do: a 429 or 5xx, a timeout or a dropped connection
   is a ``TransientError`` (a 429's Retry-After is honoured), any other 4xx a
@@ -24,6 +27,7 @@ committed one is stored and sent as the reply; ``temperature`` 0 keeps re-runs c
 from __future__ import annotations
 
 import email.utils
+import json
 import math
 import os
 import time
@@ -31,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from dialog_worker import PermanentError, TransientError
+from dialog_worker import PermanentError, TransientError, emit
 
 SYSTEM_PROMPT = (
     "You are the customer support assistant of an Indonesian internet provider. "
@@ -84,22 +88,32 @@ class LLMEngine:
             "messages": conversation(state, message["text"]),
             "temperature": 0,
             "user": state["session_id"],
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
         try:
-            response = await self._http.post("/chat/completions", json=body)
+            async with self._http.stream("POST", "/chat/completions", json=body) as response:
+                if response.status_code == 429 or response.status_code >= 500:
+                    raise TransientError(
+                        f"LLM API returned {response.status_code}",
+                        retry_after=retry_after_s(response.headers.get("retry-after")),
+                    )
+                if response.status_code >= 400:
+                    # The same request will be refused again (bad key, content policy).
+                    await response.aread()
+                    raise PermanentError(
+                        f"LLM API refused: {response.status_code} {response.text[:200]}"
+                    )
+                if response.headers.get("content-type", "").startswith("text/event-stream"):
+                    reply, tokens = await read_stream(response)
+                else:  # a server that does not stream: one JSON answer
+                    await response.aread()
+                    reply, tokens = parse_completion(response)
         except httpx.TimeoutException as exc:
             raise TransientError(f"LLM API did not answer within {self.timeout_s:g} s") from exc
         except httpx.TransportError as exc:
+            # Also a connection dropped mid-answer: the retry streams the answer anew.
             raise TransientError(f"LLM API unreachable: {exc!r}") from exc
-        if response.status_code == 429 or response.status_code >= 500:
-            raise TransientError(
-                f"LLM API returned {response.status_code}",
-                retry_after=retry_after_s(response.headers.get("retry-after")),
-            )
-        if response.status_code >= 400:
-            # The same request will be refused again (bad key, content policy): no retry.
-            raise PermanentError(f"LLM API refused: {response.status_code} {response.text[:200]}")
-        reply, tokens = parse_completion(response)
         memory = state["memory"] if isinstance(state["memory"], dict) else {}
         memory = {
             **memory,
@@ -117,6 +131,34 @@ def conversation(state: dict[str, Any], text: str) -> list[dict[str, str]]:
         messages.append({"role": "assistant", "content": turn["bot"]})
     messages.append({"role": "user", "content": text})
     return messages
+
+
+async def read_stream(response: httpx.Response) -> tuple[str, int]:
+    """Server-sent chunks (``data: {...}`` lines, then ``data: [DONE]``): each piece of text
+    is emitted as it comes; returns the whole text and the tokens used."""
+    pieces: list[str] = []
+    tokens = 0
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, event names
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        try:
+            chunk = json.loads(data)
+            choices = chunk.get("choices") or []
+            piece = (choices[0].get("delta") or {}).get("content") if choices else None
+            usage = chunk.get("usage") or {}
+            tokens = int(usage.get("total_tokens", tokens))
+        except (ValueError, AttributeError, TypeError) as exc:
+            raise TransientError(f"LLM API sent an unreadable chunk: {data[:200]}") from exc
+        if isinstance(piece, str) and piece:
+            emit(piece)
+            pieces.append(piece)
+    reply = "".join(pieces)
+    if not reply.strip():
+        raise TransientError("LLM API answered with an empty reply")
+    return reply, tokens
 
 
 def parse_completion(response: httpx.Response) -> tuple[str, int]:

@@ -2,7 +2,8 @@
 
 For applications: `DialogClient` (send, ask, replies, ack, state) and `Reply`;
 `SyncDialogClient` (send, ask, state) for code without an event loop. For engines:
-the `Engine` protocol, `TransientError` and `PermanentError` (docs/engine.md).
+the `Engine` protocol, `TransientError` and `PermanentError`, and `emit` to stream a reply as it
+is written (docs/engine.md).
 """
 
 # Set before the imports below: dialog_worker.pipeline reads it from here.
@@ -17,7 +18,9 @@ from dialog_worker.errors import (
     TransientError,
     UncertainSendError,
 )
+from dialog_worker.partials import StreamEvent
 from dialog_worker.replies import Reply
+from dialog_worker.streaming import emit
 from dialog_worker.sync_client import SyncDialogClient
 
 __all__ = [
@@ -28,8 +31,10 @@ __all__ = [
     "ReplyStreamError",
     "ReplyTimeout",
     "SendResult",
+    "StreamEvent",
     "SyncDialogClient",
     "TransientError",
     "UncertainSendError",
     "__version__",
+    "emit",
 ]

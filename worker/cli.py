@@ -122,6 +122,12 @@ def _parser() -> argparse.ArgumentParser:
         "--msg-id to keep waiting (a seen msg_id is never applied twice)",
     )
     ask.add_argument("--msg-id", help="message id (default: a new random one)")
+    ask.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the answer as it is written: one JSON line per event (delta, reset, "
+        "resync), then the end event with the committed reply",
+    )
 
     replies = sub.add_parser(
         "replies",
@@ -212,6 +218,19 @@ def _parser() -> argparse.ArgumentParser:
         "--force",
         action="store_true",
         help="skip the check that no consumer of the group was active recently",
+    )
+
+    serve = sub.add_parser(
+        "serve",
+        help="the HTTP gateway: send messages and stream their answers to browsers (needs "
+        "dialog-worker[http])",
+    )
+    serve.add_argument("--host", help="address to listen on (default DIALOG_HTTP_HOST, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default DIALOG_HTTP_PORT, 8080)")
+    serve.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="accept requests without DIALOG_HTTP_TOKEN (only on a loopback address)",
     )
 
     verify = sub.add_parser("verify", help="concurrency verification against running workers")
@@ -351,6 +370,8 @@ async def _send(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _ask(settings: Settings, args: argparse.Namespace) -> int:
+    if args.stream:
+        return await _ask_stream(settings, args)
     async with DialogClient(settings=settings) as c:
         try:
             reply = await c.ask(args.session, args.text, msg_id=args.msg_id, timeout=args.timeout)
@@ -359,6 +380,21 @@ async def _ask(settings: Settings, args: argparse.Namespace) -> int:
             return EXIT_FAILURE
     _emit(reply.as_dict())
     return EXIT_FAILURE if reply.outcome == "dead_lettered" else EXIT_OK
+
+
+async def _ask_stream(settings: Settings, args: argparse.Namespace) -> int:
+    outcome = ""
+    async with DialogClient(settings=settings) as c:
+        try:
+            async for event in c.ask_stream(
+                args.session, args.text, msg_id=args.msg_id, timeout=args.timeout
+            ):
+                _emit({"session_id": args.session, **event.as_dict()})
+                outcome = event.outcome or ""
+        except (ReplyTimeout, ReplyStreamError) as exc:
+            print(f"dialog-worker: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+    return EXIT_FAILURE if outcome in ("dead_lettered", "expired") else EXIT_OK
 
 
 async def _replies(settings: Settings, args: argparse.Namespace) -> int:
@@ -544,9 +580,20 @@ async def _console(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _serve(settings: Settings, args: argparse.Namespace) -> int:
+    try:
+        from dialog_worker.gateway.serve import serve
+    except ModuleNotFoundError as exc:
+        raise ConfigError("serve", f"needs {exc.name}: pip install 'dialog-worker[http]'") from None
+    host = args.host or settings.http_host
+    port = args.port if args.port is not None else settings.http_port
+    return await serve(settings, host, port, args.no_auth)
+
+
 _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
     "send": _send,
     "ask": _ask,
+    "serve": _serve,
     "replies": _replies,
     "state": _state,
     "session": _session,

@@ -3,13 +3,14 @@ session state (``DialogClient``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import logging
 import math
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -23,6 +24,14 @@ from dialog_worker.codec import MAX_EXTRA_FIELDS, RESERVED_FIELDS, check_id, che
 from dialog_worker.config import Settings, load_settings
 from dialog_worker.errors import ReplyTimeout, UncertainSendError, ValidationError
 from dialog_worker.keys import Keys, Topology
+from dialog_worker.partials import (
+    Cursor,
+    MessageKeys,
+    PartialRouter,
+    StreamEvent,
+    follow,
+    parse_cursor,
+)
 from dialog_worker.redis_conn import check_topology, connect, prepare
 from dialog_worker.replies import Reply, ReplyRouter, ReplySubscription
 from dialog_worker.streams import StreamReader
@@ -87,6 +96,8 @@ class DialogClient:
         # (checked once; see `_check_readers`).
         self._read_by_group: dict[str, bool] = {}
 
+        self._partial_routers: dict[int, PartialRouter] = {}  # per shard (worker/partials.py)
+
     async def __aenter__(self) -> DialogClient:
         await self._prepare()
         return self
@@ -104,6 +115,8 @@ class DialogClient:
             await subscription.aclose()
         for router in self._routers.values():
             await router.aclose()
+        for partials in self._partial_routers.values():
+            await partials.aclose()
         if self._reader is not None:
             await self._reader.aclose()
         if self._entries_client is not None:
@@ -237,6 +250,78 @@ class DialogClient:
                         "is a worker running with the same DIALOG_STREAM and DIALOG_GROUP?"
                     )
         return "; ".join(n for n in notes if n)
+
+    async def stream(
+        self,
+        session_id: str,
+        msg_id: str,
+        after: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - bounds the whole iteration
+    ) -> AsyncIterator[StreamEvent]:
+        """The answer to one message as it is written: `StreamEvent`s ``delta`` (append),
+        ``reset`` (a new attempt: clear), ``resync`` (replace with the whole text so far) and
+        finally ``end`` (outcome and the committed reply, which replaces what was shown).
+
+        ``after`` is the ``cursor`` of the last event you handled (``<msg_id>:<attempt>:<pos>``):
+        you get every later piece once. A finished message yields its ``end`` at once; resumed
+        from the end's own cursor, nothing. Raises `ReplyTimeout` after ``timeout`` seconds
+        without the end (the message may still be answered: stream it again)."""
+        check_id("session_id", session_id)
+        check_id("msg_id", msg_id)
+        cursor = parse_cursor(after, msg_id) if after is not None else None
+        deadline = _deadline(timeout)
+        router = self._router(self.keys_for(session_id).replies)
+        waiter = router.expect(session_id, msg_id)
+        try:
+            await router.start()
+            async for event in self._follow(session_id, msg_id, cursor, waiter, deadline):
+                yield event
+        except TimeoutError:
+            raise ReplyTimeout(session_id, msg_id, timeout or 0, router.problem()) from None
+        finally:
+            router.forget(session_id, msg_id, waiter)
+
+    async def ask_stream(
+        self,
+        session_id: str,
+        text: str,
+        msg_id: str | None = None,
+        timeout: float = 60,  # noqa: ASYNC109 - bounds the whole iteration
+        meta: Mapping[str, str] | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """Send a message and stream its answer (events as `stream`). The msg_id is made before
+        the send (a uuid unless given) and is on every event: after a failed send or a
+        timeout, stream it again (or resend with the same msg_id) instead of sending anew."""
+        check_id("session_id", session_id)
+        msg_id = check_id("msg_id", msg_id) if msg_id is not None else uuid.uuid4().hex
+        deadline = _deadline(timeout)
+        router = self._router(self.keys_for(session_id).replies)
+        waiter = router.expect(session_id, msg_id)
+        try:
+            await router.start()
+            await self.send(session_id, text, msg_id=msg_id, meta=meta)
+            async for event in self._follow(session_id, msg_id, None, waiter, deadline):
+                yield event
+        except TimeoutError:
+            raise ReplyTimeout(session_id, msg_id, timeout, router.problem()) from None
+        finally:
+            router.forget(session_id, msg_id, waiter)
+
+    def _follow(
+        self,
+        session_id: str,
+        msg_id: str,
+        after: Cursor | None,
+        waiter: asyncio.Future[Reply],
+        deadline: float | None,
+    ) -> AsyncIterator[StreamEvent]:
+        shard = self.keys_for(session_id)
+        session = shard.session(session_id)
+        keys = MessageKeys(session.partial(msg_id), session.state, session.dedupe(msg_id))
+        router = self._partial_routers.get(shard.shard)
+        if router is None:
+            router = self._partial_routers[shard.shard] = PartialRouter(self._reader_client())
+        return follow(self._reader_client(), router, keys, msg_id, after, waiter, deadline)
 
     @property
     def waiting_replies(self) -> int:
@@ -391,6 +476,16 @@ class DialogClient:
     def keys_for(self, session_id: str) -> Keys:
         """The shard a session belongs to (the only one in the plain layout)."""
         return self.topology.for_session(session_id)
+
+
+def _deadline(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not (
+        isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0
+    ):
+        raise ValidationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return asyncio.get_running_loop().time() + timeout
 
 
 def _is_stream_id(value: object) -> bool:

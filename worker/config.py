@@ -88,6 +88,15 @@ class Settings:
     console_redact_fields: str = ""
     console_audit_maxlen: int = 100_000
 
+    # Streamed replies (worker/streaming.py) and the HTTP gateway (worker/gateway/).
+    partial_ttl_s: int = 600
+    partial_maxlen: int = 1000
+    partial_flush_ms: int = 40
+    partial_flush_chars: int = 512
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    http_token: str = ""
+
     def __post_init__(self) -> None:
         for field, suffix in DERIVED_NAMES.items():
             if not getattr(self, field):
@@ -294,13 +303,19 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "redis_ca_path": _text,
     "allow_eviction": _flag,
     "redis_check_interval_s": _float(1.0),
-
     "console_host": _name,
     "console_port": _int(0, 65535),
     "console_operators": _credentials,
     "console_viewers": _credentials,
     "console_redact_fields": _names,
     "console_audit_maxlen": _int(1),
+    "partial_ttl_s": _int(1),
+    "partial_maxlen": _int(10, 1_000_000),
+    "partial_flush_ms": _int(0, 10_000),
+    "partial_flush_chars": _int(1),
+    "http_host": _name,
+    "http_port": _int(0, 65535),
+    "http_token": _text,
 }
 
 # Environment names that do not follow the DIALOG_<FIELD> pattern.

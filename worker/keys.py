@@ -21,7 +21,8 @@ Per session: ``state`` (hash: ``d`` state JSON, ``v`` version, ``a`` applied seq
 assigned seq, ``q<seq>`` each sequenced, unapplied message itself: its entry id and fields,
 moved there from the stream at intake (codec.unpack_custody reads it), ``n``/``f``/``e``
 attempts of the next message, ``g`` when a gap was first seen), ``lock`` (holder token, PX
-lease) and ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id).
+lease), ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id) and
+``partial:<msg_id>`` (a streamed reply's partial text, worker/streaming.py).
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ class SessionKeys:
 
     def dedupe(self, msg_id: str) -> str:
         return self.dedupe_prefix + msg_id
+
+    def partial(self, msg_id: str) -> str:
+        """The stream of a message's partial reply (worker/streaming.py)."""
+        return self.state.removesuffix(":state") + ":partial:" + msg_id
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from dialog_worker.keys import Keys
 from dialog_worker.metrics import Metrics
 from dialog_worker.redis_checks import ledger, oom
 from dialog_worker.scripts import Code, Scripts
+from dialog_worker.streaming import PartialReplies
 
 log = structlog.get_logger("dialog_worker.pipeline")
 
@@ -185,6 +186,8 @@ class Pipeline:
         self.stopping = False
         # Plain `def` steps run in threads, at most one per message slot.
         self.step_limiter = anyio.CapacityLimiter(settings.concurrency)
+        # What steps emit (dialog_worker.emit) goes to their messages' partial streams.
+        self.partials = PartialReplies(scripts.commit.redis, settings)
 
     # ------------------------------------------------------------------------------------
     # Entry point
@@ -245,7 +248,7 @@ class Pipeline:
                 # This delivery is not an attempt: the step is not run again.
                 return await self._deadletter(job, msg, "exhausted", error, job.attempts - 1)
             try:
-                new_state, reply = await self._step(job, msg)
+                new_state, reply = await self.partials.run(job, msg, self._step(job, msg))
             except anyio.get_cancelled_exc_class():
                 # Shutdown grace is over: give the message back (not a failed attempt).
                 with anyio.CancelScope(shield=True):
@@ -399,6 +402,7 @@ class Pipeline:
             outcome=outcome,
             duration_ms=round((time.perf_counter() - started) * 1000, 3),
         )
+        await self.partials.committed(job, msg_id, outcome, reply)
         if code is not Code.HANDOFF:
             return None
         self.metrics.handoffs.inc()

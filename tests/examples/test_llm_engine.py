@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import email.utils
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 from examples_path import with_examples
-from http_stub import Answer, HttpStub
+from http_stub import Answer, Chunks, HttpStub
 from llm_engine import LLMEngine, retry_after_s
 
 from dialog_worker import DialogClient, PermanentError, TransientError
@@ -45,6 +46,14 @@ class FakeLLM:
         if first and "slow" in last:
             time.sleep(1.5)
         content = f"({len(body['messages'])}) {last}"
+        if body.get("stream"):
+            # As OpenAI streams: role first, the text in pieces, usage last, then [DONE].
+            words = content.split(" ")
+            pieces = [w if i == 0 else f" {w}" for i, w in enumerate(words)]
+            chunks = [{"choices": [{"delta": {"role": "assistant"}}]}]
+            chunks += [{"choices": [{"delta": {"content": p}}]} for p in pieces]
+            chunks += [{"choices": [], "usage": {"total_tokens": 5}}]
+            return 200, {}, Chunks([json.dumps(c) for c in chunks] + ["[DONE]"], 0.01)
         return (
             200,
             {},
@@ -169,3 +178,35 @@ def test_its_fallback_reply_is_english_unless_the_operator_sets_one():
     own = fallback_reply(engine, DEFAULT_FALLBACK_REPLY, DEFAULT_FALLBACK_REPLY)
     assert own == "Sorry, I could not answer that. Please try again later."
     assert fallback_reply(engine, "Oops.", DEFAULT_FALLBACK_REPLY) == "Oops."
+
+
+async def test_llm_engine_streams_the_models_pieces_to_readers(
+    client: DialogClient, workers, env: dict[str, str], llm: HttpStub
+):
+    workers.start(
+        1,
+        **with_examples(env),
+        DIALOG_ENGINE="llm_engine:LLMEngine",
+        LLM_BASE_URL=f"{llm.url}/v1",
+    )
+    text = "tell me about the billing problem of my internet subscription please"
+    events = [e async for e in client.ask_stream("llm-5", text, timeout=30)]
+    assert events[-1].kind == "end" and events[-1].text == f"(2) {text}"
+    deltas = [e.text for e in events if e.kind == "delta"]
+    assert len(deltas) >= 2, "the answer arrived in pieces, not at once"
+    assert "".join(deltas) == events[-1].text
+    assert all(b["stream"] is True for b in llm.bodies("/v1/chat/completions"))
+
+
+async def test_a_server_that_does_not_stream_is_read_as_one_answer():
+    def plain(method: str, path: str, body: Any) -> Answer:
+        return 200, {}, {"choices": [{"message": {"content": "hi"}}], "usage": {}}
+
+    with HttpStub(plain) as stub:
+        engine = LLMEngine(base_url=f"{stub.url}/v1", api_key="k", model="m", timeout_s=2)
+        await startup_engine(engine)
+        try:
+            _, reply = await run_step(engine, initial_state("s1"), message("halo"))
+        finally:
+            await shutdown_engine(engine)
+    assert reply == "hi"

@@ -6,11 +6,23 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 Answer = tuple[int, dict[str, str], Any]
+
+
+class Chunks(list[str]):
+    """An answer sent as server-sent events: each item one ``data:`` event, flushed on its own,
+    ``delay_s`` apart (a model producing tokens)."""
+
+    def __init__(self, items: list[str], delay_s: float = 0.0) -> None:
+        super().__init__(items)
+        self.delay_s = delay_s
+
+
 Handler = Callable[[str, str, Any], Answer]
 
 
@@ -31,6 +43,9 @@ class HttpStub:
                         {"path": self.path, "headers": dict(self.headers), "body": body}
                     )
                 status, headers, answer = stub.handler("POST", self.path, body)
+                if isinstance(answer, Chunks):
+                    self._send_events(status, headers, answer)
+                    return
                 data = json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -39,6 +54,20 @@ class HttpStub:
                     self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _send_events(self, status: int, headers: dict[str, str], chunks: Chunks) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.close_connection = True
+                for item in chunks:
+                    self.wfile.write(f"data: {item}\n\n".encode())
+                    self.wfile.flush()
+                    if chunks.delay_s:
+                        time.sleep(chunks.delay_s)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # quiet: the tests assert on `requests`

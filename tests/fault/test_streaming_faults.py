@@ -1,0 +1,101 @@
+"""Streamed answers under faults: readers that drop and resume at random while a worker is
+killed (kill -9) and another paused past its lease (SIGSTOP) mid-answer. For every message,
+the text all of its reader's connections showed, in order and honouring reset, resync and
+end, is the committed reply, and no piece of an attempt arrived twice."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+from collections import Counter
+
+import pytest
+from queue_checks import lock_holders
+from worker_procs import WorkerPool, WorkerProc
+
+from dialog_worker import StreamEvent
+from dialog_worker.client import DialogClient
+
+pytestmark = pytest.mark.fault
+
+FAST = {"DIALOG_LOCK_TTL_MS": "600", "DIALOG_ENGINE": "stream_engines:AsyncWords"}
+
+
+async def read_with_drops(
+    client: DialogClient, session: str, msg_id: str, rng: random.Random
+) -> tuple[list[StreamEvent], int]:
+    """Send, then read the answer over many connections, each dropped after a few events
+    and resumed from the last cursor handled."""
+    events: list[StreamEvent] = []
+    await client.send(session, "100 30", msg_id=msg_id)
+    cursor: str | None = None
+    connections = 0
+    while not events or events[-1].kind != "end":
+        connections += 1
+        keep = rng.randint(1, 4)
+        got = 0
+        async for event in client.stream(session, msg_id, after=cursor, timeout=60):
+            events.append(event)
+            if event.cursor is not None:
+                cursor = event.cursor
+            got += 1
+            if event.kind == "end" or got >= keep:
+                break  # the connection drops here (or the answer ended)
+        if rng.random() < 0.3:
+            await asyncio.sleep(rng.uniform(0, 0.3))  # reconnects a little later
+    return events, connections
+
+
+async def test_readers_dropping_at_random_through_kill9_and_a_paused_worker_see_each_answer_once(
+    client: DialogClient, workers: WorkerPool
+):
+    rng = random.Random(22)
+    procs = workers.start(3, **FAST)
+    reply = "".join(f"w{i} " for i in range(100))
+
+    async def busiest(candidates: list[WorkerProc]) -> WorkerProc:
+        held = Counter((await lock_holders(client)).values())
+        return max(candidates, key=lambda w: held.get(w.name, 0))
+
+    async def faults() -> None:
+        await asyncio.sleep(0.6)  # answers are under way
+        killed = await busiest(procs)
+        killed.signal(signal.SIGKILL)
+        await asyncio.sleep(1.2)  # its lease ends, the others take its answers over
+        paused = await busiest([w for w in procs if w is not killed])
+        paused.signal(signal.SIGSTOP)
+        await asyncio.sleep(1.5)  # well past the 600 ms lease: its answers move on
+        paused.signal(signal.SIGCONT)  # it wakes and tries to go on writing: fenced
+
+    fault = asyncio.create_task(faults())
+    results = await asyncio.wait_for(
+        asyncio.gather(*(read_with_drops(client, f"sf-{i}", f"sf{i}", rng) for i in range(12))),
+        90,
+    )
+    await fault
+    total_connections = 0
+    resets = 0
+    for i, (events, connections) in enumerate(results):
+        total_connections += connections
+        text = ""
+        seen: set[tuple[int, int]] = set()
+        for event in events:
+            if event.kind == "delta":
+                assert event.pos is not None
+                assert (event.attempt, event.pos) not in seen, (i, event)
+                seen.add((event.attempt, event.pos))
+                text += event.text
+                assert reply.startswith(text), (i, text)  # never a piece twice or out of order
+            elif event.kind == "reset":
+                resets += 1
+                text = ""
+            elif event.kind == "resync":
+                text = event.text
+        assert text == reply, i  # the pieces alone build the whole answer
+        assert (events[-1].kind, events[-1].outcome, events[-1].text) == ("end", "applied", reply)
+        state = await client.state(f"sf-{i}")
+        assert state is not None and state["history"][-1]["bot"] == reply
+    assert total_connections > 12 * 5
+    assert resets >= 1, "a fault hit an answer mid-way"
+    print(f"connections {total_connections}, resets {resets}")

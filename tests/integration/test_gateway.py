@@ -1,0 +1,195 @@
+"""The HTTP gateway (`dialog-worker serve`) as a real process in front of real workers:
+routes, server-sent events, resumption, auth and refusals."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from gateway_proc import SSE, GatewayProc, SSEParser
+from worker_procs import WorkerPool
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+REPLY = "".join(f"w{i} " for i in range(40))
+
+
+@pytest.fixture
+def gateway(env: dict[str, str], tmp_path: Path) -> Iterator[GatewayProc]:
+    proc = GatewayProc({**env, "DIALOG_HTTP_TOKEN": TOKEN}, tmp_path)
+    yield proc
+    proc.stop()
+
+
+async def read_sse(
+    http: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None, stop_after: int = 0
+) -> tuple[httpx.Response, SSEParser]:
+    parser = SSEParser()
+    async with http.stream("GET", url, headers={**AUTH, **(headers or {})}) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response, parser
+        async for line in response.aiter_lines():
+            event = parser.line(line)
+            if event is None:
+                continue
+            if event.kind == "end" or (stop_after and len(parser.events) >= stop_after):
+                break
+    return response, parser
+
+
+def shown(events: list[SSE]) -> str:
+    text = ""
+    for e in events:
+        if e.kind == "delta":
+            text += e.data["text"]
+        elif e.kind == "reset":
+            text = ""
+        else:
+            text = e.data["text"]
+    return text
+
+
+async def test_post_then_stream_the_answer_as_server_sent_events(
+    gateway: GatewayProc, workers: WorkerPool
+):
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        posted = await http.post("/sessions/web-1/messages", json={"text": "40 5"}, headers=AUTH)
+        assert posted.status_code == 202, posted.text
+        body = posted.json()
+        assert body["stream"] == f"/sessions/web-1/messages/{body['msg_id']}/stream"
+        response, sse = await read_sse(http, body["stream"])
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["cache-control"] == "no-cache"
+    assert response.headers["x-accel-buffering"] == "no"
+    assert sse.retry is not None
+    kinds = [e.kind for e in sse.events]
+    assert kinds[-1] == "end" and set(kinds[:-1]) == {"delta"}
+    assert shown(sse.events) == REPLY
+    assert "".join(e.data["text"] for e in sse.events[:-1]) == REPLY
+    assert all(e.id == e.data["cursor"] for e in sse.events)
+    assert sse.events[-1].data["outcome"] == "applied"
+
+
+async def test_last_event_id_or_after_resumes_and_the_end_cursor_gets_204(
+    gateway: GatewayProc, workers: WorkerPool
+):
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        posted = (
+            await http.post("/sessions/web-2/messages", json={"text": "40 10"}, headers=AUTH)
+        ).json()
+        url = posted["stream"]
+        _, first = await read_sse(http, url, stop_after=2)  # the connection drops
+        cursor = first.events[-1].id
+        assert cursor is not None
+        _, rest = await read_sse(http, url, headers={"Last-Event-ID": cursor})
+        assert shown(first.events + rest.events[:-1]) == REPLY
+        assert rest.events[-1].data["text"] == REPLY
+        _, again = await read_sse(http, f"{url}?after={cursor}")
+        assert [e.id for e in again.events] == [e.id for e in rest.events]
+        end_id = rest.events[-1].id
+        assert end_id is not None
+        done, _ = await read_sse(http, url, headers={"Last-Event-ID": end_id})
+        assert done.status_code == 204
+        late, sse = await read_sse(http, url)
+        assert late.status_code == 200 and sse.events[-1].data["text"] == REPLY
+
+
+async def test_every_request_needs_the_token(gateway: GatewayProc):
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        assert (await http.post("/sessions/a/messages", json={"text": "x"})).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert (
+            await http.post("/sessions/a/messages", json={"text": "x"}, headers=wrong)
+        ).status_code == 401
+        assert (await http.get("/sessions/a/messages/m/stream")).status_code == 401
+        ok = await http.post(f"/sessions/a/messages?access_token={TOKEN}", json={"text": "x"})
+        assert ok.status_code == 202
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/sessions/{a}b/messages", {"text": "braces are fine"}, 202),
+        ("/sessions/sesi-ü-日本/messages", {"text": "unicode is fine"}, 202),
+        ("/sessions/" + "x" * 300 + "/messages", {"text": "too long an id"}, 400),
+        ("/sessions/%20%20/messages", {"text": "blank id"}, 400),
+        ("/sessions/a/messages", {"text": ""}, 400),
+        ("/sessions/a/messages", {"text": 5}, 400),
+        ("/sessions/a/messages", {"text": "x", "msg_id": 5}, 400),
+        ("/sessions/a/messages", {"text": "x", "meta": {"k": 1}}, 400),
+        ("/sessions/a/messages", ["not", "an", "object"], 400),
+    ],
+)
+async def test_bad_input_is_a_clear_4xx(gateway: GatewayProc, path: str, body, status: int):
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        response = await http.post(path, json=body, headers=AUTH)
+    assert response.status_code == status, response.text
+    if status >= 400:
+        assert response.json()["error"]
+
+
+async def test_a_body_that_is_not_json_or_too_large_is_refused(gateway: GatewayProc):
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        bad = await http.post("/sessions/a/messages", content=b"\xff{", headers=AUTH)
+        assert bad.status_code == 400
+        huge = await http.post(
+            "/sessions/a/messages", content=b'{"text": "' + b"x" * 200_000 + b'"}', headers=AUTH
+        )
+        assert huge.status_code == 413
+
+
+async def test_a_bad_cursor_is_a_400(gateway: GatewayProc):
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        for cursor in ("nonsense", "other:1:2", "m:1:" + "9" * 40):
+            response = await http.get(
+                "/sessions/a/messages/m/stream", headers={**AUTH, "Last-Event-ID": cursor}
+            )
+            assert response.status_code == 400, cursor
+            assert "cursor" in response.json()["error"]
+
+
+async def test_session_events_replay_kept_turns_after_the_cursor_then_follow_new_ones(
+    gateway: GatewayProc, workers: WorkerPool
+):
+    workers.start(1)  # the built-in rules
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        for text in ("nama saya Budi", "internet mati"):
+            sent = await http.post("/sessions/ev-1/messages", json={"text": text}, headers=AUTH)
+            assert sent.status_code == 202
+            await read_sse(http, sent.json()["stream"])  # until it is answered
+        turns: list[SSE] = []
+        parser = SSEParser()
+        async with http.stream(
+            "GET", "/sessions/ev-1/events", headers={**AUTH, "Last-Event-ID": "1"}
+        ) as response:
+            assert response.headers["x-accel-buffering"] == "no"
+            async for line in response.aiter_lines():
+                event = parser.line(line)
+                if event is None:
+                    continue
+                turns.append(event)
+                if len(turns) == 1:  # the kept turn after seq 1; now a new one lands
+                    await http.post(
+                        "/sessions/ev-1/messages", json={"text": "ketiga"}, headers=AUTH
+                    )
+                if len(turns) == 2:
+                    break
+    assert [(t.id, t.data["seq"], t.data["user"]) for t in turns] == [
+        ("2", 2, "internet mati"),
+        ("3", 3, "ketiga"),
+    ]
+    assert turns[0].data["bot"].startswith("Mencatat keluhan Anda")
+
+
+async def test_session_events_refuse_a_cursor_that_is_not_a_seq(gateway: GatewayProc):
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        bad = await http.get("/sessions/a/events?after=x:1:2", headers=AUTH)
+        assert bad.status_code == 400
+        assert (await http.get("/sessions/a/events")).status_code == 401

@@ -1,0 +1,373 @@
+"""Streamed replies end to end: real redis-server, real worker processes, DialogClient.stream
+and ask_stream (worker/streaming.py, worker/partials.py, lua/emit-2.lua)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from redis_server import wait_until, wait_until_async
+from worker_procs import WorkerPool
+
+from dialog_worker import StreamEvent
+from dialog_worker.client import DialogClient
+from dialog_worker.errors import ReplyTimeout
+
+pytestmark = pytest.mark.integration
+
+
+def shown(events: list[StreamEvent]) -> str:
+    """What a UI shows after these events, honouring reset, resync and end."""
+    text = ""
+    for event in events:
+        if event.kind == "delta":
+            text += event.text
+        elif event.kind == "reset":
+            text = ""
+        elif event.kind in ("resync", "end"):
+            text = event.text
+    return text
+
+
+def streamed(events: list[StreamEvent]) -> str:
+    """The text built from the partial events only (no end)."""
+    return shown([e for e in events if e.kind != "end"])
+
+
+async def collect(client: DialogClient, session: str, text: str, **kw) -> list[StreamEvent]:
+    return [e async for e in client.ask_stream(session, text, timeout=30, **kw)]
+
+
+@pytest.mark.parametrize("engine", ["AsyncWords", "ThreadWords"])
+async def test_a_step_streams_batched_deltas_and_ends_with_the_committed_reply(
+    client: DialogClient, workers: WorkerPool, engine: str
+):
+    workers.start(1, DIALOG_ENGINE=f"stream_engines:{engine}")
+    events = await collect(client, "st-1", "60 5", msg_id="m1")
+    reply = "".join(f"w{i} " for i in range(60))
+    assert events[-1].kind == "end"
+    assert (events[-1].outcome, events[-1].text) == ("applied", reply)
+    assert [e.kind for e in events[:-1]] == ["delta"] * (len(events) - 1)
+    assert streamed(events) == reply  # every piece once, in order
+    deltas = len(events) - 1
+    # 60 tokens over ~300 ms, gathered every 40 ms: a handful of writes, never one per token.
+    assert 2 <= deltas <= 20, deltas
+    assert [e.pos for e in events[:-1]] == list(range(deltas))
+    assert all(e.cursor == f"m1:1:{e.pos}" for e in events[:-1])
+    key = client.keys.session("st-1").partial("m1")
+    # The deltas and the end entry (appended right after the commit, which readers need not
+    # wait for: the reply event ends them too).
+    await wait_until_async(
+        lambda: _length_is(client, key, deltas + 1), 5, what="the end entry appended"
+    )
+    ttl = await client.redis.ttl(key)
+    assert 0 < ttl <= 600
+
+
+async def test_a_reader_resuming_from_any_cursor_gets_each_piece_once(
+    client: DialogClient, workers: WorkerPool
+):
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    reply = "".join(f"w{i} " for i in range(80))
+    first: list[StreamEvent] = []
+    async for event in client.ask_stream("st-2", "80 5", msg_id="m2", timeout=30):
+        first.append(event)
+        if len(first) == 3:
+            break  # the connection drops mid-answer
+    assert all(e.kind == "delta" for e in first)
+    rest = [e async for e in client.stream("st-2", "m2", after=first[-1].cursor, timeout=30)]
+    assert rest[-1].kind == "end" and rest[-1].text == reply
+    assert streamed(first + rest) == reply
+    positions = [e.pos for e in first + rest[:-1]]
+    assert positions == list(range(len(positions)))  # nothing twice, nothing missing
+    # Resumed from every cursor after the end: exactly the remaining pieces.
+    everything = [e async for e in client.stream("st-2", "m2", timeout=5)]
+    for i, event in enumerate(everything[:-1]):
+        tail = [e async for e in client.stream("st-2", "m2", after=event.cursor, timeout=5)]
+        assert [e.pos for e in tail[:-1]] == [e.pos for e in everything[i + 1 : -1]]
+        assert streamed(everything[: i + 1] + tail) == reply
+
+
+async def test_a_reader_after_the_end_gets_the_committed_reply_and_nothing_after_its_cursor(
+    client: DialogClient, workers: WorkerPool
+):
+    workers.start(1, DIALOG_ENGINE="stream_engines:EmitsOtherThanReturns")
+    events = await collect(client, "st-3", "x", msg_id="m3")
+    assert [e.kind for e in events] == ["delta", "end"]
+    assert (events[0].text, events[-1].text) == ("draft ", "final answer")
+    late = [e async for e in client.stream("st-3", "m3", timeout=5)]
+    assert [(e.kind, e.text) for e in late] == [("delta", "draft "), ("end", "final answer")]
+    assert late[-1].cursor == events[-1].cursor
+    assert [e async for e in client.stream("st-3", "m3", after=events[-1].cursor, timeout=5)] == []
+
+
+async def test_after_the_partial_stream_expired_a_reader_gets_the_reply_from_the_history(
+    client: DialogClient, workers: WorkerPool
+):
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords", DIALOG_PARTIAL_TTL_S="1")
+    events = await collect(client, "st-4", "5 1", msg_id="m4")
+    key = client.keys.session("st-4").partial("m4")
+    await wait_until_async(lambda: _gone(client, key), 5, what="partial stream expired")
+    late = [e async for e in client.stream("st-4", "m4", after=events[1].cursor, timeout=5)]
+    assert [(e.kind, e.outcome, e.text) for e in late] == [("end", "applied", events[-1].text)]
+
+
+async def _length_is(client: DialogClient, key: str, length: int) -> bool:
+    return bool(await client.redis.xlen(key) == length)
+
+
+async def _gone(client: DialogClient, key: str) -> bool:
+    return not await client.redis.exists(key)
+
+
+async def test_a_retried_attempt_tells_readers_to_replace_what_the_failed_one_streamed(
+    client: DialogClient, workers: WorkerPool
+):
+    workers.start(1, DIALOG_ENGINE="stream_engines:FailsFirstAttempt", DIALOG_BACKOFF_BASE_MS="1")
+    reply = "".join(f"w{i} " for i in range(10))
+    events = await collect(client, "st-5", "10 5", msg_id="m5")
+    kinds = [e.kind for e in events]
+    assert "reset" in kinds, kinds
+    reset = kinds.index("reset")
+    assert streamed(events[:reset]) == "WRONG START "
+    assert streamed(events) == reply and shown(events) == reply
+    assert events[reset].attempt == 2
+    # A reader resuming from the failed attempt's cursor is told to start over.
+    again = [e async for e in client.stream("st-5", "m5", after=events[0].cursor, timeout=5)]
+    assert again[0].kind == "reset" and shown(events[:1] + again) == reply
+
+
+async def test_an_engine_that_never_emits_streams_just_its_end(
+    client: DialogClient, workers: WorkerPool
+):
+    workers.start(1)  # the built-in rules
+    events = await collect(client, "st-6", "nama saya Budi", msg_id="m6")
+    assert [(e.kind, e.outcome, e.text) for e in events] == [
+        ("end", "applied", "Halo Budi, ada yang bisa dibantu?")
+    ]
+    late = [e async for e in client.stream("st-6", "m6", timeout=5)]
+    assert [(e.kind, e.text) for e in late] == [("end", "Halo Budi, ada yang bisa dibantu?")]
+
+
+async def test_stream_of_a_message_nobody_answers_times_out_naming_it(client: DialogClient):
+    started = time.monotonic()
+    with pytest.raises(ReplyTimeout, match="m7"):
+        async for _ in client.stream("st-7", "m7", timeout=0.5):
+            pass
+    assert time.monotonic() - started < 3
+
+
+async def test_a_worker_killed_mid_answer_is_replaced_and_readers_see_one_clean_answer(
+    client: DialogClient, workers: WorkerPool, tmp_path: Path
+):
+    log = tmp_path / "engine"
+    env = {
+        "DIALOG_ENGINE": "stream_engines:SlowOnFirstWorker",
+        "APP_ENGINE_LOG": str(log),
+        "DIALOG_LOCK_TTL_MS": "500",
+    }
+    [first] = workers.start(1, **env)
+    reply = "".join(f"w{i} " for i in range(30))
+    events: list[StreamEvent] = []
+
+    async def read() -> None:
+        async for event in client.ask_stream("st-8", "30 20", msg_id="m8", timeout=30):
+            events.append(event)
+
+    reader = asyncio.create_task(read())
+    marker = Path(f"{log}.started")
+    await asyncio.to_thread(wait_until, marker.exists, 20, what="first attempt half way")
+    first.signal(signal.SIGKILL)
+    workers.start(1, **env)
+    await asyncio.wait_for(reader, 30)
+    assert events[-1].kind == "end" and events[-1].text == reply
+    assert "reset" in [e.kind for e in events]
+    assert shown(events) == reply and streamed(events) == reply
+    assert not first.alive()
+
+
+# ---------------------------------------------------------------------------------------------
+# lua/emit-2.lua on its own
+
+
+async def _emit(client: DialogClient, *args: str | int, maxlen: int = 1000) -> int:
+    from dialog_worker.scripts import Script, source
+
+    session = client.keys.session("st-9")
+    script = Script(client.redis, source("emit"))
+    keys = [session.lock, session.partial("m9")]
+    [code] = await script(keys=keys, args=[maxlen, 600, 1, *args])
+    return int(code)
+
+
+async def test_only_the_lock_holder_appends_and_a_resent_batch_is_written_once(
+    client: DialogClient,
+):
+    session = client.keys.session("st-9")
+    await client.redis.set(session.lock, "tok", px=5000)
+    assert await _emit(client, "d", "other", 1, 0, 1, "zombie", "", "") == -1
+    assert await _emit(client, "d", "tok", 1, 0, 1, "a", "", "") == 1
+    assert await _emit(client, "d", "tok", 1, 0, 1, "a", "", "") == 0  # the same call again
+    assert await _emit(client, "d", "tok", 1, 1, 1, "b", "", "") == 1
+    assert await _emit(client, "d", "tok", 0, 5, 1, "old", "", "") == -3  # an older attempt
+    assert await _emit(client, "e", "", 1, 2, 1, "ab", "", "applied") == 1
+    assert await _emit(client, "d", "tok", 1, 2, 1, "late", "", "") == 0  # after the end
+    assert await _emit(client, "e", "", 1, 2, 1, "ab", "", "applied") == 0
+    texts = [f[b"t"] for _, f in await client.raw.xrange(session.partial("m9"))]
+    assert texts == [b"a", b"b", b"ab"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("x", "tok", 1, 0, 1, "a", "", ""),
+        ("d", "tok", "one", 0, 1, "a", "", ""),
+        ("d", "tok", 1, -1, 1, "a", "", ""),
+        ("d", "tok", 1, 0, 1, "a", ""),
+    ],
+)
+async def test_bad_arguments_write_nothing(client: DialogClient, args):
+    import redis.exceptions
+
+    session = client.keys.session("st-9")
+    await client.redis.set(session.lock, "tok", px=5000)
+    with pytest.raises(redis.exceptions.ResponseError, match="emit"):
+        await _emit(client, *args)
+    assert not await client.redis.exists(session.partial("m9"))
+
+
+async def test_a_partial_stream_is_capped_and_a_reader_behind_the_cap_resyncs(
+    client: DialogClient,
+):
+    """MAXLEN ~ 10 (snapshots every 5 entries; Redis trims whole nodes of 100 entries): 250
+    entries, a reader that saw only the first."""
+    session = client.keys.session("st-9")
+    await client.redis.set(session.lock, "tok", px=5000)
+    await client.redis.set(session.dedupe("m9"), 1)
+    text = ""
+    for pos in range(250):
+        piece = f"p{pos} "
+        full = text + piece if pos and pos % 5 == 0 else ""
+        text += piece
+        assert await _emit(client, "d", "tok", 1, pos, 1, piece, full, "", maxlen=10) == 1
+    length = await client.redis.xlen(session.partial("m9"))
+    assert length < 250
+    await _emit(client, "e", "", 1, 250, 1, text, "", "applied", maxlen=10)
+    events = [e async for e in client.stream("st-9", "m9", after="m9:1:0", timeout=5)]
+    assert events[0].kind == "resync"
+    assert shown(events[:-1]) == text
+
+
+async def test_cli_ask_stream_prints_each_event_as_a_json_line(
+    env: dict[str, str], workers: WorkerPool
+):
+    import json
+    import subprocess
+    import sys
+
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "dialog_worker", "ask", "st-10", "30 5", "--stream"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(lines) >= 3
+    assert {line["kind"] for line in lines[:-1]} == {"delta"}
+    reply = "".join(f"w{i} " for i in range(30))
+    assert "".join(line["text"] for line in lines[:-1]) == reply
+    assert (lines[-1]["kind"], lines[-1]["outcome"], lines[-1]["text"]) == ("end", "applied", reply)
+    assert lines[-1]["session_id"] == "st-10"
+
+
+async def test_one_script_call_writes_the_batches_of_every_live_answer(
+    client: DialogClient, workers: WorkerPool
+):
+    """20 answers streamed at once by one worker: the writes are grouped across answers, so
+    the worker's script calls (intake, commit and emit together) are far fewer than the
+    entries written."""
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    before = (await client.redis.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+
+    async def one(i: int) -> list[StreamEvent]:
+        return await collect(client, f"st-g{i}", "80 5", msg_id=f"g{i}")
+
+    answers = await asyncio.gather(*(one(i) for i in range(20)))
+    after = (await client.redis.info("commandstats"))["cmdstat_evalsha"]["calls"]
+    reply = "".join(f"w{i} " for i in range(80))
+    assert all(shown(events) == reply == streamed(events) for events in answers)
+    entries = 0
+    for i in range(20):
+        entries += await client.redis.xlen(client.keys.session(f"st-g{i}").partial(f"g{i}"))
+    assert entries >= 20 * 5
+    assert after - before < entries / 2, (after - before, entries)
+
+
+async def test_a_partial_stream_key_of_another_type_refuses_its_batch_alone(
+    client: DialogClient,
+):
+    from dialog_worker.scripts import Script, source
+
+    script = Script(client.redis, source("emit"))
+    a, b = client.keys.session("st-11"), client.keys.session("st-12")
+    await client.redis.set(a.lock, "tok", px=5000)
+    await client.redis.set(b.lock, "tok", px=5000)
+    await client.redis.set(a.partial("x"), "not a stream")
+    keys = [a.lock, a.partial("x"), b.lock, b.partial("y")]
+    batch = ["d", "tok", 1, 0, 1, "text", "", ""]
+    codes = await script(keys=keys, args=[1000, 600, 2, *batch, *batch])
+    assert [int(c) for c in codes] == [-4, 1]
+    assert await client.redis.get(a.partial("x")) == "not a stream"
+    assert await client.redis.xlen(b.partial("y")) == 1
+
+
+async def test_a_reader_that_learns_the_end_from_the_state_still_reads_every_piece_first(
+    client: DialogClient, monkeypatch: pytest.MonkeyPatch
+):
+    """The router has not delivered the last pieces yet (here: it never does) when the
+    session's state says the message is applied: the reader reads them before the end."""
+    import json
+
+    from dialog_worker import partials
+
+    class SilentRouter(partials.PartialRouter):
+        def listen(self, watch: partials.Watch, last: tuple[int, int] | None) -> None:
+            pass
+
+    monkeypatch.setattr(partials, "IDLE_CHECK_S", 0.1)
+    session = client.keys.session("st-13")
+    await client.redis.set(session.lock, "tok", px=5000)
+    await client.redis.set(session.dedupe("m13"), 1)
+    await client.redis.hset(session.state, mapping={"a": 0, "s": 1})
+    for pos in range(3):
+        await _emit_to(client, session, "m13", pos, f"p{pos} ")
+    keys = partials.MessageKeys(session.partial("m13"), session.state, session.dedupe("m13"))
+    never: asyncio.Future = asyncio.get_running_loop().create_future()
+    events = partials.follow(
+        client.raw, SilentRouter(client.raw), keys, "m13", None, never, deadline=None
+    )
+    got = [await anext(events) for _ in range(3)]
+    for pos in range(3, 6):
+        await _emit_to(client, session, "m13", pos, f"p{pos} ")
+    reply = "".join(f"p{i} " for i in range(6))
+    turn = {"seq": 1, "msg_id": "m13", "user": "u", "bot": reply}
+    await client.redis.hset(session.state, mapping={"a": 1, "d": json.dumps({"history": [turn]})})
+    got += [e async for e in events]
+    assert [e.kind for e in got] == ["delta"] * 6 + ["end"]
+    assert streamed(got) == reply == got[-1].text
+
+
+async def _emit_to(client: DialogClient, session, msg_id: str, pos: int, text: str) -> None:
+    from dialog_worker.scripts import Script, source
+
+    script = Script(client.redis, source("emit"))
+    keys = [session.lock, session.partial(msg_id)]
+    [code] = await script(keys=keys, args=[1000, 600, 1, "d", "tok", 1, pos, 1, text, "", ""])
+    assert int(code) == 1

@@ -1,0 +1,91 @@
+"""Streaming engines for the tests of streamed replies, loaded by worker processes with
+DIALOG_ENGINE=stream_engines:<Name>. The message text says what to stream:
+``<words> <delay_ms>`` (for example ``40 10``: forty words, one every 10 ms)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from dialog_worker import TransientError, emit
+
+
+def _plan(message: dict[str, Any]) -> tuple[list[str], float]:
+    parts = message["text"].split()
+    words, delay_ms = int(parts[0]), float(parts[1]) if len(parts) > 1 else 0.0
+    return [f"w{i} " for i in range(words)], delay_ms / 1000
+
+
+class AsyncWords:
+    """An async step that emits word by word, then returns the same text."""
+
+    async def step(
+        self, state: dict[str, Any], message: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        words, delay = _plan(message)
+        for word in words:
+            emit(word)
+            await asyncio.sleep(delay)
+        return {**state, "step": "STREAMED"}, "".join(words)
+
+
+class ThreadWords:
+    """A plain def step (in its worker thread) that emits word by word."""
+
+    def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        words, delay = _plan(message)
+        for word in words:
+            emit(word)
+            time.sleep(delay)
+        return {**state, "step": "STREAMED"}, "".join(words)
+
+
+class FailsFirstAttempt:
+    """The first attempt emits a wrong beginning and fails; the second answers properly: a
+    reader must replace, not append."""
+
+    async def step(
+        self, state: dict[str, Any], message: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        words, delay = _plan(message)
+        if message["attempt"] == 1:
+            for word in ("WRONG ", "START "):
+                emit(word)
+                await asyncio.sleep(delay)
+            await asyncio.sleep(0.1)
+            raise TransientError("model connection reset", retry_after=0)
+        for word in words:
+            emit(word)
+            await asyncio.sleep(delay)
+        return {**state, "step": "STREAMED"}, "".join(words)
+
+
+class EmitsOtherThanReturns:
+    """Emits a draft, returns a different final text: the end carries the returned text."""
+
+    async def step(
+        self, state: dict[str, Any], message: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        emit("draft ")
+        await asyncio.sleep(0.05)
+        return {**state, "step": "STREAMED"}, "final answer"
+
+
+class SlowOnFirstWorker:
+    """Streams slowly; writes its pid to APP_ENGINE_LOG.<msg_id>.started once it has emitted
+    half, so a test can kill the worker mid-answer."""
+
+    async def step(
+        self, state: dict[str, Any], message: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        words, delay = _plan(message)
+        for i, word in enumerate(words):
+            emit(word)
+            await asyncio.sleep(delay)
+            if i == len(words) // 2 and message["attempt"] == 1:
+                marker = f"{os.environ['APP_ENGINE_LOG']}.started"
+                with open(marker, "w") as f:  # noqa: ASYNC230 - a test signal, microseconds
+                    f.write(str(os.getpid()))
+        return {**state, "step": "STREAMED"}, "".join(words)

@@ -1,0 +1,121 @@
+"""The reader's state machine of streamed replies (worker/partials.py) and `emit` outside a
+step: every resume case without Redis."""
+
+from __future__ import annotations
+
+import pytest
+
+from dialog_worker import emit
+from dialog_worker.errors import ValidationError
+from dialog_worker.partials import Cursor, Tracker, parse_cursor, reply_from_history
+
+
+def entry(a: int, p: int, t: str, k: str = "d", f: str | None = None, s: int = 3):
+    fields = {b"a": str(a).encode(), b"p": str(p).encode(), b"k": k.encode(), b"t": t.encode()}
+    fields[b"s"] = str(s).encode()
+    if f is not None:
+        fields[b"f"] = f.encode()
+    return fields
+
+
+def run(tracker: Tracker, entries) -> list[tuple[str, str, str | None]]:
+    return [(e.kind, e.text, e.cursor) for x in entries for e in tracker.feed(x)]
+
+
+def test_deltas_in_order_carry_their_cursor_and_the_seq_is_learned():
+    t = Tracker("m")
+    assert run(t, [entry(1, 0, "a"), entry(1, 1, "b")]) == [
+        ("delta", "a", "m:1:0"),
+        ("delta", "b", "m:1:1"),
+    ]
+    assert t.seq == 3
+
+
+def test_a_resumed_reader_skips_what_it_has():
+    t = Tracker("m", Cursor("m", 1, 1))
+    assert run(t, [entry(1, 0, "a"), entry(1, 1, "b"), entry(1, 2, "c")]) == [
+        ("delta", "c", "m:1:2")
+    ]
+
+
+def test_a_newer_attempt_resets_a_reader_that_saw_the_older_one():
+    t = Tracker("m", Cursor("m", 1, 0))
+    got = run(t, [entry(1, 0, "x"), entry(1, 1, "y"), entry(2, 0, "a")])
+    assert got == [("delta", "y", "m:1:1"), ("reset", "", None), ("delta", "a", "m:2:0")]
+
+
+def test_a_fresh_reader_gets_old_attempts_then_a_reset():
+    t = Tracker("m")
+    got = run(t, [entry(1, 0, "x"), entry(2, 0, "a")])
+    assert [k for k, _, _ in got] == ["delta", "reset", "delta"]
+
+
+def test_a_reader_behind_a_trimmed_start_waits_for_a_snapshot_and_resyncs():
+    t = Tracker("m", Cursor("m", 1, 0))
+    got = run(t, [entry(1, 5, "f"), entry(1, 6, "g", f="abcdefg"), entry(1, 7, "h")])
+    assert got == [("resync", "abcdefg", "m:1:6"), ("delta", "h", "m:1:7")]
+
+
+def test_entries_of_an_older_attempt_after_a_newer_one_are_ignored():
+    t = Tracker("m")
+    got = run(t, [entry(2, 0, "a"), entry(1, 1, "zombie"), entry(2, 1, "b")])
+    assert [x[1] for x in got] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {b"a": b"x", b"p": b"0", b"k": b"d", b"t": b"a"},
+        {b"a": b"1", b"p": b"-1", b"k": b"d", b"t": b"a"},
+        {b"a": b"1", b"p": b"9" * 40, b"k": b"d", b"t": b"a"},
+        {b"a": b"1", b"p": b"0", b"k": b"zz", b"t": b"a"},
+    ],
+)
+def test_forged_or_malformed_entries_are_skipped(fields):
+    t = Tracker("m")
+    assert run(t, [fields, entry(1, 0, "ok")]) == [("delta", "ok", "m:1:0")]
+
+
+def test_the_end_cursor_is_one_past_the_newest_piece_for_every_reader():
+    a, b = Tracker("m"), Tracker("m", Cursor("m", 1, 1))
+    entries = [entry(1, 0, "a"), entry(1, 1, "b"), entry(1, 2, "ok", k="e")]
+    ends = [run(a, entries)[-1], run(b, entries)[-1]]
+    assert ends == [("end", "ok", "m:1:2"), ("end", "ok", "m:1:2")]
+    resumed = Tracker("m", Cursor("m", 1, 2))
+    run(resumed, entries)
+    assert resumed.resumed_at_end()
+
+
+def test_invalid_utf8_in_an_entry_does_not_fail_the_reader():
+    t = Tracker("m")
+    fields = entry(1, 0, "")
+    fields[b"t"] = b"\xff\xfeok"
+    assert run(t, [fields])[0][1].endswith("ok")
+
+
+@pytest.mark.parametrize(
+    "raw", ["m:1", "x:1:2", "m:a:1", "m:1:-1", "m:1:" + "9" * 40, "m" * 2000 + ":1:1"]
+)
+def test_bad_cursors_are_refused_with_one_clear_error(raw):
+    with pytest.raises(ValidationError):
+        parse_cursor(raw, "m")
+
+
+def test_a_msg_id_with_colons_has_a_cursor_too():
+    assert parse_cursor("a:b:c:2:7", "a:b:c") == Cursor("a:b:c", 2, 7)
+
+
+def test_the_reply_comes_from_the_history_only_when_the_turn_matches():
+    doc = b'{"history": [{"seq": 2, "msg_id": "m", "user": "u", "bot": "hi"}, "junk"]}'
+    assert reply_from_history(doc, "m", 2) == "hi"
+    assert reply_from_history(doc, "m", 3) is None
+    assert reply_from_history(doc, "other", None) is None
+    assert reply_from_history(b"not json", "m", 2) is None
+    assert reply_from_history(b'{"history": 5}', "m", 2) is None
+
+
+def test_emit_outside_a_step_does_nothing_and_refuses_non_text():
+    emit("ignored")
+    with pytest.raises(TypeError):
+        emit(b"bytes")  # type: ignore[arg-type]

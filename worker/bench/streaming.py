@@ -1,0 +1,215 @@
+"""Streamed answers under load: N answers at once, each a fake model's 200 tokens at 50 tokens
+per second, on real `dialog-worker run` processes and a redis-server of its own.
+
+    python -m dialog_worker.bench.streaming --answers 100 --workers 2
+
+Prints one JSON line: Redis commands per token (every command the server ran during the run,
+from INFO commandstats, divided by the tokens streamed), emit-to-client latency of the tokens
+(p50/p99/max: the fake model writes its emit time into each token, the reader compares it
+with its own clock on arrival; same host), Redis memory per live answer (peak used_memory
+over the idle baseline, divided by N) and per finished answer (its partial stream, kept until
+DIALOG_PARTIAL_TTL_S), and the answers' correctness (each reader's text equals the reply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dialog_worker import emit
+from dialog_worker.client import DialogClient
+from dialog_worker.config import load_settings
+
+
+class FakeModel:
+    """``<tokens> <per second>``: emits that many tokens at that rate, each ``<emit time in
+    microseconds> ``, and returns them all."""
+
+    async def step(
+        self, state: dict[str, Any], message: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        count, rate = (float(x) for x in message["text"].split())
+        tokens = []
+        started = time.monotonic()
+        for i in range(int(count)):
+            # Paced against the start, so a late wake-up does not slow the whole answer.
+            await asyncio.sleep(max(0.0, started + i / rate - time.monotonic()))
+            token = f"{time.time_ns() // 1000} "
+            emit(token)
+            tokens.append(token)
+        return {**state, "step": "ANSWERED"}, "".join(tokens)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _read(client: DialogClient, i: int, tokens: int, rate: int) -> tuple[list[float], bool]:
+    """One reader: latencies (ms) of the tokens it received, and whether its text is the
+    committed reply exactly once."""
+    latencies: list[float] = []
+    shown = ""
+    final = ""
+    async for event in client.ask_stream(f"bench-{i}", f"{tokens} {rate}", timeout=120):
+        now_us = time.time_ns() // 1000
+        if event.kind == "delta":
+            for token in event.text.split():
+                latencies.append((now_us - int(token)) / 1000)
+            shown += event.text
+        elif event.kind == "reset":
+            shown = ""
+        elif event.kind == "resync":
+            shown = event.text
+        else:
+            final = event.text
+    return latencies, shown == final and len(final.split()) == tokens
+
+
+def _percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] if ordered else 0.0
+
+
+async def _run(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    settings = load_settings({"redis_url": url})
+    async with DialogClient(settings=settings, max_connections=args.answers + 16) as client:
+        info = await client.redis.info("memory")
+        baseline = int(info["used_memory"])
+        await client.redis.config_resetstat()
+        peak = baseline
+        done = asyncio.Event()
+
+        async def sample() -> None:
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, int((await client.redis.info("memory"))["used_memory"]))
+                await asyncio.sleep(0.2)
+
+        sampler = asyncio.create_task(sample())
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(_read(client, i, args.tokens, args.rate) for i in range(args.answers))
+        )
+        elapsed = time.monotonic() - started
+        done.set()
+        await sampler
+        stats = await client.redis.info("commandstats")
+        after = int((await client.redis.info("memory"))["used_memory"])
+        stream_bytes = 0
+        for i in range(args.answers):
+            session = client.keys_for(f"bench-{i}").session(f"bench-{i}")
+            # The msg_ids are random: find each answer's partial stream by its prefix.
+            async for key in client.redis.scan_iter(match=session.partial("*"), count=1000):
+                stream_bytes += int(await client.redis.memory_usage(key) or 0)
+    calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+    for own in ("info", "config|resetstat", "scan", "memory|usage"):
+        calls.pop(own, None)  # the bench's own sampling
+    latencies = [ms for lat, _ in results for ms in lat]
+    tokens = args.answers * args.tokens
+    return {
+        "answers": args.answers,
+        "tokens_per_answer": args.tokens,
+        "tokens_per_s_per_answer": args.rate,
+        "workers": args.workers,
+        "flush_ms": args.flush_ms,
+        "seconds": round(elapsed, 2),
+        "correct_answers": sum(ok for _, ok in results),
+        "tokens_received": len(latencies),
+        # Calls clients sent (every script call, the readers' reads) and every command Redis
+        # ran, those inside scripts included.
+        "redis_calls_per_token": round(
+            sum(calls.get(c, 0) for c in ("evalsha", "xread", "xrange")) / tokens, 3
+        ),
+        "redis_commands_per_token": round(sum(calls.values()) / tokens, 3),
+        "redis_commands": dict(sorted(calls.items(), key=lambda kv: -kv[1])),
+        "latency_ms_p50": round(_percentile(latencies, 50), 1),
+        "latency_ms_p99": round(_percentile(latencies, 99), 1),
+        "latency_ms_max": round(max(latencies, default=0.0), 1),
+        "memory_bytes_per_live_answer": (peak - baseline) // args.answers,
+        "memory_bytes_per_finished_answer": (after - baseline) // args.answers,
+        "partial_stream_bytes_per_answer": stream_bytes // args.answers,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--answers", type=int, default=100, help="answers at once (default 100)")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens per answer (default 200)")
+    parser.add_argument("--rate", type=int, default=50, help="tokens per second (default 50)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--flush-ms", type=int, default=40, help="DIALOG_PARTIAL_FLUSH_MS")
+    args = parser.parse_args(argv)
+    binary = shutil.which("redis-server")
+    if binary is None:
+        print("dialog-worker: bench.streaming needs redis-server on PATH", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        port = _free_port()
+        redis = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--dir",
+                tmp,
+                "--appendonly",
+                "no",
+                "--maxmemory-policy",
+                "noeviction",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("DIALOG_")},
+            "REDIS_URL": url,
+            "DIALOG_ENGINE": "dialog_worker.bench.streaming:FakeModel",
+            "DIALOG_CONCURRENCY": str(max(64, args.answers // args.workers + 16)),
+            "DIALOG_PARTIAL_FLUSH_MS": str(args.flush_ms),
+            "DIALOG_METRICS_PORT": "0",
+            "DIALOG_LOG_LEVEL": "warning",
+        }
+        workers = []
+        try:
+            time.sleep(0.5)
+            for i in range(args.workers):
+                log = Path(tmp, f"worker-{i}.log").open("ab")
+                workers.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "dialog_worker", "run"],
+                        env={**env, "DIALOG_CONSUMER": f"bench-{i}"},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+            time.sleep(2.0)  # the workers start (imports, script loads)
+            result = asyncio.run(_run(args, url))
+        finally:
+            for proc in workers:
+                proc.terminate()
+            for proc in workers:
+                proc.wait(30)
+            redis.terminate()
+            redis.wait(10)
+    print(json.dumps(result), flush=True)
+    return 0 if result["correct_answers"] == args.answers else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

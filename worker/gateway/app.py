@@ -1,0 +1,338 @@
+"""The gateway's ASGI app (Starlette): a thin HTTP face of `DialogClient`.
+
+    POST /sessions/{session_id}/messages                     send; 202 with the msg_id
+    GET  /sessions/{session_id}/messages/{msg_id}/stream     the answer as server-sent events
+    GET  /sessions/{session_id}/events                       the session's turns, as they land
+
+Every request carries the token (``Authorization: Bearer <token>``, or ``?access_token=`` for
+``EventSource``, which cannot set headers) unless the app was built without auth. Bad input is
+a 4xx with ``{"error": "..."}``; Redis out of reach a 503.
+
+Each SSE connection holds one task that follows the answer (`DialogClient.stream`) and a
+channel of at most `QUEUE_EVENTS` events between it and the response: a slow browser slows its
+own reader, never the server's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, cast
+
+import redis.exceptions
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from dialog_worker.client import DialogClient
+from dialog_worker.codec import check_id
+from dialog_worker.config import Settings
+from dialog_worker.errors import ReplyStreamError, ValidationError
+from dialog_worker.partials import StreamEvent
+
+# Events buffered per connection between the reader and a slow browser.
+QUEUE_EVENTS = 16
+# A comment line this often while nothing else is sent: proxies keep the connection open and
+# the browser learns soon when it is gone.
+HEARTBEAT_S = 15.0
+# What the browser waits before it reconnects (SSE `retry:`).
+RETRY_MS = 1000
+# One connection follows an answer this long at most; the browser then reconnects from its
+# cursor (bounds what a never-answered message holds).
+CONNECTION_MAX_S = 600.0
+# How long a request waits for its first event before the stream opens without one.
+FIRST_EVENT_WAIT_S = 1.0
+# Largest request body: the message and its fields, with room for JSON quoting.
+BODY_SLACK_BYTES = 16_384
+_NOTHING_YET = TimeoutError("no event yet")
+SSE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx and others would hold the last event otherwise
+    "Connection": "keep-alive",
+}
+
+
+def create_app(
+    settings: Settings,
+    token: str | None,
+    client: DialogClient | None = None,
+    extra_routes: list[BaseRoute] | None = None,
+    max_connections: int = 128,
+) -> Starlette:
+    """The app. ``token`` None means no auth (only for a loopback listener: `serve` checks).
+    ``client`` is made (and closed) by the app's lifespan unless given. ``extra_routes`` are
+    mounted next to the gateway's (a chat page, your own API)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if client is not None:
+            app.state.client = client
+            yield
+            return
+        # Streams share one blocking read (worker/partials.py); connections serve the sends
+        # and each stream's catch-up reads.
+        async with DialogClient(settings=settings, max_connections=max_connections) as made:
+            app.state.client = made
+            yield
+
+    routes: list[BaseRoute] = [
+        Route("/sessions/{session_id}/messages", post_message, methods=["POST"]),
+        Route("/sessions/{session_id}/messages/{msg_id}/stream", stream_answer, methods=["GET"]),
+        Route("/sessions/{session_id}/events", session_events, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        *(extra_routes or []),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.token = token
+    app.state.max_body = settings.max_message_bytes + BODY_SLACK_BYTES
+    return app
+
+
+def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+def _authorized(request: Request) -> bool:
+    token: str | None = request.app.state.token
+    if token is None:
+        return True
+    given = ""
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        given = header[7:].strip()
+    else:
+        given = request.query_params.get("access_token", "")
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
+def _refused(request: Request) -> JSONResponse | None:
+    if not _authorized(request):
+        return _error(401, "missing or wrong token (Authorization: Bearer <token>)")
+    return None
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"ok": True})
+
+
+async def post_message(request: Request) -> Response:
+    """Body ``{"text": "...", "msg_id": optional, "meta": optional {name: text}}``; answers 202
+    ``{"session_id", "msg_id", "entry_id", "stream"}``. The msg_id is made before the send: a
+    503 names it too, so posting again with it cannot apply the message twice."""
+    refused = _refused(request)
+    if refused is not None:
+        return refused
+    client: DialogClient = request.app.state.client
+    body = await _read_json(request)
+    if isinstance(body, Response):
+        return body
+    session_id = request.path_params["session_id"]
+    text, msg_id, meta = body.get("text"), body.get("msg_id"), body.get("meta")
+    if not isinstance(text, str):
+        return _error(400, "text must be a string")
+    if msg_id is not None and not isinstance(msg_id, str):
+        return _error(400, "msg_id must be a string")
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+    ):
+        return _error(400, "meta must be an object of strings")
+    msg_id = msg_id if msg_id is not None else uuid.uuid4().hex
+    try:
+        sent = await client.send(session_id, text, msg_id=msg_id, meta=meta)
+    except ValidationError as exc:
+        return _error(400, str(exc))
+    except (redis.exceptions.RedisError, OSError):
+        return _error(
+            503, "the chat service is unavailable; post again with this msg_id", msg_id=msg_id
+        )
+    stream = request.url_for("stream_answer", session_id=session_id, msg_id=sent.msg_id)
+    return JSONResponse({**sent.as_dict(), "stream": stream.path}, status_code=202)
+
+
+async def _read_json(request: Request) -> dict[str, Any] | Response:
+    limit: int = request.app.state.max_body
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        return _error(413, f"the body must be at most {limit} bytes")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            return _error(413, f"the body must be at most {limit} bytes")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return _error(400, "the body must be JSON")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object")
+    return body
+
+
+async def stream_answer(request: Request) -> Response:
+    """The answer as server-sent events: ``id:`` is the cursor (absent on ``reset``),
+    ``event:`` the kind, ``data:`` the event as JSON. Resumes from ``Last-Event-ID`` or
+    ``?after=``. 204 when the cursor is already at the end: nothing is live for you."""
+    refused = _refused(request)
+    if refused is not None:
+        return refused
+    client: DialogClient = request.app.state.client
+    session_id, msg_id = request.path_params["session_id"], request.path_params["msg_id"]
+    after = request.headers.get("last-event-id") or request.query_params.get("after") or None
+    events = client.stream(session_id, msg_id, after=after, timeout=CONNECTION_MAX_S)
+    queue: asyncio.Queue[StreamEvent | BaseException | None] = asyncio.Queue(QUEUE_EVENTS)
+    pump = asyncio.create_task(_pump(events, queue))
+    first: StreamEvent | BaseException | None = None
+    try:
+        # Long enough to learn that a finished answer has nothing more for this cursor (204),
+        # or that the request is bad (400); short enough that the stream opens at once.
+        first = await asyncio.wait_for(queue.get(), FIRST_EVENT_WAIT_S)
+    except TimeoutError:
+        first = _NOTHING_YET
+    except BaseException:
+        pump.cancel()
+        raise
+    if first is None:
+        return Response(status_code=204, headers={"Cache-Control": "no-cache"})
+    if isinstance(first, ValidationError):
+        return _error(400, str(first))
+    if isinstance(first, (redis.exceptions.RedisError, OSError, ReplyStreamError)):
+        return _error(503, "the chat service is unavailable")
+    if isinstance(first, BaseException) and first is not _NOTHING_YET:
+        raise first
+    opening = first if isinstance(first, StreamEvent) else None
+    return StreamingResponse(
+        _sse(opening, queue, pump), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+async def _pump(
+    events: AsyncIterator[StreamEvent], queue: asyncio.Queue[StreamEvent | BaseException | None]
+) -> None:
+    """Reads the answer into the connection's bounded queue; ends it with None (the end) or
+    the error that stopped it."""
+    try:
+        async for event in events:
+            await queue.put(event)
+        await queue.put(None)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        await queue.put(exc)
+    finally:
+        with contextlib.suppress(Exception):
+            await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _sse(
+    first: StreamEvent | None,
+    queue: asyncio.Queue[StreamEvent | BaseException | None],
+    pump: asyncio.Task[None],
+) -> AsyncIterator[str]:
+    try:
+        yield f"retry: {RETRY_MS}\n\n"
+        pending = [first] if first is not None else []
+        while True:
+            for event in pending:
+                yield format_event(event)
+                if event.kind == "end":
+                    return
+            try:
+                item = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+                pending = []
+                continue
+            if not isinstance(item, StreamEvent):
+                return  # the reader stopped (an error, or this connection's time is up):
+                # the browser reconnects from its cursor
+            pending = [item]
+    finally:
+        pump.cancel()
+        with contextlib.suppress(BaseException):
+            await pump
+
+
+def format_event(event: StreamEvent) -> str:
+    data = json.dumps(_public(event.as_dict()), ensure_ascii=False)
+    head = f"id: {event.cursor}\n" if event.cursor is not None else ""
+    return f"{head}event: {event.kind}\ndata: {data}\n\n"
+
+
+def _public(fields: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+# How often an open /events stream looks at the session's state (one HGET while nothing
+# changed).
+EVENTS_POLL_S = 0.5
+
+
+async def session_events(request: Request) -> Response:
+    """The session's turns (message and reply, in seq order) as server-sent events ``turn``,
+    ``id:`` the turn's seq: from ``Last-Event-ID`` / ``?after=`` on (the turns the history
+    still keeps), then each new one as it is applied, for every device of the user."""
+    refused = _refused(request)
+    if refused is not None:
+        return refused
+    client: DialogClient = request.app.state.client
+    session_id = request.path_params["session_id"]
+    raw_after = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    if not (raw_after.isascii() and raw_after.isdigit() and len(raw_after) <= 18):
+        return _error(400, f"the cursor of /events is a seq (a whole number), got {raw_after!r}")
+    try:
+        check_id("session_id", session_id)
+    except ValidationError as exc:
+        return _error(400, str(exc))
+    state_key = client.keys_for(session_id).session(session_id).state
+    return StreamingResponse(
+        _turns(client, state_key, int(raw_after)),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
+async def _turns(client: DialogClient, state_key: str, after: int) -> AsyncIterator[str]:
+    yield f"retry: {RETRY_MS}\n\n"
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + CONNECTION_MAX_S
+    quiet_since = loop.time()
+    seen_applied = -1
+    while loop.time() < ends:
+        applied = cast(bytes | None, await client.raw.hget(state_key, "a"))
+        applied_seq = int(applied) if applied is not None and applied.isdigit() else 0
+        if applied_seq != seen_applied:
+            seen_applied = applied_seq
+            if applied_seq > after:
+                doc = cast(bytes | None, await client.raw.hget(state_key, "d"))
+                for turn in _history_after(doc, after):
+                    after = int(turn["seq"])
+                    data = json.dumps(turn, ensure_ascii=False)
+                    yield f"id: {after}\nevent: turn\ndata: {data}\n\n"
+                    quiet_since = loop.time()
+        if loop.time() - quiet_since >= HEARTBEAT_S:
+            yield ": keep-alive\n\n"
+            quiet_since = loop.time()
+        await asyncio.sleep(EVENTS_POLL_S)
+
+
+def _history_after(doc: bytes | None, after: int) -> list[dict[str, Any]]:
+    """The kept turns with a seq above ``after``, oldest first (nothing read from Redis is
+    trusted to be well-formed)."""
+    try:
+        state = json.loads(doc) if doc else {}
+    except (ValueError, UnicodeDecodeError):
+        return []
+    history = state.get("history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        return []
+    turns = [
+        {k: t.get(k) for k in ("seq", "msg_id", "user", "bot")}
+        for t in history
+        if isinstance(t, dict) and isinstance(t.get("seq"), int) and t["seq"] > after
+    ]
+    return sorted(turns, key=lambda t: int(t["seq"]))

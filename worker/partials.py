@@ -1,0 +1,464 @@
+"""Streamed replies, the reader's side: the events of one message's answer as it is written
+(`DialogClient.stream`, the HTTP gateway).
+
+A message's partial stream (``<session keys>:partial:<msg_id>``, written by
+worker/streaming.py through lua/emit-2.lua) holds entries ``a`` (attempt), ``p`` (position in
+that attempt's answer, 0, 1, 2...), ``s`` (the message's seq), ``k`` (``d`` text, ``e`` end),
+``t`` (the text, or the committed reply), and sometimes ``f`` (the whole text up to this
+entry: a snapshot for readers that fell behind the stream's trimmed start) and ``o`` (the
+outcome of an end).
+
+Readers see `StreamEvent`s:
+
+- ``delta``: more text; append it.
+- ``reset``: a new attempt started the answer again; clear what you show (then deltas follow).
+- ``resync``: you missed text that is no longer stored piece by piece; replace what you show
+  with ``text`` (the whole answer so far).
+- ``end``: the message is finished; ``outcome`` and ``text``, the committed reply, which
+  replaces whatever was shown. Always the last event.
+
+A reader resumes from the ``cursor`` of the last event it handled
+(``<msg_id>:<attempt>:<pos>``, never a Redis entry id): it gets every later piece once.
+
+The end never depends on one write: the worker appends an end entry after the commit, but a
+reader also ends when the reply event arrives (`DialogClient` registers for it before it reads)
+or when the session's state says the message's seq was applied (one HGET, checked at start and
+while idle); the committed reply then comes from the state's history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any, cast
+
+import structlog
+from redis.asyncio import Redis
+
+from dialog_worker.errors import ValidationError
+from dialog_worker.replies import Reply
+
+log = structlog.get_logger("dialog_worker.partials")
+
+EVENT_KINDS = ("delta", "reset", "resync", "end")
+_MAX_NUMBER_DIGITS = 18
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cursor:
+    msg_id: str
+    attempt: int
+    pos: int
+
+    def __str__(self) -> str:
+        return f"{self.msg_id}:{self.attempt}:{self.pos}"
+
+
+def parse_cursor(value: str, msg_id: str) -> Cursor:
+    """``<msg_id>:<attempt>:<pos>`` of this message (the msg_id may itself contain colons)."""
+    if not isinstance(value, str) or len(value) > 1024:
+        raise ValidationError("cursor must be text of at most 1024 characters")
+    head, sep1, pos = value.rpartition(":")
+    name, sep2, attempt = head.rpartition(":")
+    if not (sep1 and sep2) or not _digits(attempt) or not _digits(pos):
+        raise ValidationError(f"cursor must look like <msg_id>:<attempt>:<pos>, got {value!r}")
+    if name != msg_id:
+        raise ValidationError(f"cursor {value!r} belongs to another message than {msg_id!r}")
+    return Cursor(msg_id, int(attempt), int(pos))
+
+
+def _digits(value: str) -> bool:
+    return 0 < len(value) <= _MAX_NUMBER_DIGITS and value.isascii() and value.isdigit()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """One event of a streamed answer. ``cursor`` is None for ``reset`` (resume from the
+    previous event's cursor: you get the reset again). ``outcome`` only on ``end``."""
+
+    kind: str
+    msg_id: str
+    attempt: int
+    text: str
+    cursor: str | None
+    pos: int | None = None
+    outcome: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _field(fields: Mapping[bytes, bytes], name: bytes) -> str | None:
+    value = fields.get(name)
+    return None if value is None else value.decode("utf-8", "replace")
+
+
+def _number(fields: Mapping[bytes, bytes], name: bytes) -> int | None:
+    value = fields.get(name)
+    if value is None or not 0 < len(value) <= _MAX_NUMBER_DIGITS or not value.isdigit():
+        return None
+    return int(value)
+
+
+class Tracker:
+    """Turns partial-stream entries into events for one reader, from its cursor on. Pure: no
+    I/O, so every resume case is testable without Redis."""
+
+    def __init__(self, msg_id: str, after: Cursor | None = None) -> None:
+        self.msg_id = msg_id
+        self.attempt: int | None = after.attempt if after else None
+        self.pos = after.pos if after else -1
+        self.after = after
+        self.seq: int | None = None
+        self.behind = False  # a gap: waiting for a snapshot
+        self.top = (0, -1)  # the newest (attempt, pos) of the stream, whatever the cursor
+
+    def feed(self, fields: Mapping[bytes, bytes]) -> Iterator[StreamEvent]:
+        attempt, pos, kind = _number(fields, b"a"), _number(fields, b"p"), _field(fields, b"k")
+        seq = _number(fields, b"s")
+        if attempt is None or pos is None or kind not in ("d", "e"):
+            return  # not ours (anyone with XADD can write anything): skipped
+        if seq is not None and seq > 0:
+            self.seq = seq
+        if kind == "d":
+            self.top = max(self.top, (attempt, pos))
+        if kind == "e":
+            yield self.end(_field(fields, b"o") or "applied", _field(fields, b"t") or "")
+            return
+        if self.attempt is not None and attempt < self.attempt:
+            return
+        if self.attempt is None or attempt > self.attempt:
+            if self.attempt is not None:
+                yield StreamEvent("reset", self.msg_id, attempt, "", None)
+            self.attempt, self.pos, self.behind = attempt, -1, False
+        if pos <= self.pos:
+            return
+        text = _field(fields, b"t") or ""
+        if pos == self.pos + 1:
+            self.pos, self.behind = pos, False
+            yield StreamEvent("delta", self.msg_id, attempt, text, self._cursor(), pos)
+            return
+        full = _field(fields, b"f")
+        if full is None:
+            self.behind = True  # trimmed past our place: wait for the next snapshot
+            return
+        self.pos, self.behind = pos, False
+        yield StreamEvent("resync", self.msg_id, attempt, full, self._cursor(), pos)
+
+    def _cursor(self) -> str:
+        return str(Cursor(self.msg_id, self.attempt or 0, self.pos))
+
+    def end_cursor(self) -> Cursor:
+        """Where the end is: one past the stream's newest piece. Every reader that read the
+        stream computes the same, so a reader resuming from it knows it has everything."""
+        return Cursor(self.msg_id, self.top[0], self.top[1] + 1)
+
+    def end(self, outcome: str, text: str) -> StreamEvent:
+        cursor = self.end_cursor()
+        return StreamEvent(
+            "end", self.msg_id, cursor.attempt, text, str(cursor), cursor.pos, outcome
+        )
+
+    def resumed_at_end(self) -> bool:
+        """The reader's cursor is the end cursor: it has everything already."""
+        return self.after is not None and self.after == self.end_cursor()
+
+
+def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> str | None:
+    """The bot's reply to ``msg_id`` in a stored state document, or None when the turn is not
+    kept (any more). Nothing read from Redis is trusted to be well-formed."""
+    if not doc:
+        return None
+    try:
+        state = json.loads(doc)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    history = state.get("history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        return None
+    for turn in reversed(history):
+        if (
+            isinstance(turn, dict)
+            and turn.get("msg_id") == msg_id
+            and (seq is None or turn.get("seq") == seq)
+            and isinstance(turn.get("bot"), str)
+        ):
+            return str(turn["bot"])
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Following one message's answer
+
+# Entries read per call: a reader catching up reads in bounded pieces, never all at once.
+PAGE = 64
+# While nothing arrives, how often a reader looks at the session's state for the commit (the
+# reply event and the end entry normally end it sooner).
+IDLE_CHECK_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MessageKeys:
+    partial: str
+    state: str
+    dedupe: str
+
+
+async def follow(
+    redis: Redis,
+    router: PartialRouter,
+    keys: MessageKeys,
+    msg_id: str,
+    after: Cursor | None,
+    reply: asyncio.Future[Reply],
+    deadline: float | None,
+) -> AsyncIterator[StreamEvent]:
+    """The events of one message's answer from ``after`` on, ending with ``end``.
+
+    Catches up with XRANGE in pieces, then takes new entries from ``router`` (one blocking
+    read for every answer this client follows), and reads again by itself whenever the router
+    says it fell behind. ``reply`` is a waiter for the message's reply event, registered
+    before this is called (so a commit that lands meanwhile cannot be missed). ``deadline``
+    (``loop.time()``) bounds the wait: `TimeoutError` after it. ``redis`` returns bytes.
+    """
+    tracker = Tracker(msg_id, after)
+    last_id: tuple[int, int] | None = None  # the newest entry handled
+    loop = asyncio.get_running_loop()
+    next_check = 0.0
+    catch_up = True
+    read_to_end = False
+    ended: tuple[str, str] | None = None  # (outcome, reply) once the message is finished
+    watch = router.watch(keys.partial)
+    reply.add_done_callback(lambda _: watch.wake())
+    try:
+        while True:
+            rows: list[tuple[bytes, dict[bytes, bytes]]] = []
+            if catch_up:
+                start = "-" if last_id is None else f"({last_id[0]}-{last_id[1]}"
+                rows = cast(
+                    list[tuple[bytes, dict[bytes, bytes]]],
+                    await redis.xrange(keys.partial, min=start, max="+", count=PAGE),
+                )
+                catch_up = len(rows) == PAGE
+                if not catch_up and not read_to_end:
+                    watch.listen_after(last_id if not rows else _entry_id(rows[-1][0]))
+            else:
+                rows, behind = watch.take()
+                catch_up = behind
+            for entry_id, fields in rows:
+                parsed = _entry_id(entry_id)
+                if last_id is not None and parsed <= last_id:
+                    continue  # the router's read overlapped what we had
+                last_id = parsed
+                for event in tracker.feed(fields):
+                    if event.kind == "end":
+                        if not tracker.resumed_at_end():
+                            yield event
+                        return
+                    yield event
+            if catch_up or rows:
+                continue
+            # Nothing new: is the message finished?
+            if reply.done() and (reply.cancelled() or reply.exception() is not None):
+                # The reply reader failed: the state checks below still end the wait.
+                reply = loop.create_future()
+            if ended is None and reply.done():
+                got = reply.result()
+                ended = (got.outcome, got.text)
+            if ended is None and loop.time() >= next_check:
+                ended = await _finished(redis, keys, msg_id, tracker.seq)
+                next_check = loop.time() + IDLE_CHECK_S
+            if ended is not None:
+                if not read_to_end:
+                    # Everything the step emitted was written before its commit: read it
+                    # all first (the router may not have delivered the last of it yet).
+                    read_to_end = catch_up = True
+                    watch.close()
+                    continue
+                end = tracker.end(*ended)
+                if not tracker.resumed_at_end():
+                    yield end
+                return
+            wait_s = max(0.0, next_check - loop.time())
+            if deadline is not None:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                wait_s = min(wait_s, left)
+            await watch.wait(wait_s)
+    finally:
+        watch.close()
+
+
+def _entry_id(raw: bytes) -> tuple[int, int]:
+    ms, _, seq = raw.partition(b"-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return (0, 0)
+
+
+# A follower's entries not taken yet, at most: past this it reads by itself (bounded memory
+# whatever a slow follower does).
+WATCH_BACKLOG = 256
+# The router's longest blocking read: a newly watched stream joins the read within this.
+ROUTER_BLOCK_MS = 100
+# Least time between two reads while entries keep coming: each read carries more streams'
+# entries (fewer commands per token), for at most this much added latency.
+ROUTER_GATHER_S = 0.01
+
+
+class Watch:
+    """One follower's place at the router: entries of its stream as they come."""
+
+    def __init__(self, router: PartialRouter, key: str) -> None:
+        self.router = router
+        self.key = key
+        self._entries: list[tuple[bytes, dict[bytes, bytes]]] = []
+        self._behind = False
+        self._event = asyncio.Event()
+        self.listening = False
+
+    def listen_after(self, last: tuple[int, int] | None) -> None:
+        """Caught up to ``last``: the router delivers what comes after it."""
+        self.router.listen(self, last)
+        self.listening = True
+
+    def push(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        if self._behind:
+            return
+        if len(self._entries) + len(entries) > WATCH_BACKLOG:
+            self._entries, self._behind = [], True
+        else:
+            self._entries += entries
+        self._event.set()
+
+    def fell_behind(self) -> None:
+        self._entries, self._behind = [], True
+        self._event.set()
+
+    def take(self) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], bool]:
+        entries, behind = self._entries, self._behind
+        self._entries, self._behind = [], False
+        self._event.clear()
+        if behind:
+            self.router.unlisten(self)
+            self.listening = False
+        return entries, behind
+
+    def wake(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+
+    def close(self) -> None:
+        self.router.unlisten(self)
+
+
+class PartialRouter:
+    """One blocking XREAD for every partial stream a client follows (of one shard: their keys
+    share its slot), its entries handed to each stream's followers in memory. A thousand
+    followed answers cost one read loop, not a thousand blocked connections."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._watches: dict[str, set[Watch]] = {}
+        self._positions: dict[str, tuple[int, int]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def watch(self, key: str) -> Watch:
+        return Watch(self, key)
+
+    def listen(self, watch: Watch, last: tuple[int, int] | None) -> None:
+        self._watches.setdefault(watch.key, set()).add(watch)
+        mine = last or (0, 0)
+        known = self._positions.get(watch.key)
+        # Read from the oldest place any follower needs: the others skip what they have.
+        self._positions[watch.key] = mine if known is None else min(known, mine)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="dialog-partial-router"
+            )
+
+    def unlisten(self, watch: Watch) -> None:
+        watches = self._watches.get(watch.key)
+        if watches is None:
+            return
+        watches.discard(watch)
+        if not watches:
+            del self._watches[watch.key]
+            self._positions.pop(watch.key, None)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+
+    async def _run(self) -> None:
+        pause = 0.05
+        while self._watches:
+            streams: dict[Any, Any] = {
+                key: f"{ms}-{seq}" for key, (ms, seq) in self._positions.items()
+            }
+            try:
+                got = await self.redis.xread(streams, count=PAGE, block=ROUTER_BLOCK_MS)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # followers read by themselves meanwhile
+                log.warning("partial_router_read_failed", error=str(exc))
+                for watches in self._watches.values():
+                    for watch in watches:
+                        watch.fell_behind()
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 2.0)
+                continue
+            pause = 0.05
+            for raw_key, entries in _streams(got):
+                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+                if not entries or key not in self._watches:
+                    continue
+                self._positions[key] = max(
+                    self._positions.get(key, (0, 0)), _entry_id(entries[-1][0])
+                )
+                for watch in list(self._watches.get(key, ())):
+                    watch.push(entries)
+            if got:
+                await asyncio.sleep(ROUTER_GATHER_S)
+
+
+def _streams(got: Any) -> list[tuple[bytes | str, list[tuple[bytes, dict[bytes, bytes]]]]]:
+    """XREAD's answer as (key, entries) pairs, in RESP2 (a list) or RESP3 (a dict) form."""
+    if not got:
+        return []
+    if isinstance(got, dict):
+        return [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in got.items()]
+    return [(k, v) for k, v in got]
+
+
+async def _finished(
+    redis: Redis, keys: MessageKeys, msg_id: str, seq: int | None
+) -> tuple[str, str] | None:
+    """(outcome, reply) when the session's state says the message was applied (two O(1)
+    reads while it is not; its history is read once, at the end)."""
+    if seq is None:
+        raw = cast(bytes | None, await redis.get(keys.dedupe))
+        seq = int(raw) if raw is not None and 0 < len(raw) <= 18 and raw.isdigit() else None
+        if seq is None:
+            # No seq known (an answer that emitted nothing, sent without an explicit msg_id):
+            # the history alone can tell.
+            doc = cast(bytes | None, await redis.hget(keys.state, "d"))
+            text = reply_from_history(doc, msg_id, None)
+            return None if text is None else ("applied", text)
+    applied, last, doc = cast(list[bytes | None], await redis.hmget(keys.state, ["a", "s", "d"]))
+    applied_seq = int(applied) if applied is not None and applied.isdigit() else 0
+    if applied_seq < seq and last is not None:
+        return None  # the session has it outstanding
+    text = reply_from_history(doc, msg_id, seq)
+    # A state that expired, or a turn no longer kept: finished, its text is gone.
+    return ("applied", text) if text is not None else ("expired", "")

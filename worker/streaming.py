@@ -1,0 +1,359 @@
+"""Streamed replies, the worker's side: `emit` for engines, and the writer that batches what a
+step emits into its message's partial stream (lua/emit-2.lua).
+
+A step calls ``dialog_worker.emit(text)`` as its answer grows; the committed reply is still
+the text the step returns. The pipeline runs each step inside `PartialReplies.run`, which puts
+a `PartialWriter` in a context variable: an ``async def`` step sees it directly, a plain
+``def`` step in its worker thread too (``anyio.to_thread.run_sync`` copies the context).
+
+The writer never makes one Redis call per token, nor one per answer: text is gathered for
+``DIALOG_PARTIAL_FLUSH_MS`` (or until ``DIALOG_PARTIAL_FLUSH_CHARS``), then what every live
+step of the worker emitted goes in one script call (one per shard), each answer's batch
+fenced by its session lock, so a worker that lost its lease writes nothing. After the commit
+the pipeline appends the end entry (outcome and committed reply); readers do not depend on it
+(worker/partials.py derives the end from the commit too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import contextvars
+import dataclasses
+import threading
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import redis.exceptions
+import structlog
+from redis.asyncio import Redis
+
+from dialog_worker.config import Settings
+from dialog_worker.scripts import Script, source
+
+if TYPE_CHECKING:
+    from dialog_worker.codec import Message
+    from dialog_worker.pipeline import Job
+
+log = structlog.get_logger("dialog_worker.streaming")
+
+T = TypeVar("T")
+
+# Largest text of one entry: a huge emit is split, so no reader ever reads one huge entry.
+MAX_ENTRY_CHARS = 16_384
+# Codes of lua/emit-2.lua.
+APPENDED, ALREADY, FENCED, STALE, BAD = 1, 0, -1, -3, -4
+
+_current: contextvars.ContextVar[PartialWriter | None] = contextvars.ContextVar(
+    "dialog_worker_partial_writer", default=None
+)
+# The flush tasks (held here: the loop keeps only weak references to tasks).
+_background: set[asyncio.Task[None]] = set()
+
+
+def emit(text: str) -> None:
+    """Add ``text`` to the reply this step is streaming (readers see it within about
+    ``DIALOG_PARTIAL_FLUSH_MS``). Call it from a step, ``async def`` or plain ``def``; outside a
+    step (a unit test calling ``step`` directly) it does nothing. It never blocks and never
+    talks to Redis itself. The committed reply is what the step returns, not what it emitted."""
+    if not isinstance(text, str):
+        raise TypeError(f"emit() takes text (str), got {type(text).__name__}")
+    writer = _current.get()
+    if writer is not None and text:
+        writer.add(text)
+
+
+class PartialWriter:
+    """The partial stream of one attempt of one message: gathers what the step emits (on the
+    loop or in the step's thread). `PartialReplies` writes it, with every other live answer of
+    the worker, in one call per flush interval."""
+
+    def __init__(self, replies: PartialReplies, job: Job, msg_id: str, attempt: int) -> None:
+        self.replies = replies
+        self.job = job
+        self.msg_id = msg_id
+        self._keys: list[str] | None = None  # built on the first write: most steps emit nothing
+        self.shard = job.keys.shard
+        self.token = job.token
+        self.seq = job.seq
+        self.attempt = attempt
+        self.pos = 0  # position of the next entry
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._pending_chars = 0
+        self._sent: list[str] = []  # the text written so far, for snapshots
+        self.closed = False
+        self.used = False  # anything emitted at all (most steps emit nothing)
+        self.fenced = False
+        self.inflight = 0  # batches of this writer in a call not answered yet
+        self.drained: asyncio.Event | None = None  # set by `finish`, set when all is written
+
+    @property
+    def wrote(self) -> bool:
+        return self.pos > 0
+
+    @property
+    def keys(self) -> list[str]:
+        if self._keys is None:
+            session = self.job.keys.session(self.job.session_id)
+            self._keys = [session.lock, session.partial(self.msg_id)]
+        return self._keys
+
+    def add(self, text: str) -> None:
+        self.used = True
+        with self._lock:
+            if self.closed or self.fenced:
+                return
+            self._pending.append(text)
+            self._pending_chars += len(text)
+            first = len(self._pending) == 1
+            urgent = self._pending_chars >= self.replies.settings.partial_flush_chars
+        if first or urgent:
+            self.replies.wake(self, urgent)
+
+    def take(self) -> str:
+        with self._lock:
+            parts, self._pending, self._pending_chars = self._pending, [], 0
+        return "".join(parts)
+
+    def give_back(self, text: str) -> None:
+        """A write failed: the text goes first in the next one (dropped if the step ended)."""
+        with self._lock:
+            if self.fenced:
+                return
+            self._pending.insert(0, text)
+            self._pending_chars += len(text)
+
+    def batches(self, text: str) -> list[tuple[int, str, str]]:
+        """(pos, piece, snapshot) for the entries of ``text``: a huge emit is split, and every
+        `partial_maxlen // 2` entries carries the whole text so far."""
+        every = max(1, self.replies.settings.partial_maxlen // 2)
+        out = []
+        so_far = None
+        for i, start in enumerate(range(0, len(text), MAX_ENTRY_CHARS)):
+            piece = text[start : start + MAX_ENTRY_CHARS]
+            pos = self.pos + i
+            full = ""
+            if pos and pos % every == 0:
+                so_far = "".join(self._sent) + text[: start + len(piece)]
+                full = so_far
+            out.append((pos, piece, full))
+        return out
+
+    def written(self, pieces: list[str], codes: list[int]) -> None:
+        for piece, code in zip(pieces, codes, strict=True):
+            if code in (FENCED, STALE, BAD):
+                # The lease is lost (the commit will be fenced as well), or the stream's key
+                # is unusable: this answer streams no more; its end still comes from the commit.
+                self.fenced = True
+                return
+            self._sent.append(piece)
+            self.pos += 1
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self.fenced or not (self._pending or self.inflight)
+
+    async def finish(self) -> None:
+        """The step returned: wait until what it emitted is written (the next flush, sent at
+        once)."""
+        if not self.used:  # the step has returned: nothing can be emitted any more
+            self.closed = True
+            return
+        with self._lock:
+            self.closed = True
+        if self.idle():
+            return
+        self.drained = asyncio.Event()
+        self.replies.wake(self, urgent=True)
+        try:
+            await asyncio.wait_for(self.drained.wait(), FINISH_WAIT_S)
+        except TimeoutError:
+            # Redis is slow or away: the commit goes on (readers take the end from it).
+            log.warning("partial_write_late", note="committed without the last partial text")
+
+    def abandon(self) -> None:
+        """The step failed or was cancelled: what is gathered is dropped (the next attempt's
+        entries tell readers to start over)."""
+        with self._lock:
+            self.closed = True
+            self._pending, self._pending_chars = [], 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Ended:
+    keys: list[str]
+    attempt: int
+    pos: int
+    seq: int
+
+
+# Longest wait, after a step returned, for its last partial text to be written.
+FINISH_WAIT_S = 5.0
+# Most batches in one script call.
+FLUSH_BATCH = 256
+
+
+class PartialReplies:
+    """The pipeline's handle on partial streams: runs steps with a writer in context, writes
+    what every live step emitted in one call per interval (per shard), and appends the end
+    entry after a commit."""
+
+    def __init__(self, redis: Redis, settings: Settings) -> None:
+        self.settings = settings
+        self.script = Script(redis, source("emit"))
+        self._dirty: dict[PartialWriter, None] = {}  # writers with text to write, in order
+        self._wakeup: asyncio.Event | None = None
+        self._urgent: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        # Steps that wrote, waiting for their commit (bounded: a commit that never comes,
+        # fenced or failed, must not leak its entry).
+        self._written: collections.OrderedDict[tuple[str, int], _Ended] = collections.OrderedDict()
+        self._written_cap = 4 * settings.concurrency + 16
+
+    def wake(self, writer: PartialWriter, urgent: bool) -> None:
+        """From the loop or a step's thread: ``writer`` has text to write."""
+        if threading.get_ident() == self._loop_thread:
+            self._mark(writer, urgent)
+        elif self._loop is not None:
+            self._loop.call_soon_threadsafe(self._mark, writer, urgent)
+
+    def _mark(self, writer: PartialWriter, urgent: bool) -> None:
+        self._dirty[writer] = None
+        if self._task is None or self._task.done():
+            self._wakeup, self._urgent = asyncio.Event(), asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="dialog-partial-writer"
+            )
+            _background.add(self._task)
+            self._task.add_done_callback(_background.discard)
+        assert self._wakeup is not None and self._urgent is not None
+        self._wakeup.set()
+        if urgent:
+            self._urgent.set()
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None and self._urgent is not None
+        interval = self.settings.partial_flush_ms / 1000
+        while True:
+            await self._wakeup.wait()
+            if not self._urgent.is_set() and interval > 0:
+                # Gather: one call per interval for every live answer, not one per token.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), interval)
+            self._wakeup.clear()
+            self._urgent.clear()
+            writers, self._dirty = list(self._dirty), {}
+            try:
+                await self._flush(writers)
+            except Exception:  # never let the writer task die: log, and go on
+                log.exception("partial_flush_failed")
+
+    async def _flush(self, writers: list[PartialWriter]) -> None:
+        by_shard: dict[int, list[tuple[PartialWriter, str]]] = {}
+        for writer in writers:
+            text = writer.take()
+            if text and not writer.fenced:
+                # Counted from now: a writer waiting in a later call is not idle either.
+                writer.inflight += 1
+                by_shard.setdefault(writer.shard, []).append((writer, text))
+            elif writer.drained is not None and writer.idle():
+                writer.drained.set()
+        for batch in by_shard.values():
+            for i in range(0, len(batch), FLUSH_BATCH):
+                await self._send(batch[i : i + FLUSH_BATCH])
+
+    async def _send(self, batch: list[tuple[PartialWriter, str]]) -> None:
+        keys: list[str] = []
+        args: list[str | int] = []
+        plan: list[tuple[PartialWriter, str, list[str]]] = []
+        for writer, text in batch:
+            pieces = []
+            for pos, piece, full in writer.batches(text):
+                keys += writer.keys
+                args += ["d", writer.token, writer.attempt, pos, writer.seq, piece, full, ""]
+                pieces.append(piece)
+            plan.append((writer, text, pieces))
+        try:
+            codes = await self.call(keys, args)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+            log.warning("partial_write_failed", error=str(exc), note="retried at the next flush")
+            for writer, text, _ in plan:
+                writer.inflight -= 1
+                writer.give_back(text)
+                self._dirty[writer] = None
+            assert self._wakeup is not None
+            self._wakeup.set()
+            return
+        except Exception as exc:  # e.g. Redis out of memory: these answers stream no more
+            log.warning("partial_write_failed", error=str(exc), note="partial text dropped")
+            for writer, _, _ in plan:
+                writer.inflight -= 1
+                writer.fenced = True
+                if writer.drained is not None:
+                    writer.drained.set()
+            return
+        at = 0
+        for writer, _, pieces in plan:
+            writer.inflight -= 1
+            writer.written(pieces, codes[at : at + len(pieces)])
+            at += len(pieces)
+            if writer.drained is not None and writer.idle():
+                writer.drained.set()
+
+    async def call(self, keys: list[str], args: list[str | int]) -> list[int]:
+        s = self.settings
+        width = 8
+        raw = await asyncio.shield(
+            self.script(
+                keys=keys, args=[s.partial_maxlen, s.partial_ttl_s, len(args) // width, *args]
+            )
+        )
+        return [int(code) for code in raw]
+
+    async def run(self, job: Job, msg: Message, step: Awaitable[T]) -> T:
+        """Await ``step`` (the engine step of ``msg``) with a writer for what it emits."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
+        writer = PartialWriter(self, job, msg.msg_id, job.attempts)
+        token = _current.set(writer)
+        try:
+            result = await step
+        except BaseException:
+            writer.abandon()
+            raise
+        finally:
+            _current.reset(token)
+        await writer.finish()
+        if writer.wrote and not writer.fenced:
+            self._written[(job.token, job.seq)] = _Ended(
+                writer.keys, writer.attempt, writer.pos, job.seq
+            )
+            while len(self._written) > self._written_cap:
+                self._written.popitem(last=False)
+        return result
+
+    async def committed(self, job: Job, msg_id: str, outcome: str, reply: str) -> None:
+        """The commit of ``job`` was written: end its partial stream, if its step wrote one
+        (a dead letter always looks, since earlier attempts may have written). A failure is
+        logged only: readers derive the end from the commit."""
+        ended = self._written.pop((job.token, job.seq), None)
+        if ended is None:
+            if outcome == "applied":
+                return
+            session = job.keys.session(job.session_id)
+            ended = _Ended([session.lock, session.partial(msg_id)], job.attempts, 0, job.seq)
+        args: list[str | int] = ["e", "", ended.attempt, ended.pos, ended.seq, reply, "", outcome]
+        try:
+            await self.call(ended.keys, args)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.warning("partial_end_failed", error=str(exc), note="readers take the commit")
+
+
+def current_writer() -> Any:
+    """The writer of the step running in this context (None outside a step); for tests."""
+    return _current.get()
