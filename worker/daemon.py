@@ -273,10 +273,12 @@ class Worker:
             try:
                 await prepare(self.redis)
                 await prepare(self.raw)
-                await redis_checks.check_at_start(
+                warnings = await redis_checks.check_at_start(
                     self.redis, self.settings, self.metrics, self.scripts
                 )
                 await check_topology(self.redis, self.settings, record=True)
+                for warning in warnings:  # only once nothing refused the start
+                    redis_checks.say(warning)
                 outage.recovered()
                 return
             except ConfigError as exc:

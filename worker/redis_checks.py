@@ -235,38 +235,40 @@ def eviction_problem(config: ServerConfig) -> str | None:
 
 async def check_at_start(
     client: Redis, settings: Settings, metrics: Metrics, scripts: Scripts | None = None
-) -> None:
+) -> list[str]:
     """Raise ConfigError (exit 2, nothing written) for an eviction policy that can take the
-    worker's keys; one warning line for what is only a risk. With `scripts`, load them and run
-    a script that writes nothing first, so a user without the rights to (NOPERM) is refused
-    before the worker writes anything (a command refused inside a script is found at its
-    first call, and stops the worker then)."""
+    worker's keys; return one warning line for each thing that is only a risk, for the caller
+    to `say` once every other start check passed (a worker that refuses to start says only
+    why). With `scripts`, load them and run a script that writes nothing first, so a user
+    without the rights to (NOPERM) is refused before the worker writes anything (a command
+    refused inside a script is found at its first call, and stops the worker then)."""
     if scripts is not None:
         for field in dataclasses.fields(scripts):
             await client.script_load(getattr(scripts, field.name).source)
         await client.evalsha(await client.script_load(PROBE_SCRIPT), 0)
     config = await read_config(client)
     if config is None:
-        say(
+        log.warning("redis_config_unreadable")
+        return [
             "cannot read the Redis configuration (INFO is not allowed here); not checking "
             f"maxmemory-policy and persistence: make sure they are {SAFE_POLICY} and AOF"
-        )
-        log.warning("redis_config_unreadable")
-        return
+        ]
+    warnings = []
     problem = eviction_problem(config)
     if problem is not None:
         if not settings.allow_eviction:
             raise ConfigError("maxmemory-policy", problem)
-        say(f"DIALOG_ALLOW_EVICTION=1: running although {problem.split(';')[0]}")
+        warnings.append(f"DIALOG_ALLOW_EVICTION=1: running although {problem.split(';')[0]}")
         log.warning("redis_eviction_allowed", policy=config.policy, maxmemory=config.maxmemory)
     metrics.redis_eviction_unsafe.set(1 if problem else 0)
     if not config.appendonly:
-        say(
+        warnings.append(
             "Redis runs without AOF (appendonly no): a restart of Redis loses every queued "
             "message and session state written since its last RDB snapshot, if it takes any "
             "(save ''), all of them; set appendonly yes"
         )
         log.warning("redis_not_persistent")
+    return warnings
 
 
 class RedisGuard:
