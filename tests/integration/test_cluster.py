@@ -242,8 +242,9 @@ async def survivors(c: DialogClient, accepted: list[Sent]) -> tuple[int, int, in
     for sid, msgs in by_session.items():
         order = [m.msg_id for m in sorted(msgs, key=lambda m: int(m.msg_id.rsplit("-", 1)[1]))]
         state = await c.state(sid)
-        fields = await c.redis.hgetall(c.keys_for(sid).session(sid).state)
-        if int(fields.get("a", 0)) < int(fields.get("s", 0)):
+        # Only the seqs: a message still waiting is kept in the hash as packed bytes.
+        applied, last = await c.redis.hmget(c.keys_for(sid).session(sid).state, "a", "s")
+        if int(applied or 0) < int(last or 0):
             pending += 1
         got = [t["msg_id"] for t in (state or {}).get("history", [])]
         twice += len(got) - len(set(got))
