@@ -49,6 +49,33 @@ from dialog_worker.views import queue_stats, reply_group_lags
 
 log = structlog.get_logger("dialog_worker.daemon")
 
+
+class MalformedNotice:
+    """Entries intake refused (malformed: dead-lettered alone, with the reason and their raw
+    fields) are logged, not only counted: the first at once, then at most one line every
+    INTERVAL_S carrying how many were refused since the previous line, so a producer that
+    floods bad entries cannot flood the log."""
+
+    INTERVAL_S = 10.0
+
+    def __init__(self) -> None:
+        self.unlogged = 0
+        self.logged_at = -self.INTERVAL_S
+
+    def add(self, count: int, keys: Keys) -> None:
+        self.unlogged += count
+        now = time.monotonic()
+        if now - self.logged_at >= self.INTERVAL_S:
+            log.warning(
+                "malformed_dead_lettered",
+                count=self.unlogged,
+                stream=keys.stream,
+                dlq=keys.dlq,
+                see="dialog-worker dlq list",
+            )
+            self.unlogged, self.logged_at = 0, now
+
+
 OUTAGE_BACKOFF_MAX_S = 5.0
 # Most entries one intake call reads (the script refuses more).
 INTAKE_BATCH = 1000
@@ -167,6 +194,7 @@ class Worker:
         # the nonce keeps its tokens apart from the locks its previous life still holds.
         self._token_nonce = f"{settings.consumer}:{secrets.token_hex(6)}"
         self.refused: ConfigError | None = None  # set when Redis says this config is wrong
+        self.malformed = MalformedNotice()
         self.stopping = anyio.Event()
         self._ready = False
         self._last_error_log = 0.0
@@ -469,6 +497,7 @@ class Worker:
             self.metrics.messages.labels("duplicate").inc(dups)
         if refused:
             self.metrics.messages.labels("dead_lettered").inc(refused)
+            self.malformed.add(refused, shard.keys)
         if contended:
             self.metrics.lock_contended.inc(contended)
             self.metrics.retries.labels("contended").inc(contended)

@@ -309,3 +309,30 @@ async def test_queue_stats_is_a_handful_of_commands_whatever_the_backlog(client:
     assert (stats["stream_length"], stats["lag"], stats["waiting"]) == (4999, 4990, 0)
     assert calls.get("cmdstat_xrange", 0) <= 1, calls
     assert sum(calls.values()) <= 12, calls
+
+
+# ---------------------------------------------------------------------------------------------
+# malformed entries are logged
+
+
+async def test_malformed_entries_are_logged_once_then_at_most_every_ten_seconds(
+    client: DialogClient, workers
+):
+    """A refused entry gets a log line (not only a counter and a dead letter); a flood of them
+    gets one line, not one each."""
+    [worker] = workers.start(1)
+    await client.ask("ok", "halo", timeout=30)  # the worker is reading
+    for i in range(20):
+        await xadd_raw(client.raw, "dialog", b"session_id", f"bad{i}".encode())  # no text
+
+    async def lettered() -> bool:
+        return await client.raw.xlen("dialog-dlq") == 20
+
+    await poll(lettered, 20, "20 dead letters")
+    lines = [
+        json.loads(line)
+        for line in worker.log_text().splitlines()
+        if '"malformed_dead_lettered"' in line
+    ]
+    assert lines and len(lines) <= 2, lines
+    assert lines[0]["count"] >= 1 and lines[0]["dlq"] == "dialog-dlq"
