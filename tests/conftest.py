@@ -5,6 +5,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import pytest_asyncio
 
@@ -15,7 +16,7 @@ from redis_server import RedisServer  # noqa: E402
 from worker_procs import WorkerPool  # noqa: E402
 
 from dialog_worker.client import DialogClient  # noqa: E402
-from dialog_worker.config import load_settings  # noqa: E402
+from dialog_worker.config import Settings, load_settings  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -66,4 +67,27 @@ def workers(env: dict[str, str], tmp_path: Path) -> Iterator[WorkerPool]:
 async def client(env: dict[str, str]) -> AsyncIterator[DialogClient]:
     settings = load_settings(environ=env)
     async with DialogClient(settings=settings, max_connections=200) as c:
+        yield c
+
+
+# The console's tests (tests/console): its settings with one operator and one viewer, and the
+# app served in-process over httpx against the suite's real redis-server.
+
+
+@pytest.fixture
+def console_settings(env: dict[str, str]) -> Settings:
+    from console_support import console_env
+
+    return load_settings(environ=console_env(env))
+
+
+@pytest_asyncio.fixture
+async def http(
+    console_settings: Settings, client: DialogClient
+) -> AsyncIterator[httpx.AsyncClient]:
+    from dialog_worker.console.app import create_app
+
+    app = create_app(console_settings, client)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://console.test") as c:
         yield c

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -153,6 +154,10 @@ async def aggregate_stats(redis: Redis, shards: Sequence[Keys]) -> dict[str, Any
     return total
 
 
+# A stream entry id as Redis writes it (anything else in a session's q<seq> field is neither a
+# message kept since intake nor the id of one still in the stream).
+_ENTRY_ID = re.compile(rb"\d{1,20}-\d{1,20}\Z")
+
 # An operator tool scans at most this many entries of each stream / the delayed set.
 SCAN_LIMIT = 100_000
 
@@ -186,7 +191,7 @@ async def session_view(
             present = True
         else:  # sequenced before custody: a plain entry id, the message still in the stream
             entry_id = shown(value)
-            entry = await reader.one(keys.stream, entry_id)
+            entry = await reader.one(keys.stream, entry_id) if _ENTRY_ID.match(value) else None
             msg_id = entry.raw("msg_id") if entry else None
             present = entry is not None
         waiting.append(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import OPERATOR, VIEWER, console_env
+from console_support import OPERATOR, VIEWER, console_env
 from redis_server import free_port, wait_until, wait_until_async
 from worker_procs import REPO_DIR, WorkerPool
 

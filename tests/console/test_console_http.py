@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import OPERATOR, VIEWER, basic, console_env, form_token
+from console_support import OPERATOR, VIEWER, basic, console_env, form_token
 from markupsafe import escape
 from redis_server import wait_until_async
 from worker_procs import WorkerPool
