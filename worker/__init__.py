@@ -2,13 +2,15 @@
 
 For applications: `DialogClient` (send, ask, replies, ack, state) and `Reply`;
 `SyncDialogClient` (send, ask, state) for code without an event loop. For engines:
-the `Engine` protocol, `TransientError` and `PermanentError` (docs/engine.md).
+the `Engine` protocol, `TransientError` and `PermanentError`, and `cancelled()` for a plain
+step to notice that its message was cancelled (docs/engine.md).
 """
 
 # Set before the imports below: dialog_worker.pipeline reads it from here.
 __version__ = "0.1.0"
 
-from dialog_worker.client import DialogClient, SendResult
+from dialog_worker.cancellation import cancelled
+from dialog_worker.client import CancelResult, DialogClient, SendResult
 from dialog_worker.engine import Engine
 from dialog_worker.errors import (
     PermanentError,
@@ -21,6 +23,7 @@ from dialog_worker.replies import Reply
 from dialog_worker.sync_client import SyncDialogClient
 
 __all__ = [
+    "CancelResult",
     "DialogClient",
     "Engine",
     "PermanentError",
@@ -32,4 +35,5 @@ __all__ = [
     "TransientError",
     "UncertainSendError",
     "__version__",
+    "cancelled",
 ]

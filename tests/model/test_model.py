@@ -501,7 +501,7 @@ class DialogScripts(RuleBasedStateMachine):
             if jobs:
                 for job in jobs:
                     job.held = {}
-                self._check_intake(again, ("0-0", 0, jobs, [], [0, 0, 0, 0, 0]))
+                self._check_intake(again, ("0-0", 0, jobs, [], [0, 0, 0, 0, 0, 0]))
             else:
                 more = self._predict_intake(w, count, base)
                 self._check_intake(again, more)
@@ -586,7 +586,7 @@ class DialogScripts(RuleBasedStateMachine):
             len(todo),
             jobs,
             held,
-            [dups, refused, contended, trimmed, int(ahead)],
+            [dups, refused, contended, trimmed, int(ahead), 0],
         )
 
     def _check_intake(self, reply: list[Any], expected: tuple[Any, ...]) -> None:
@@ -605,6 +605,7 @@ class DialogScripts(RuleBasedStateMachine):
         assert got == want, f"intake jobs {got} != model {want}"
         for row, job in zip(rows, jobs, strict=True):
             self._check_row(job, row[4], row[5], row[6], row[7], row[9])
+            assert s(row[10]) == "", f"{job}: ends without a step ({row[10]!r}) uncancelled"
         got_held = [(s(h[0]), int(h[1]), s(h[2])) for h in held_rows]
         want_held = [(e.sid, e.seq, e.id) for _, e in held]
         assert got_held == want_held, f"intake held {got_held} != model {want_held}"
@@ -702,6 +703,7 @@ class DialogScripts(RuleBasedStateMachine):
                 job.entry_id,
             ), f"resume of {ss.sid}: row {row[:5]} != model {job} (gap={gap})"
             self._check_row(job, row[5], row[6], row[7], row[8], row[10])
+            assert s(row[11]) == "", f"{job}: ends without a step ({row[11]!r}) uncancelled"
             jobs.append(job)
         assert not by_sid, f"resume took sessions that were not due: {sorted(by_sid)}"
         members = [ss for ss in self.sessions.values() if ss.ready]
@@ -816,6 +818,7 @@ class DialogScripts(RuleBasedStateMachine):
                 assert (int(got[2]), s(got[3]), list(got[4])) == (
                     next_seq, next_id, next_fields
                 ), f"hand-off after {job}: {got[2:]} != {want[2:]}"  # fmt: skip
+                assert s(got[5]) == "", f"hand-off after {job}: ending {got[5]!r}"
                 assert job.commit is not None
                 fields = job.held.pop(next_id, None) or list(got[4])
                 doc = job.commit[4].encode()
