@@ -188,6 +188,18 @@ async def test_a_cancel_before_the_message_arrives_is_kept(
     assert (done.status, done.seq, done.outcome) == ("finished", 2, None)
 
 
+async def test_a_message_cancelled_while_it_waits_for_a_retry_is_not_stepped_again(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    log = start(workers, tmp_path)
+    await client.send("s10", "flaky", msg_id="f1")
+    await wait_for(lambda: engine_log(log))
+    assert (await client.cancel("s10", "f1")).status == "cancelled"
+    got = await wait_for(lambda: events(env["REDIS_URL"]))
+    assert [(e["msg_id"], e["seq"], e["outcome"]) for e in got] == [("f1", "1", "cancelled")]
+    assert [e["event"] for e in engine_log(log)] == ["started"]  # the retry ended it unstepped
+
+
 async def test_reject_ends_the_new_message_at_intake(
     workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
 ) -> None:

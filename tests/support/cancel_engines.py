@@ -1,6 +1,7 @@
 """Engines for the cancellation tests, loaded by worker processes with
 DIALOG_ENGINE=cancel_engines:<Name>. A message's text says what the step does: ``sleep S``
-sleeps S seconds before answering, anything else answers at once. Each step appends JSON lines
+sleeps S seconds before answering, ``flaky`` fails its first attempt (retried after 1 s),
+anything else answers at once. Each step appends JSON lines
 (started / cancelled / finished, with time.time()) to the file named by CANCEL_ENGINE_LOG."""
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class SlowAsync:
         self, state: dict[str, Any], message: dict[str, Any]
     ) -> tuple[dict[str, Any], str]:
         record("started", msg_id=message["msg_id"])
+        if message["text"] == "flaky" and message["attempt"] == 1:
+            raise dialog_worker.TransientError("try again", retry_after=1)
         try:
             await anyio.sleep(_delay(message["text"]))
         except anyio.get_cancelled_exc_class():
