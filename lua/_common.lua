@@ -118,7 +118,8 @@ local function entry_ms(id)
 end
 
 -- The jobs of a receipt whose locks are still ours, with their state and fields read again.
--- Each receipt item is {kind, session_id, token, seq, entry id}; rows are built by `row`.
+-- Each receipt item is {kind, session_id, token, seq, entry id}; rows are built by `row`
+-- (h: d, v, n, f, e, q<seq>, xc, xs of the session's state).
 local function replay_receipt(ready, token_base, sprefix, stream, row)
   local saved = rcall('GET', receipt_key(ready, token_base))
   if not saved then return nil end
@@ -127,7 +128,7 @@ local function replay_receipt(ready, token_base, sprefix, stream, row)
     local kind, sid, token, seq, id = item[1], item[2], item[3], item[4], item[5]
     if rcall('GET', session_key(sprefix, sid, 'lock')) == token then
       local h = rcall('HMGET', session_key(sprefix, sid, 'state'), 'd', 'v', 'n', 'f', 'e',
-                      'q' .. seq)
+                      'q' .. seq, 'xc', 'xs')
       local _, fields = load_message(stream, h[6])
       jobs[#jobs + 1] = row(kind, sid, token, seq, id, fields or {}, h)
     end

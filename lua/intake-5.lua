@@ -220,7 +220,8 @@ end
 
 local function job_row(kind, sid, token, seq, id, fields, h)
   return {sid, token, seq, id, fields, h[1] or '', h[2] or '0', (tonumber(h[3]) or 0),
-          h[4] or '', h[5] or '', ending_of(sprefix, sid, seq, msg_id_of(id, fields))}
+          h[4] or '', h[5] or '',
+          ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[7], h[8])}
 end
 
 local replayed = replay_receipt(ready, token_base, sprefix, stream, job_row)

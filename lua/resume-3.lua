@@ -37,7 +37,8 @@ for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}}) do
 end
 
 local function job_row(kind, sid, token, seq, id, fields, h)
-  local ending = kind == 'm' and ending_of(sprefix, sid, seq, msg_id_of(id, fields)) or ''
+  local ending = ''
+  if kind == 'm' then ending = ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[7], h[8]) end
   return {kind, sid, token, seq, id, fields, h[1] or '', h[2] or '0', (tonumber(h[3]) or 0),
           h[4] or '', h[5] or '', ending}
 end
