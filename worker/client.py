@@ -206,12 +206,14 @@ class DialogClient:
         # A parameter, not a cancel scope around the call: the timeout must not cut a send
         # short, and its error names the msg_id to ask again with.
         timeout: float = 30,  # noqa: ASYNC109
+        multitask: str | None = None,
     ) -> Reply:
         """Send a message and wait for its reply event: whatever the outcome (``applied``,
-        ``dead_lettered`` with the fallback text, or ``duplicate`` when ``msg_id`` was seen
-        before). Raises `ReplyTimeout` after ``timeout`` seconds (send included); the message
-        may still be processed, and asking again with the same ``msg_id`` waits for it (a
-        resend of a seen ``msg_id`` is never applied twice: its event says ``duplicate``).
+        ``dead_lettered`` with the fallback text, ``duplicate`` when ``msg_id`` was seen
+        before, or ``cancelled`` / ``rejected`` / ``superseded``). Raises `ReplyTimeout` after
+        ``timeout`` seconds (send included); the message may still be processed, and asking
+        again with the same ``msg_id`` waits for it (a resend of a seen ``msg_id`` is never
+        applied twice: its event says ``duplicate``). ``multitask`` as for `send`.
 
         Every ask of a client shares one reader per reply stream: waiting costs a dictionary
         entry, not a connection. The waiter is registered before the message is sent, so a
@@ -230,7 +232,7 @@ class DialogClient:
         waiter = router.expect(session_id, msg_id)
         try:
             await router.start()
-            await self.send(session_id, text, msg_id=msg_id)
+            await self.send(session_id, text, msg_id=msg_id, multitask=multitask)
             with anyio.move_on_after(deadline - anyio.current_time()):
                 return await waiter
             raise ReplyTimeout(

@@ -132,7 +132,14 @@ class Metrics:
             registry=r,
             multiprocess_mode="liveall",
         )
-        for outcome in ("applied", "duplicate", "dead_lettered"):
+        for outcome in (
+            "applied",
+            "duplicate",
+            "dead_lettered",
+            "cancelled",
+            "rejected",
+            "superseded",
+        ):
             self.messages.labels(outcome)
         for reason in ("contended", "out_of_order", "error"):
             self.retries.labels(reason)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -279,3 +281,35 @@ async def test_client_refuses_an_unknown_multitask(env: dict[str, str]) -> None:
     async with DialogClient(settings=load_settings(environ=env)) as c:
         with pytest.raises(ValueError, match="multitask"):
             await c.send("s", "x", multitask="whenever")
+
+
+def _cli(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dialog_worker", *args],
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_cancel_prints_what_it_found(env: dict[str, str]) -> None:
+    first = _cli(env, "cancel", "c1", "m1")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout) == {
+        "session_id": "c1",
+        "msg_id": "m1",
+        "status": "pending",
+        "seq": None,
+        "outcome": None,
+    }
+    again = _cli(env, "cancel", "c1", "m1")  # idempotent
+    assert json.loads(again.stdout)["status"] == "pending"
+    bad = _cli(env, "cancel", "c1", "")
+    assert bad.returncode == 2 and bad.stderr.startswith("dialog-worker: ")
+
+
+def test_an_invalid_multitask_setting_is_one_line_and_exit_2(env: dict[str, str]) -> None:
+    result = _cli(env, "run", DIALOG_MULTITASK="sometimes")
+    assert result.returncode == 2
+    assert "DIALOG_MULTITASK" in result.stderr and len(result.stderr.strip().splitlines()) == 1
