@@ -78,6 +78,8 @@ class Settings:
     reclaim_interval_ms: int = 5000
     consumer_idle_delete_s: int = 3600
     redis_ca_path: str = ""
+    allow_eviction: bool = False
+    redis_check_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         for field, suffix in DERIVED_NAMES.items():
@@ -172,6 +174,13 @@ def _choice(*choices: str) -> Callable[[str, Any], str]:
     return parse
 
 
+def _flag(name: str, raw: Any) -> bool:
+    value = str(raw).strip().lower()
+    if value not in ("0", "1", "true", "false", "yes", "no"):
+        raise ConfigError(name, f"expected 1 or 0, got {raw!r}")
+    return value in ("1", "true", "yes")
+
+
 def _name(name: str, raw: Any) -> str:
     value = str(raw).strip()
     if not value or any(c.isspace() for c in value):
@@ -185,10 +194,21 @@ def _text(name: str, raw: Any) -> str:
 
 def _url(name: str, raw: Any) -> str:
     value = str(raw).strip()
+    if value.startswith("redis+sentinel://"):
+        from dialog_worker.redis_conn import parse_sentinel_url  # it imports this module
+
+        try:
+            parse_sentinel_url(value)
+        except ValueError as exc:
+            raise ConfigError(name, str(exc)) from None
+        return value
     if not value.startswith(("redis://", "rediss://", "unix://")):
         # The value may hold a password: show only the scheme part, if there is one.
         scheme = value.split("://", 1)[0] if "://" in value else "no scheme"
-        raise ConfigError(name, f"must start with redis://, rediss:// or unix://, got {scheme!r}")
+        raise ConfigError(
+            name,
+            f"must start with redis://, rediss://, unix:// or redis+sentinel://, got {scheme!r}",
+        )
     # Found now rather than as a traceback at the first connection. The messages never
     # repeat the value: a mistyped URL can hold a password where the port should be.
     try:
@@ -242,6 +262,8 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "reclaim_interval_ms": _int(10),
     "consumer_idle_delete_s": _int(1),
     "redis_ca_path": _text,
+    "allow_eviction": _flag,
+    "redis_check_interval_s": _float(1.0),
 }
 
 # Environment names that do not follow the DIALOG_<FIELD> pattern.

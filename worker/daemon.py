@@ -34,7 +34,7 @@ import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
-from dialog_worker import __version__
+from dialog_worker import __version__, redis_checks
 from dialog_worker.codec import MAX_EXTRA_FIELDS, fields_dict, text
 from dialog_worker.config import Settings
 from dialog_worker.engine import Engine, shutdown_engine, startup_engine
@@ -152,6 +152,9 @@ class Worker:
         self.redis: Redis = connect(settings, max_connections=4, bounded_callers=False)
         self.scripts = Scripts.register(self.raw)
         self.housekeeping = Scripts.register(self.redis)
+        self.guard = redis_checks.RedisGuard(self.redis, settings, self.metrics)
+        self.failover = redis_checks.FailoverWatch(self.redis, self.metrics)
+        redis_checks.oom.metrics = self.metrics
         self.leases: dict[str, Job] = {}
         self.committers = {
             s.keys.shard: Committer(self.scripts, s.keys, settings) for s in self.shards
@@ -198,7 +201,7 @@ class Worker:
                 self.settings.metrics_host,
                 self.settings.metrics_port,
                 self.metrics.registry,
-                ready=lambda: self.ready and not self.stopping.is_set(),
+                ready=lambda: self.ready and self.guard.ok and not self.stopping.is_set(),
             )
             log.info("http_listening", host=self.settings.metrics_host, port=http.port)
         try:
@@ -219,6 +222,8 @@ class Worker:
                 )
                 side.start_soon(self._watch_loop_lag)
                 side.start_soon(self._loop, "sampler", self._sample_once)
+                side.start_soon(self._loop, "redis-check", self.guard.check_once)
+                side.start_soon(self._loop, "failover-watch", self.failover.check_once)
                 async with anyio.create_task_group() as work:
                     async with anyio.create_task_group() as intake:
                         for shard in self.shards:
@@ -266,11 +271,18 @@ class Worker:
         """Cluster mode: learn the slot map before the loops start (see redis_conn.prepare).
         Retried with backoff, so a worker can start before Redis does."""
         failures = 0
+        outage = redis_checks.OutageNotice(self.settings, OUTAGE_BACKOFF_MAX_S)
         while not self.stopping.is_set():
             try:
                 await prepare(self.redis)
                 await prepare(self.raw)
+                warnings = await redis_checks.check_at_start(
+                    self.redis, self.settings, self.metrics, self.scripts
+                )
                 await check_topology(self.redis, self.settings, record=True)
+                for warning in warnings:  # only once nothing refused the start
+                    redis_checks.say(warning)
+                outage.recovered()
                 return
             except ConfigError as exc:
                 self.refused = exc
@@ -278,7 +290,16 @@ class Worker:
                 return
             except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
                 # RedisClusterException ("cannot be connected") is not a RedisError: a worker
-                # started while its startup node is down must wait, not exit.
+                # started while its startup node is down must wait, not exit. What waiting
+                # cannot heal (credentials, database index, ACL, TLS on one side) stops it.
+                fatal = redis_checks.unhealable(exc, self.settings) or (
+                    await redis_checks.tls_mismatch(exc, self.settings)
+                )
+                if fatal is not None:
+                    self.refused = fatal
+                    self.stop()
+                    return
+                outage.failed(exc)
                 failures += 1
                 self._log_outage("prepare", exc, failures)
                 await anyio.sleep(min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures))
@@ -304,6 +325,8 @@ class Worker:
         while True:
             try:
                 wait_s = await once()
+                if failures:
+                    redis_checks.oom.answered()
                 failures = 0
             except (
                 redis.exceptions.ConnectionError,
@@ -317,13 +340,19 @@ class Worker:
             except redis.exceptions.RedisError as exc:
                 failures += 1
                 wait_s = min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures)
-                log.warning(
-                    "loop_error",
-                    loop=name,
-                    error=str(exc),  # redis-py's repr() hides Redis' message
-                    error_type=type(exc).__name__,
-                    failures=failures,
-                )
+                if redis_checks.is_oom(exc):  # backpressure: intake and resumes wait for room
+                    redis_checks.oom.refused(name)
+                elif (fatal := redis_checks.unhealable(exc, self.settings)) is not None:
+                    self.refused = fatal  # an ACL changed under us: stop, exit 2
+                    self.stop()
+                else:
+                    log.warning(
+                        "loop_error",
+                        loop=name,
+                        error=str(exc),  # redis-py's repr() hides Redis' message
+                        error_type=type(exc).__name__,
+                        failures=failures,
+                    )
             except Exception:
                 failures += 1
                 wait_s = min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures)

@@ -132,6 +132,40 @@ class Metrics:
             registry=r,
             multiprocess_mode="liveall",
         )
+        # Redis as it runs (worker/redis_checks.py).
+        self.redis_eviction_unsafe = Gauge(
+            "dialog_redis_eviction_unsafe",
+            "1 while Redis has maxmemory with a policy other than noeviction (it can evict "
+            "streams, locks and states); the worker is not ready then unless "
+            "DIALOG_ALLOW_EVICTION=1",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.redis_oom = Counter(
+            "dialog_redis_oom",
+            "Calls Redis refused because it was out of memory (maxmemory reached), by "
+            "operation; each is retried with backoff, never counted as an attempt",
+            ["op"],
+            registry=r,
+        )
+        self.redis_oom_active = Gauge(
+            "dialog_redis_oom_backoff",
+            "1 while this worker is backing off because Redis is out of memory",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.redis_switches = Counter(
+            "dialog_redis_switches",
+            "Times the Redis server behind REDIS_URL changed under this worker (its run_id: "
+            "a failover or a restart)",
+            registry=r,
+        )
+        self.commits_lost = Counter(
+            "dialog_redis_commits_lost",
+            "Commits of this worker that Redis acknowledged and no longer had after it "
+            "changed (failover, or a restart that lost the end of its AOF)",
+            registry=r,
+        )
         for outcome in (
             "applied",
             "duplicate",

@@ -46,6 +46,7 @@ from dialog_worker.errors import PermanentError
 from dialog_worker.failures import describe_failure, retry_after_of, retry_delay_ms
 from dialog_worker.keys import Keys
 from dialog_worker.metrics import Metrics
+from dialog_worker.redis_checks import ledger, oom
 from dialog_worker.scripts import Code, Scripts
 
 log = structlog.get_logger("dialog_worker.pipeline")
@@ -152,8 +153,11 @@ class Committer:
             args += commit_args
         try:
             with anyio.CancelScope(shield=True):
-                results = await self.scripts.commit(
-                    keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args
+                results = await oom.call(  # out of memory: wait for room, lease kept
+                    "commit",
+                    lambda: self.scripts.commit(
+                        keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args
+                    ),
                 )
         except Exception as exc:  # every waiter gets the failure; none is left hanging
             for _, slot in batch:
@@ -439,6 +443,7 @@ class Pipeline:
             # Cancelled while it ran (the cancel reached Redis before this commit): nothing
             # was written; it ends cancelled instead, so it has exactly one outcome.
             return await self._end(job, "cancelled", msg)
+        ledger.committed(job.keys.session(job.session_id).state, job.version + 1)
         self.metrics.messages.labels(outcome).inc()
         self.metrics.processing.observe(time.perf_counter() - started)
         if msg is not None and msg.enqueued_at_ms:
@@ -501,16 +506,19 @@ class Pipeline:
     async def _release(self, job: Job, delay_ms: int, error: str, counts: bool) -> Code:
         keys = job.keys
         raw = await _shielded(
-            self.scripts.release(
-                keys=[keys.ready, keys.session_prefix],
-                args=[
-                    job.token,
-                    job.session_id,
-                    job.seq,
-                    delay_ms,
-                    redis_text(error),
-                    "1" if counts else "0",
-                ],
+            oom.call(  # out of memory: wait for room (the release writes the error)
+                "release",
+                lambda: self.scripts.release(
+                    keys=[keys.ready, keys.session_prefix],
+                    args=[
+                        job.token,
+                        job.session_id,
+                        job.seq,
+                        delay_ms,
+                        redis_text(error),
+                        "1" if counts else "0",
+                    ],
+                ),
             )
         )
         return Code(int(raw))

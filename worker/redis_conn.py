@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import urllib.parse
 from typing import Any, cast
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
 from dialog_worker.config import Settings
@@ -45,6 +48,10 @@ def connect(
         kwargs["ssl_check_hostname"] = True
         if settings.redis_ca_path:
             kwargs["ssl_ca_certs"] = settings.redis_ca_path
+    if settings.redis_url.startswith(SENTINEL_SCHEME):
+        if settings.redis_mode == "cluster":
+            raise ConfigError("REDIS_URL", "redis+sentinel:// names Sentinels, not a Cluster")
+        return _connect_sentinel(settings, max_connections, decode_responses)
     if settings.redis_mode == "cluster":
         return _connect_cluster(settings, max_connections, decode_responses, kwargs)
     options: dict[str, Any] = {
@@ -87,6 +94,94 @@ def _connect_cluster(
         **kwargs,
     )
     return cast(Redis, cluster)
+
+
+SENTINEL_SCHEME = "redis+sentinel://"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SentinelUrl:
+    """`redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]`
+    `[?sentinel_username=U&sentinel_password=P]`: the Sentinels to ask, the master's name
+    (Sentinel's `monitor` name), the database; USER:PASSWORD are for the master, the
+    `sentinel_*` options for the Sentinels (when they require AUTH)."""
+
+    sentinels: list[tuple[str, int]]
+    master: str
+    db: int
+    username: str | None
+    password: str | None
+    sentinel_username: str | None
+    sentinel_password: str | None
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """Raises ValueError with a message that never repeats the URL (it may hold a password)."""
+    rest = url[len(SENTINEL_SCHEME) :]
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    username = password = None
+    if "@" in netloc:
+        creds, _, netloc = netloc.rpartition("@")
+        user, colon, secret = creds.partition(":")
+        username = urllib.parse.unquote(user) or None
+        password = urllib.parse.unquote(secret) if colon else None
+    sentinels = []
+    for hostport in netloc.split(","):
+        host, colon, port = hostport.strip().rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                "each Sentinel must be HOST:PORT (redis+sentinel://h1:26379,h2:26379/mymaster/0)"
+            )
+        sentinels.append((host.strip("[]"), int(port)))
+    parts = [p for p in path.split("/") if p]
+    if not parts or len(parts) > 2:
+        raise ValueError(
+            "name the master after the Sentinels: redis+sentinel://h1:26379/mymaster[/db]"
+        )
+    if len(parts) == 2 and not parts[1].isdigit():
+        raise ValueError("the database after the master name must be a number")
+    options = dict(urllib.parse.parse_qsl(query))
+    unknown = set(options) - {"sentinel_username", "sentinel_password"}
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(sorted(unknown))} (sentinel_username, sentinel_password)"
+        )
+    return SentinelUrl(
+        sentinels=sentinels,
+        master=urllib.parse.unquote(parts[0]),
+        db=int(parts[1]) if len(parts) == 2 else 0,
+        username=username,
+        password=password,
+        sentinel_username=options.get("sentinel_username"),
+        sentinel_password=options.get("sentinel_password"),
+    )
+
+
+def _connect_sentinel(settings: Settings, max_connections: int, decode_responses: bool) -> Redis:
+    """redis-py's Sentinel support: every new connection asks the Sentinels where the master
+    is, so after a failover the connections that broke are replaced by connections to the
+    promoted replica. Its pool raises instead of waiting when `max_connections` are in use (no
+    blocking variant), hence the margin for clients with unbounded callers."""
+    url = parse_sentinel_url(settings.redis_url)
+    sentinel_kwargs: dict[str, Any] = {"socket_timeout": 1, "socket_connect_timeout": 1}
+    if url.sentinel_password is not None:
+        sentinel_kwargs["password"] = url.sentinel_password
+        sentinel_kwargs["username"] = url.sentinel_username
+    manager = Sentinel(url.sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]  # redis-py: untyped
+    master: Redis = manager.master_for(
+        url.master,
+        redis_class=Redis,
+        max_connections=max_connections * 4,
+        decode_responses=decode_responses,
+        db=url.db,
+        username=url.username,
+        password=url.password,
+        socket_timeout=5,
+        socket_connect_timeout=5,
+        retry=Retry(NoBackoff(), 0),
+    )
+    return master
 
 
 async def prepare(redis: Redis) -> None:

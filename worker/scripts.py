@@ -34,14 +34,25 @@ def lua_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "lua"
 
 
+# The flags each script declares in its `#!lua` line (Redis >= 7.0). Any flag line makes Redis
+# refuse a script before it runs when memory is over `maxmemory` (an OOM error, nothing
+# written) instead of failing at its first write half-way through, or letting it overrun the
+# limit once it has written. Every script here writes, so none is `no-writes`; only renew,
+# which extends leases and adds nothing, may run out of memory (`allow-oom`), so a holder
+# waiting for room to commit keeps its lease. `allow-stale` and `no-cluster` are not wanted.
+FLAGS: dict[str, str] = {"renew": "allow-oom"}
+
+
 @cache
 def source(name: str) -> str:
-    """The script's text, behind the shared prelude (lua/_common.lua) its helpers come from."""
+    """The script's text: its flags, then the shared prelude (lua/_common.lua) its helpers
+    come from, then its own file."""
     matches = sorted(lua_dir().glob(f"{name}-*.lua"))
     if len(matches) != 1:
         raise FileNotFoundError(f"expected one lua/{name}-N.lua in {lua_dir()}, found {matches}")
     prelude = (lua_dir() / "_common.lua").read_text(encoding="utf-8")
-    return prelude + "\n" + matches[0].read_text(encoding="utf-8")
+    shebang = f"#!lua flags={FLAGS.get(name, '')}"
+    return shebang + "\n" + prelude + "\n" + matches[0].read_text(encoding="utf-8")
 
 
 class Script:

@@ -164,9 +164,10 @@ async def test_a_worker_configured_with_another_shard_count_refuses_and_writes_n
     assert await client.redis.get("dialog:shards") == "1"
 
     async def group_created() -> bool:
-        # The running worker records the count first and creates its stream and group after:
-        # a snapshot taken in between would see the stream appear later.
-        if not await client.redis.exists("dialog"):
+        # The running worker records the count first, creates its stream and group after, and
+        # its first intake call then writes the inbound stream's bookkeeping: a snapshot taken
+        # in between would see those keys appear later.
+        if await client.redis.exists("dialog", client.keys.inbound) < 2:
             return False
         groups = await client.redis.xinfo_groups("dialog")
         return any(g["name"] == "dialog-workers" for g in groups)

@@ -739,21 +739,15 @@ def test_reply_readers_run_as_the_replies_user(acl: AclRedis, layout: str) -> No
 
 
 def test_wrong_password_never_reaches_logs_metrics_or_errors(acl: AclRedis, tmp_path: Path) -> None:
+    """Refused credentials cannot heal by retrying: `run` stops with one line, exit 2
+    (tests/fault/test_redis_prod.py has the other errors of that kind)."""
     secret = f"wrong-{secrets.token_hex(8)}"
     url = f"redis://worker:{secret}@127.0.0.1:{acl.port}/0"
-    pool = WorkerPool(worker_env(url, DIALOG_LOG_LEVEL="debug"), tmp_path)
-    try:
-        [w] = pool.start(1, metrics=True)
-        wait_until(lambda: "redis_unavailable" in w.log_text(), 20, what="redis_unavailable")
-        metrics = w.metrics_text()
-        readyz = w._get("/readyz")
-        assert readyz is not None and readyz[0] == 503
-        assert w.terminate() == 0
-    finally:
-        pool.stop_all()
-    log = w.log_text()
-    assert "AuthenticationError" in log
-    assert secret not in log and secret not in metrics
+    refused = cli(worker_env(url, DIALOG_LOG_LEVEL="debug"), "run")
+    assert refused.returncode == 2, refused.stderr
+    assert "refused the credentials" in refused.stderr
+    assert "redis://worker:***@127.0.0.1" in refused.stderr  # the URL is named, redacted
+    assert secret not in refused.stderr + refused.stdout
     failed = cli(worker_env(url), "stats")
     assert failed.returncode == 1
     assert "invalid username-password pair" in failed.stderr

@@ -61,6 +61,7 @@ class RedisServer:
         fsync: str = "everysec",
         port: int | None = None,
         extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -72,6 +73,8 @@ class RedisServer:
         self.appendonly = appendonly
         self.fsync = fsync
         self.extra = extra
+        # Added to the server's environment (e.g. LD_PRELOAD of tests/support/clockshift.c).
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -99,7 +102,12 @@ class RedisServer:
             str(self.workdir / "redis.log"),
             *self.extra,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **self.env} if self.env else None,
+        )
         wait_until(self._answers, 15, what=f"redis-server on port {self.port}")
         return self
 
@@ -110,7 +118,8 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
+                # NOAUTH: it answers, and wants a password (a test's `--requirepass`).
+                return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 
