@@ -118,7 +118,8 @@ local function entry_ms(id)
 end
 
 -- The jobs of a receipt whose locks are still ours, with their state and fields read again.
--- Each receipt item is {kind, session_id, token, seq, entry id}; rows are built by `row`.
+-- Each receipt item is {kind, session_id, token, seq, entry id}; rows are built by `row`
+-- (h: d, v, n, f, e, q<seq>, xc, xs of the session's state).
 local function replay_receipt(ready, token_base, sprefix, stream, row)
   local saved = rcall('GET', receipt_key(ready, token_base))
   if not saved then return nil end
@@ -127,10 +128,38 @@ local function replay_receipt(ready, token_base, sprefix, stream, row)
     local kind, sid, token, seq, id = item[1], item[2], item[3], item[4], item[5]
     if rcall('GET', session_key(sprefix, sid, 'lock')) == token then
       local h = rcall('HMGET', session_key(sprefix, sid, 'state'), 'd', 'v', 'n', 'f', 'e',
-                      'q' .. seq)
+                      'q' .. seq, 'xc', 'xs')
       local _, fields = load_message(stream, h[6])
       jobs[#jobs + 1] = row(kind, sid, token, seq, id, fields or {}, h)
     end
   end
   return jobs
+end
+
+-- Cancellation (see cancel-2.lua). A message ends without a step, in its turn, when:
+--   its cancel mark exists (key <session>:cancel:<msg_id>, written by a cancel or by an
+--     interrupting message; found by msg_id, so a mark may come before its message), or
+--     its seq is below the state hash's xc field (an interrupting message: everything
+--     outstanding before it ends cancelled)                            -> 'cancelled'
+--   its seq is below the state hash's xs field (a coalescing message supersedes everything
+--     waiting before it)                                               -> 'superseded'
+-- A message already running when xs moved on is not stopped by it: xs is checked only when a
+-- message is handed out. Returns '' when the message goes on.
+local function cancel_key(sprefix, sid, msg_id)
+  return session_key(sprefix, sid, 'cancel:' .. msg_id)
+end
+
+-- The msg_id of a sequenced message: its msg_id field, else its entry id.
+local function msg_id_of(id, fields)
+  for i = 1, #fields - 1, 2 do
+    if fields[i] == 'msg_id' then return fields[i + 1] end
+  end
+  return id
+end
+
+local function ending_of(sprefix, sid, seq, msg_id, xc, xs)
+  if xc and (tonumber(xc) or 0) > seq then return 'cancelled' end
+  if rcall('EXISTS', cancel_key(sprefix, sid, msg_id)) == 1 then return 'cancelled' end
+  if xs and (tonumber(xs) or 0) > seq then return 'superseded' end
+  return ''
 end

@@ -6,8 +6,15 @@
   and its seq, and a duplicate event for each copy of the message that arrived meanwhile),
   remove the message from the session's keys, then hand the lock on to the session's next
   message if one is waiting (return it with its fields; the session's age is now that
-  message's), or release it and start the idle TTL (the session leaves the ages). A fenced commit writes nothing. A gap (the message is missing) that is dead-lettered
-  frees its msg_id: the dedupe key is deleted, so a re-send is applied.
+  message's), or release it and start the idle TTL (the session leaves the ages). A fenced
+  commit writes nothing. A message that ends without being applied (a gap dead-lettered,
+  cancelled, superseded) frees its msg_id: the dedupe key (and a cancel mark) is deleted, so
+  a re-send is applied.
+
+  Cancel against commit: an applied or dead-lettered commit of a message that has been
+  cancelled meanwhile (its cancel mark exists, or an interrupting message set xc above its
+  seq) writes nothing and is answered CANCELLED: the caller commits it as cancelled. The
+  cancel script and this one are atomic, so each message gets exactly one outcome.
 
   Commits are isolated: one whose arguments cannot be used (a seq that is not a number, an
   outcome we do not know, dead-letter fields that are not a JSON array of strings) is answered
@@ -22,7 +29,8 @@
   ARGV[1] lock ttl (ms)   ARGV[2] state ttl (s)   ARGV[3] reply MAXLEN (0: none)
   ARGV[4] number of commits N, then N groups of 11:
     token, session_id, seq, expected version, state JSON, msg_id, reply, outcome
-    ("applied" | "dead_lettered"), entry id (the message's entry; "" for a gap),
+    ("applied" | "dead_lettered" | "cancelled" | "superseded"), entry id (the message's
+    entry; "" for a gap),
     dead-letter fields (JSON array of name/value pairs added after the original fields; ""
     for a normal commit), id of the session's next entry if the caller already has it (or "")
 
@@ -31,11 +39,13 @@
 
   Returns one reply per commit:
     {6 COMMITTED, new version}                   written; lock released (or left to resume)
-    {2 HANDOFF, new version, next seq, next id, fields}   written; the lock stays ours for
-        the next message (fields {} when the caller said it already has that entry)
+    {2 HANDOFF, new version, next seq, next id, fields, ending}   written; the lock stays
+        ours for the next message (fields {} when the caller said it already has that
+        entry; ending: '' or 'cancelled' / 'superseded': it ends without a step)
     {-1 FENCED_TOKEN}    the lock is not ours any more: nothing written
     {-2 FENCED_VERSION}  the state moved on since we read it: nothing written
     {-3 INVALID, why}    this commit's arguments cannot be written: nothing written
+    {-4 CANCELLED}       the message was cancelled meanwhile: nothing written
 ]]
 local stream, ready, sprefix, replies, dlq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lock_ttl, state_ttl, maxlen, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
@@ -51,10 +61,12 @@ for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {replies, 'stream'}
   if err then return err end
 end
 
+local OUTCOMES = {applied = true, dead_lettered = true, cancelled = true, superseded = true}
+
 -- Why a commit's arguments cannot be written, or nil (then c.extra holds its letter fields).
 local function invalid(c, extra_json)
   if not (c.seq and c.version and c.seq >= 1) then return 'seq or version is not a number' end
-  if c.outcome ~= 'applied' and c.outcome ~= 'dead_lettered' then return 'unknown outcome' end
+  if not OUTCOMES[c.outcome] then return 'unknown outcome' end
   if extra_json ~= '' then
     local ok, extra = pcall(cjson.decode, extra_json)
     if not ok or type(extra) ~= 'table' or #extra % 2 ~= 0 or #extra > 64 then
@@ -85,26 +97,28 @@ local results, dels = {}, {}
 
 -- The session's next message, as the commit answers it: {next seq, id, fields} (fields {}
 -- when the caller has them), or nil when it is missing.
-local function next_message(c, value)
+local function next_message(c, value, xc, xs)
   local id, fields = load_message(stream, value)
   if not id then return nil end
-  return {c.seq + 1, id, id == c.known_next and {} or fields}
+  local ending = ending_of(sprefix, c.sid, c.seq + 1, msg_id_of(id, fields), xc, xs)
+  return {c.seq + 1, id, id == c.known_next and {} or fields, ending}
 end
 
 for _, c in ipairs(commits) do
   local state, lock = session_key(sprefix, c.sid, 'state'), session_key(sprefix, c.sid, 'lock')
   local holder = redis.pcall('GET', lock)
   local h = redis.pcall('HMGET', state, 'v', 'a', 's', 'q' .. ((c.seq or 0) + 1),
-                        'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0))
+                        'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0), 'xc', 'xs')
   local done = c.seq and type(h) == 'table' and not h['err'] and h[6] == c.token .. ':' .. c.seq
   if c.problem then
     results[#results + 1] = {-3, c.problem}
   elseif done and (tonumber(h[1]) or 0) == c.version + 1 then
     -- This very commit already ran (a client re-sent the call after losing the reply):
     -- answer as it did, writing nothing more.
-    local nxt = holder == c.token and (tonumber(h[3]) or 0) > c.seq and next_message(c, h[4])
+    local nxt = holder == c.token and (tonumber(h[3]) or 0) > c.seq
+      and next_message(c, h[4], h[8], h[9])
     if nxt then
-      results[#results + 1] = {2, c.version + 1, nxt[1], nxt[2], nxt[3]}
+      results[#results + 1] = {2, c.version + 1, nxt[1], nxt[2], nxt[3], nxt[4]}
     else
       results[#results + 1] = {6, c.version + 1}
     end
@@ -113,6 +127,9 @@ for _, c in ipairs(commits) do
   elseif type(h) ~= 'table' or h['err'] or (tonumber(h[1]) or 0) ~= c.version
       or (tonumber(h[2]) or 0) ~= c.seq - 1 then
     results[#results + 1] = {-2}
+  elseif (c.outcome == 'applied' or c.outcome == 'dead_lettered') and h[7] and c.msg_id ~= ''
+      and ending_of(sprefix, c.sid, c.seq, c.msg_id, h[8]) == 'cancelled' then
+    results[#results + 1] = {-4}
   else
     local version, last = c.version + 1, tonumber(h[3]) or 0
     local id, fields, legacy = load_message(stream, h[7])
@@ -124,10 +141,13 @@ for _, c in ipairs(commits) do
       end
       rcall('XADD', dlq, '*', unpack(letter))
     end
-    if not id and c.outcome == 'dead_lettered' and c.msg_id ~= '' then
-      -- A gap: the message ended without being applied, so its msg_id may be sent again.
+    if c.msg_id ~= '' and ((not id and c.outcome == 'dead_lettered')
+        or c.outcome == 'cancelled' or c.outcome == 'superseded') then
+      -- A gap, or a message that was cancelled or superseded: it ended without being
+      -- applied, so its msg_id may be sent again.
       local dkey = session_key(sprefix, c.sid, 'msg:' .. c.msg_id)
       if redis.pcall('GET', dkey) == tostring(c.seq) then rcall('DEL', dkey) end
+      rcall('DEL', cancel_key(sprefix, c.sid, c.msg_id))
     end
     reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, c.outcome, c.reply, now, c.entry_id)
     if legacy then dels[#dels + 1] = id end  -- sequenced before custody: still in the stream
@@ -141,14 +161,14 @@ for _, c in ipairs(commits) do
     end
     rcall('HDEL', state, 'q' .. c.seq, 'u' .. c.seq, 'f', 'e', 'g')
 
-    local nxt = last > c.seq and next_message(c, h[4])
+    local nxt = last > c.seq and next_message(c, h[4], h[8], h[9])
     if nxt then
       -- Hand-off: the lock stays ours for the next message; its start is counted now.
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 1, 'c', c.token .. ':' .. c.seq)
       rcall('PEXPIRE', lock, lock_ttl)
       rcall('ZADD', ready, now + lock_ttl, c.sid)
       rcall('ZADD', ages, entry_ms(nxt[2]), c.sid)
-      results[#results + 1] = {2, version, nxt[1], nxt[2], nxt[3]}
+      results[#results + 1] = {2, version, nxt[1], nxt[2], nxt[3], nxt[4]}
     else
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 0, 'c', c.token .. ':' .. c.seq)
       rcall('DEL', lock)
@@ -157,6 +177,7 @@ for _, c in ipairs(commits) do
       else
         rcall('ZREM', ready, c.sid)
         rcall('ZREM', ages, c.sid)
+        rcall('HDEL', state, 'xc', 'xs')  -- nothing is left below them
         rcall('EXPIRE', state, state_ttl)
       end
       results[#results + 1] = {6, version}

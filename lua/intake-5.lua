@@ -19,6 +19,13 @@
               message and the lock is free, the lock is taken (one token per session) and
               the job returned. Otherwise it waits there: the lock holder's commit hands it
               on, or the ready set brings it back (resume-3.lua).
+  Double-texting: when the session already has a message outstanding, the entry's multitask
+  field (else ARGV[15]) decides: enqueue (sequenced as above), reject (one rejected reply
+  event, seq 0, nothing else: its msg_id stays free), interrupt (sequenced; every message
+  outstanding before it ends cancelled in its turn: xc = its seq, and the running one gets a
+  cancel mark so its worker stops the step), coalesce (sequenced; every message before it
+  that is not running yet ends superseded in its turn: xs = its seq). A multitask value
+  other than these four makes the entry malformed.
   Every delivered entry is acked and deleted from the stream in this call (custody): the
   stream holds only unread entries, so no producer command (XADD MAXLEN/MINID, XTRIM, XDEL)
   can touch a sequenced message, and nothing ever waits in a pending list: a crashed
@@ -45,14 +52,17 @@
   ARGV[13] this stream's shard index   ARGV[14] shard count (both optional; a count above 1
            refuses an entry whose session belongs to another shard: crc32 of its UTF-8 id
            mod the count, as keys.shard_of; it would get a second state here)
+  ARGV[15] default multitask policy (enqueue | reject | interrupt | coalesce; optional)
 
-  Returns {last id, entries read, jobs, held, {duplicates, refused, contended, trimmed, ahead}}
+  Returns {last id, entries read, jobs, held,
+           {duplicates, refused, contended, trimmed, ahead, rejected}}
     trimmed  unread entries that vanished from the stream since the last intake call
     ahead    1 when this call found the stream's last id pushed ahead of the clock (once)
     last id  the id of the last entry read, or, when none was read, the group's
              last-delivered id (block on XREAD from there: nothing appended meanwhile is missed)
     jobs     {session_id, token, seq, entry id, fields, state JSON, version, attempts,
-              first_failed_at, last_error} per session whose lock this call took
+              first_failed_at, last_error, ending} per session whose lock this call took;
+             ending: '' (run the step), or 'cancelled' / 'superseded' (end it without one)
     held     {session_id, seq, entry id, fields}: later entries of those sessions, read in
              this call, which the job's commits will hand on
 ]]
@@ -62,9 +72,12 @@ local count, lock_ttl, dedupe_ttl = tonumber(ARGV[3]), tonumber(ARGV[5]), tonumb
 local max_bytes, max_extra = tonumber(ARGV[7]), tonumber(ARGV[8])
 local maxlen, claim_idle = tonumber(ARGV[9]), tonumber(ARGV[11])
 local shard, shards = tonumber(ARGV[13] or '0'), tonumber(ARGV[14] or '1')
+local POLICIES = {enqueue = true, reject = true, interrupt = true, coalesce = true}
+local default_policy = ARGV[15] or 'enqueue'
 
 if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen and claim_idle
-        and shard and shards) or count < 1 or count > 1000 or shards < 1 then
+        and shard and shards) or count < 1 or count > 1000 or shards < 1
+    or not POLICIES[default_policy] then
   return redis.error_reply('ERR intake: bad arguments')
 end
 for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {replies, 'stream'},
@@ -129,7 +142,7 @@ end
 -- session when it has one valid session_id field, whatever else is wrong with it: that
 -- session's user gets the dead_lettered event.
 local function inspect(f)
-  local sid, msg_id, text, repeated
+  local sid, msg_id, text, repeated, policy
   local sids, extra, size = 0, 0, 0
   for i = 1, #f, 2 do
     local name, value = f[i], f[i + 1]
@@ -137,9 +150,14 @@ local function inspect(f)
     if name == 'session_id' then
       sids = sids + 1
       sid = value
-    elseif name == 'msg_id' or name == 'text' then
-      if (name == 'msg_id' and msg_id) or (name == 'text' and text) then repeated = name end
-      if name == 'msg_id' then msg_id = value else text = value end
+    elseif name == 'msg_id' or name == 'text' or name == 'multitask' then
+      if (name == 'msg_id' and msg_id) or (name == 'text' and text)
+          or (name == 'multitask' and policy) then
+        repeated = name
+      end
+      if name == 'msg_id' then msg_id = value
+      elseif name == 'text' then text = value
+      else policy = value end
     else
       extra = extra + 1
     end
@@ -162,7 +180,10 @@ local function inspect(f)
   end
   if text == nil then return 'text is missing', sid, msg_id end
   if not string.find(text, '%S') then return 'text is empty', sid, msg_id end
-  return nil, sid, msg_id
+  if policy ~= nil and not POLICIES[policy] then
+    return 'multitask is not one of enqueue, reject, interrupt, coalesce', sid, msg_id
+  end
+  return nil, sid, msg_id, policy or default_policy
 end
 
 -- CRC-32 (zlib's) of a string, as an unsigned number; the table is built on first use.
@@ -199,13 +220,14 @@ end
 
 local function job_row(kind, sid, token, seq, id, fields, h)
   return {sid, token, seq, id, fields, h[1] or '', h[2] or '0', (tonumber(h[3]) or 0),
-          h[4] or '', h[5] or ''}
+          h[4] or '', h[5] or '',
+          ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[7], h[8])}
 end
 
 local replayed = replay_receipt(ready, token_base, sprefix, stream, job_row)
 if replayed then
   -- The same call again: its jobs (their held successors come back through hand-off).
-  return {'0-0', 0, replayed, {}, {0, 0, 0, 0, 0}}
+  return {'0-0', 0, replayed, {}, {0, 0, 0, 0, 0, 0}}
 end
 
 local now = now_ms()
@@ -221,7 +243,7 @@ end
 local acks, dels, jobs, held, receipt = {}, {}, {}, {}, {}
 local sessions, order = {}, {}
 local tokens = 0
-local dups, refused, contended = 0, 0, 0
+local dups, refused, contended, rejected = 0, 0, 0, 0
 
 local function refuse(id, f, problem, sid, msg_id)
   local letter = letter_fields(f)
@@ -276,13 +298,14 @@ local function session(sid)
     local state = session_key(sprefix, sid, 'state')
     -- One read for the common case (the session's next message, lock free): the state
     -- document and attempts come along.
-    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e')
+    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs')
     if h['err'] then
       return nil, 'session state ' .. state .. ': ' .. h['err']
     end
     s = {state = state, lock = session_key(sprefix, sid, 'lock'), a = tonumber(h[1]) or 0,
-         last = tonumber(h[2]) or 0, writes = {}, token = nil, h = h}
-    s.last_read, s.msg_ids = s.last, {}
+         last = tonumber(h[2]) or 0, writes = {}, token = nil, h = h,
+         xc = tonumber(h[8]) or 0, xs = tonumber(h[9]) or 0}
+    s.last_read, s.msg_ids, s.ids = s.last, {}, {}
     sessions[sid] = s
     order[#order + 1] = sid
   end
@@ -296,6 +319,35 @@ local function dedupe_seen(dkey)
     return nil, 'dedupe key ' .. dkey .. ': ' .. seen['err']
   end
   return seen
+end
+
+-- An interrupting or coalescing message (seq) arrived while the session has messages
+-- outstanding. interrupt: all of them end cancelled in their turn (xc), and the running one
+-- (the next to apply, when the lock is held) gets a cancel mark, which its worker watches
+-- for; coalesce: those not running yet end superseded in their turn (xs).
+local function interrupt_or_coalesce(s, sid, seq, policy)
+  if policy == 'coalesce' then
+    s.xs = seq
+    s.writes[#s.writes + 1] = 'xs'
+    s.writes[#s.writes + 1] = seq
+    return
+  end
+  s.xc = seq
+  s.writes[#s.writes + 1] = 'xc'
+  s.writes[#s.writes + 1] = seq
+  local running = s.a + 1
+  if s.job and s.job[3] == running then
+    s.job[11] = 'cancelled'  -- handed out by this very call: it ends without a step
+  elseif rcall('EXISTS', s.lock) == 1 then
+    local mid = s.ids[running]
+    if not mid then
+      local id, f = load_message(stream, rcall('HGET', s.state, 'q' .. running))
+      mid = id and msg_id_of(id, f)
+    end
+    if mid then
+      rcall('SET', cancel_key(sprefix, sid, mid), now, 'EX', dedupe_ttl)
+    end
+  end
 end
 
 -- The inbound stream as the last call left it, against what it is now (see the header).
@@ -338,7 +390,7 @@ end
 for _, e in ipairs(entries) do
   local id, f = e[1], e[2]
   acks[#acks + 1] = id
-  local problem, sid, msg_id = inspect(f)
+  local problem, sid, msg_id, policy = inspect(f)
   local s, dkey, seen
   if not problem then
     problem = shard_problem(sid)  -- before any key of the session is read or written here
@@ -366,8 +418,16 @@ for _, e in ipairs(entries) do
       reply_event(replies, maxlen, sid, msg_id, seq, 'duplicate', reply, now, id)
       dels[#dels + 1] = id
       dups = dups + 1
+    elseif policy == 'reject' and s.last > s.a then
+      -- Another message is in progress: this one ends here, unsequenced (its msg_id free).
+      reply_event(replies, maxlen, sid, msg_id or id, 0, 'rejected', '', now, id)
+      dels[#dels + 1] = id
+      rejected = rejected + 1
     else
       local seq = s.last + 1
+      if s.last > s.a and (policy == 'interrupt' or policy == 'coalesce') then
+        interrupt_or_coalesce(s, sid, seq, policy)
+      end
       s.last = seq
       if dkey then
         rcall('SET', dkey, seq, 'EX', dedupe_ttl)
@@ -375,6 +435,7 @@ for _, e in ipairs(entries) do
       end
       s.writes[#s.writes + 1] = 'q' .. seq
       s.writes[#s.writes + 1] = pack_message(id, f)
+      s.ids[seq] = msg_id or id
       dels[#dels + 1] = id
       if seq == s.a + 1 then
         -- The session had nothing outstanding: it may carry its idle TTL, and it joins the
@@ -390,7 +451,9 @@ for _, e in ipairs(entries) do
           s.writes[#s.writes + 1] = attempts
           rcall('ZADD', ready, now + lock_ttl, sid)
           jobs[#jobs + 1] = {sid, s.token, seq, id, f, h[1] or '', h[2] or '0', attempts,
-                             h[4] or '', h[5] or ''}
+                             h[4] or '', h[5] or '',
+                             ending_of(sprefix, sid, seq, msg_id or id, s.xc, s.xs)}
+          s.job = jobs[#jobs]
           receipt[#receipt + 1] = {'m', sid, s.token, seq, id}
         else
           -- A lock with nothing outstanding: look again when its lease ends.
@@ -439,4 +502,4 @@ else
     if info['name'] == group then last_id = info['last-delivered-id'] end
   end
 end
-return {last_id, #entries, jobs, held, {dups, refused, contended, trimmed, ahead}}
+return {last_id, #entries, jobs, held, {dups, refused, contended, trimmed, ahead, rejected}}

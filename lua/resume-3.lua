@@ -5,7 +5,9 @@
     lock held           look again when its lease ends (the holder renews it while alive)
     nothing outstanding leave the ready set
     next message there  take the lock, count the attempt, return the job with the message
-                        (from the session's keys, where intake put it: custody)
+                        (from the session's keys, where intake put it: custody), and
+                        whether it ends without a step (cancelled or superseded: see
+                        ending_of in _common.lua)
     next message missing  (its q<seq> field deleted by hand or lost; or, for a message
                         sequenced before custody, its entry deleted from the stream) wait
                         DIALOG_GAP_TIMEOUT_S from when the gap was first seen, then take the
@@ -21,7 +23,8 @@
 
   Returns {jobs, ms until the next session is due (-1: none)}
     jobs  {kind ("m" message | "g" gap), session_id, token, seq, entry id, fields,
-           state JSON, version, attempts, first_failed_at, last_error}
+           state JSON, version, attempts, first_failed_at, last_error,
+           ending ('' | 'cancelled' | 'superseded')}
 ]]
 local stream, ready, sprefix = KEYS[1], KEYS[2], KEYS[3]
 local count, lock_ttl, gap_timeout = tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -34,8 +37,10 @@ for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}}) do
 end
 
 local function job_row(kind, sid, token, seq, id, fields, h)
+  local ending = ''
+  if kind == 'm' then ending = ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[7], h[8]) end
   return {kind, sid, token, seq, id, fields, h[1] or '', h[2] or '0', (tonumber(h[3]) or 0),
-          h[4] or '', h[5] or ''}
+          h[4] or '', h[5] or '', ending}
 end
 
 local replayed = replay_receipt(ready, ARGV[2], sprefix, stream, job_row)
@@ -58,7 +63,7 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
   else
     -- pcall: a state key of another type (written by hand) must not fail the call after it
     -- took earlier sessions' locks; that session is looked at again in a minute, alone.
-    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'g')
+    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'g', 'xc', 'xs')
     local applied, last = 0, 0
     if h['err'] then
       rcall('ZADD', ready, now + 60000, sid)
@@ -96,8 +101,12 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
         rcall('HSET', state, 'n', attempts)
         rcall('ZADD', ready, now + lock_ttl, sid)
         kind = kind == 'm' and 'm' or 'g'
+        local ending = ''
+        if kind == 'm' then
+          ending = ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[9], h[10])
+        end
         jobs[#jobs + 1] = {kind, sid, token, seq, id or '', fields or {},
-                           h[3] or '', h[4] or '0', attempts, h[6] or '', h[7] or ''}
+                           h[3] or '', h[4] or '0', attempts, h[6] or '', h[7] or '', ending}
         receipt[#receipt + 1] = {kind, sid, token, seq, id or ''}
       end
     end

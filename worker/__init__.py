@@ -2,14 +2,16 @@
 
 For applications: `DialogClient` (send, ask, replies, ack, state) and `Reply`;
 `SyncDialogClient` (send, ask, state) for code without an event loop. For engines:
-the `Engine` protocol, `TransientError` and `PermanentError`, and `emit` to stream a reply as it
-is written (docs/engine.md).
+the `Engine` protocol, `TransientError` and `PermanentError`, `emit` to stream a reply as it
+is written, and `cancelled()` for a plain step to notice that its message was cancelled
+(docs/engine.md).
 """
 
 # Set before the imports below: dialog_worker.pipeline reads it from here.
 __version__ = "0.1.0"
 
-from dialog_worker.client import DialogClient, SendResult
+from dialog_worker.cancellation import cancelled
+from dialog_worker.client import CancelResult, DialogClient, SendResult
 from dialog_worker.engine import Engine
 from dialog_worker.errors import (
     PermanentError,
@@ -24,6 +26,7 @@ from dialog_worker.streaming import emit
 from dialog_worker.sync_client import SyncDialogClient
 
 __all__ = [
+    "CancelResult",
     "DialogClient",
     "Engine",
     "PermanentError",
@@ -36,5 +39,6 @@ __all__ = [
     "TransientError",
     "UncertainSendError",
     "__version__",
+    "cancelled",
     "emit",
 ]

@@ -162,6 +162,14 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_CLAIM_IDLE_MS})",
     )
 
+    cancel = sub.add_parser(
+        "cancel",
+        help="cancel one message (waiting or running) and print what was found: "
+        "cancelled, finished or pending",
+    )
+    cancel.add_argument("session", type=_session_id, help="session id")
+    cancel.add_argument("msg_id", help="the message's msg_id")
+
     state = sub.add_parser("state", help="print a session's dialog state (or null)")
     state.add_argument("session", type=_session_id, help="session id")
 
@@ -438,6 +446,12 @@ async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
             return
 
 
+async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
+    async with DialogClient(settings=settings) as c:
+        _emit((await c.cancel(args.session, args.msg_id)).as_dict())
+    return EXIT_OK
+
+
 async def _state(settings: Settings, args: argparse.Namespace) -> int:
     async with DialogClient(settings=settings) as c:
         _emit(await c.state(args.session))
@@ -595,6 +609,7 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] =
     "ask": _ask,
     "serve": _serve,
     "replies": _replies,
+    "cancel": _cancel,
     "state": _state,
     "session": _session,
     "stats": _stats,

@@ -34,6 +34,7 @@ from dialog_worker.partials import (
 )
 from dialog_worker.redis_conn import check_topology, connect, prepare
 from dialog_worker.replies import Reply, ReplyRouter, ReplySubscription
+from dialog_worker.scripts import Script, source
 from dialog_worker.streams import StreamReader
 
 # The standard library's logger: an application's own logging setup decides where a client's
@@ -52,6 +53,33 @@ class SendResult:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CancelResult:
+    """What `DialogClient.cancel` found. ``status``:
+
+    - ``cancelled``: the message is waiting or running; it ends ``cancelled`` (one reply event),
+      a running step is stopped.
+    - ``finished``: it had already ended; ``seq`` is its seq and ``outcome`` is
+      ``cancelled`` or ``superseded`` when its history turn says so, else None (applied or
+      dead-lettered: its reply event tells which).
+    - ``pending``: no outstanding message with this msg_id was found (not arrived yet, or
+      sent without a msg_id); the cancel is kept for DIALOG_DEDUPE_TTL_S and ends the
+      message ``cancelled`` if it is outstanding or arrives meanwhile.
+    """
+
+    session_id: str
+    msg_id: str
+    status: str
+    seq: int | None = None
+    outcome: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+MULTITASK_POLICIES = ("enqueue", "reject", "interrupt", "coalesce")
 
 
 class DialogClient:
@@ -95,6 +123,7 @@ class DialogClient:
         # Per inbound stream: whether the workers' consumer group was there at the first send
         # (checked once; see `_check_readers`).
         self._read_by_group: dict[str, bool] = {}
+        self._cancel_script = Script(self.redis, source("cancel"))
 
         self._partial_routers: dict[int, PartialRouter] = {}  # per shard (worker/partials.py)
 
@@ -129,6 +158,7 @@ class DialogClient:
         text: str,
         msg_id: str | None = None,
         meta: Mapping[str, str] | None = None,
+        multitask: str | None = None,
     ) -> SendResult:
         """Enqueue one message: one plain XADD to the session's stream (its shard's in a
         sharded deployment), what any producer in any language does. Raises
@@ -138,8 +168,16 @@ class DialogClient:
 
         Without ``msg_id`` the client generates one before sending. If the connection breaks
         or times out during the append, whether it landed is unknown: ``UncertainSendError``
-        then carries the ``msg_id``; send again with it (applied once either way)."""
+        then carries the ``msg_id``; send again with it (applied once either way).
+
+        ``multitask`` (``enqueue`` | ``reject`` | ``interrupt`` | ``coalesce``) overrides
+        DIALOG_MULTITASK for this message: what it does if its session already has a message
+        in progress (docs/guarantees.md)."""
         check_id("session_id", session_id)
+        if multitask is not None and multitask not in MULTITASK_POLICIES:
+            raise ValidationError(
+                f"multitask must be one of {', '.join(MULTITASK_POLICIES)}, got {multitask!r}"
+            )
         if msg_id is not None:
             check_id("msg_id", msg_id)
         check_text(text, self.settings.max_message_bytes)
@@ -148,11 +186,13 @@ class DialogClient:
             # be retried with the same msg_id, or a retry may apply the message twice.
             msg_id = uuid.uuid4().hex
         fields: dict[str, str] = {"session_id": session_id, "text": text, "msg_id": msg_id}
+        if multitask is not None:
+            fields["multitask"] = multitask
         for name, value in (meta or {}).items():
             if name in RESERVED_FIELDS:
                 raise ValidationError(f"meta field {name!r} is reserved")
             fields[name] = check_meta(name, value)
-        if len(fields) - 3 > MAX_EXTRA_FIELDS:
+        if len(fields) - 3 - (multitask is not None) > MAX_EXTRA_FIELDS:
             raise ValidationError(f"at most {MAX_EXTRA_FIELDS} meta fields are allowed")
         size = sum(len(k.encode()) + len(v.encode()) for k, v in fields.items())
         if size > self.settings.max_message_bytes:
@@ -179,12 +219,14 @@ class DialogClient:
         # A parameter, not a cancel scope around the call: the timeout must not cut a send
         # short, and its error names the msg_id to ask again with.
         timeout: float = 30,  # noqa: ASYNC109
+        multitask: str | None = None,
     ) -> Reply:
         """Send a message and wait for its reply event: whatever the outcome (``applied``,
-        ``dead_lettered`` with the fallback text, or ``duplicate`` when ``msg_id`` was seen
-        before). Raises `ReplyTimeout` after ``timeout`` seconds (send included); the message
-        may still be processed, and asking again with the same ``msg_id`` waits for it (a
-        resend of a seen ``msg_id`` is never applied twice: its event says ``duplicate``).
+        ``dead_lettered`` with the fallback text, ``duplicate`` when ``msg_id`` was seen
+        before, or ``cancelled`` / ``rejected`` / ``superseded``). Raises `ReplyTimeout` after
+        ``timeout`` seconds (send included); the message may still be processed, and asking
+        again with the same ``msg_id`` waits for it (a resend of a seen ``msg_id`` is never
+        applied twice: its event says ``duplicate``). ``multitask`` as for `send`.
 
         Every ask of a client shares one reader per reply stream: waiting costs a dictionary
         entry, not a connection. The waiter is registered before the message is sent, so a
@@ -203,7 +245,7 @@ class DialogClient:
         waiter = router.expect(session_id, msg_id)
         try:
             await router.start()
-            await self.send(session_id, text, msg_id=msg_id)
+            await self.send(session_id, text, msg_id=msg_id, multitask=multitask)
             with anyio.move_on_after(deadline - anyio.current_time()):
                 return await waiter
             raise ReplyTimeout(
@@ -401,6 +443,32 @@ class DialogClient:
                 )
             done += int(await self._reader_client().xack(reply.stream, reply.group, reply.id))
         return done
+
+    async def cancel(self, session_id: str, msg_id: str) -> CancelResult:
+        """Cancel one message, found by its msg_id: durable (kept in Redis, whatever happens
+        to workers and to this client) and idempotent (cancel as often as you like). A waiting
+        message ends ``cancelled`` in its turn without a step; a running one is stopped
+        (an ``async def`` step within 0.2 s, typically 30-50 ms; a plain ``def`` step sees
+        ``dialog_worker.cancelled()`` turn True and its result is discarded); either way one
+        ``cancelled`` reply event, and the session goes on. See `CancelResult`."""
+        check_id("session_id", session_id)
+        check_id("msg_id", msg_id)
+        keys = self.keys_for(session_id)
+        with self._cluster_errors("cancel"):
+            await self._ready()
+            status, seq, outcome = await self._cancel_script(
+                keys=[keys.session_prefix],
+                args=[session_id, msg_id, self.settings.dedupe_ttl_s],
+            )
+        status = status.decode() if isinstance(status, bytes) else str(status)
+        outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        return CancelResult(
+            session_id,
+            msg_id,
+            status,
+            int(seq) if int(seq) > 0 else None,
+            outcome or None,
+        )
 
     async def state(self, session_id: str) -> dict[str, Any] | None:
         check_id("session_id", session_id)

@@ -23,7 +23,17 @@ MAX_ID_BYTES = 256
 MAX_EXTRA_FIELDS = 32
 # Names the worker gives meaning to: a producer-written value is ignored (not passed on).
 RESERVED_FIELDS = frozenset(
-    {"session_id", "text", "msg_id", "seq", "requeues", "attempts", "enqueued_at", "entry_id"}
+    {
+        "session_id",
+        "text",
+        "msg_id",
+        "multitask",
+        "seq",
+        "requeues",
+        "attempts",
+        "enqueued_at",
+        "entry_id",
+    }
 )
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 

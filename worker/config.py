@@ -70,6 +70,8 @@ class Settings:
     log_format: str = "json"
     shutdown_grace_s: float = 25.0
     redis_mode: str = "standalone"
+    # What a message does when its session already has one in progress (lua/intake-5.lua).
+    multitask: str = "enqueue"
     shards: int = 1
     read_block_ms: int = 1000
     promote_interval_ms: int = 100
@@ -294,6 +296,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "log_format": _choice("json", "console"),
     "shutdown_grace_s": _float(0.0),
     "redis_mode": _choice("standalone", "cluster"),
+    "multitask": _choice("enqueue", "reject", "interrupt", "coalesce"),
     "shards": _int(1, 16384),
     # Below redis-py's 5 s socket timeout, or a blocked read times out (redis-py #2807).
     "read_block_ms": _int(1, 3999),

@@ -245,6 +245,9 @@ class Worker:
                 for committer in self.committers.values():
                     side.start_soon(committer.run)
                 side.start_soon(self._loop, "heartbeat", self._heartbeat_once)
+                side.start_soon(
+                    self._loop, "cancel-watch", partial(self.pipeline.watch_cancels, self.raw)
+                )
                 side.start_soon(self._watch_loop_lag)
                 side.start_soon(self._loop, "sampler", self._sample_once)
                 side.start_soon(self._loop, "redis-check", self.guard.check_once)
@@ -449,6 +452,7 @@ class Worker:
                         s.fallback_reply,
                         k.shard,
                         len(self.shards),
+                        s.multitask,
                     ],
                 ),
             )
@@ -486,7 +490,9 @@ class Worker:
         """One task per session whose lock the intake took; its held entries go with it.
         Synchronous: nothing may come between a script's reply and the start of its jobs."""
         _, _, rows, held_rows, counts = reply
-        dups, refused, contended, trimmed, ahead = (int(c) for c in counts)
+        dups, refused, contended, trimmed, ahead, rejected = (int(c) for c in counts)
+        if rejected:
+            self.metrics.messages.labels("rejected").inc(rejected)
         if trimmed:
             self.metrics.inbound_trimmed.inc(trimmed)
             log.error("inbound_trimmed", count=trimmed, stream=shard.keys.stream)

@@ -21,8 +21,10 @@ Per session: ``state`` (hash: ``d`` state JSON, ``v`` version, ``a`` applied seq
 assigned seq, ``q<seq>`` each sequenced, unapplied message itself: its entry id and fields,
 moved there from the stream at intake (codec.unpack_custody reads it), ``n``/``f``/``e``
 attempts of the next message, ``g`` when a gap was first seen), ``lock`` (holder token, PX
-lease), ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id) and
-``partial:<msg_id>`` (a streamed reply's partial text, worker/streaming.py).
+lease), ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id),
+``partial:<msg_id>`` (a streamed reply's partial text, worker/streaming.py) and
+``cancel:<msg_id>`` (a cancel mark, kept DIALOG_DEDUPE_TTL_S). The state hash also holds
+``xc``/``xs``: messages below that seq end cancelled / superseded in their turn.
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ class SessionKeys:
     state: str
     lock: str
     dedupe_prefix: str
+
+    def cancel_mark(self, msg_id: str) -> str:
+        """A message's cancel mark (lua/cancel-1.lua; cancel_key in lua/_common.lua)."""
+        return self.state.removesuffix(":state") + ":cancel:" + msg_id
 
     def dedupe(self, msg_id: str) -> str:
         return self.dedupe_prefix + msg_id

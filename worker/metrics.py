@@ -166,7 +166,14 @@ class Metrics:
             "changed (failover, or a restart that lost the end of its AOF)",
             registry=r,
         )
-        for outcome in ("applied", "duplicate", "dead_lettered"):
+        for outcome in (
+            "applied",
+            "duplicate",
+            "dead_lettered",
+            "cancelled",
+            "rejected",
+            "superseded",
+        ):
             self.messages.labels(outcome)
         for reason in ("contended", "out_of_order", "error"):
             self.retries.labels(reason)

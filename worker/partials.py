@@ -167,9 +167,10 @@ class Tracker:
         return self.after is not None and self.after == self.end_cursor()
 
 
-def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> str | None:
-    """The bot's reply to ``msg_id`` in a stored state document, or None when the turn is not
-    kept (any more). Nothing read from Redis is trusted to be well-formed."""
+def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> tuple[str, str] | None:
+    """(outcome, the bot's reply) of ``msg_id``'s turn in a stored state document, or None when
+    the turn is not kept (any more). A turn marked ``cancelled`` or ``superseded`` ended so;
+    any other turn was applied. Nothing read from Redis is trusted to be well-formed."""
     if not doc:
         return None
     try:
@@ -186,7 +187,8 @@ def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> str |
             and (seq is None or turn.get("seq") == seq)
             and isinstance(turn.get("bot"), str)
         ):
-            return str(turn["bot"])
+            ended = next((o for o in ("cancelled", "superseded") if turn.get(o) is True), "applied")
+            return ended, str(turn["bot"])
     return None
 
 
@@ -453,12 +455,10 @@ async def _finished(
             # No seq known (an answer that emitted nothing, sent without an explicit msg_id):
             # the history alone can tell.
             doc = cast(bytes | None, await redis.hget(keys.state, "d"))
-            text = reply_from_history(doc, msg_id, None)
-            return None if text is None else ("applied", text)
+            return reply_from_history(doc, msg_id, None)
     applied, last, doc = cast(list[bytes | None], await redis.hmget(keys.state, ["a", "s", "d"]))
     applied_seq = int(applied) if applied is not None and applied.isdigit() else 0
     if applied_seq < seq and last is not None:
         return None  # the session has it outstanding
-    text = reply_from_history(doc, msg_id, seq)
     # A state that expired, or a turn no longer kept: finished, its text is gone.
-    return ("applied", text) if text is not None else ("expired", "")
+    return reply_from_history(doc, msg_id, seq) or ("expired", "")

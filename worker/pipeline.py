@@ -8,7 +8,10 @@
 A session is worked by one task at a time: the one that holds its lock. Failures branch off:
 content the engine cannot take is dead-lettered in its turn (malformed); an engine error is
 retried with backoff (the session is released and comes back through the ready set) until the
-attempt limit, then dead-lettered in order; a lost lease gives the result up. Everything that
+attempt limit, then dead-lettered in order; a lost lease gives the result up. A cancelled or
+superseded message ends in its turn without a step (the scripts say so when they hand it out);
+a running step whose message is cancelled is stopped (`watch_cancels`), or its commit is
+refused by the script and the message ends cancelled instead. Everything that
 may run twice after a crash (step, commit) is safe to run twice: the commit is fenced by the
 lock token and the state version.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
@@ -24,8 +28,9 @@ from typing import Any
 import anyio
 import redis.exceptions
 import structlog
+from redis.asyncio import Redis
 
-from dialog_worker import __version__
+from dialog_worker import __version__, cancellation
 from dialog_worker.codec import (
     MalformedEntry,
     Message,
@@ -79,12 +84,17 @@ class Job:
     held: dict[str, dict[bytes, bytes]] = dataclasses.field(default_factory=dict)
     renewed_at: float = dataclasses.field(default_factory=time.monotonic)
     lost: bool = False
-    scope: anyio.CancelScope | None = None
+    scope: anyio.CancelScope | None = None  # while the step runs
+    # '' (run the step), 'cancelled' or 'superseded': the scripts found it ends without one.
+    ending: str = ""
+    msg_id: str = ""  # once decoded
+    # Set when the message is cancelled while its step runs (dialog_worker.cancelled()).
+    cancel_flag: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @classmethod
     def from_script(cls, keys: Keys, row: Sequence[Any], gap: bool = False) -> Job:
         """A job row of intake-5.lua or resume-3.lua (without resume's leading kind)."""
-        sid, token, seq, entry_id, flat, doc, version, attempts, first, error = row
+        sid, token, seq, entry_id, flat, doc, version, attempts, first, error, ending = row
         return cls(
             keys=keys,
             session_id=sid.decode("utf-8"),
@@ -98,6 +108,7 @@ class Job:
             first_failed_at=text(first),
             last_error=text(error),
             gap=gap,
+            ending=text(ending),
         )
 
     def load_state(self) -> dict[str, Any]:
@@ -225,6 +236,8 @@ class Pipeline:
             if self.stopping:
                 await self.hand_back(job)
                 return None
+            if job.ending:
+                return await self._end(job, job.ending)
             if job.gap:
                 return await self._deadletter(
                     job,
@@ -240,6 +253,7 @@ class Pipeline:
             except MalformedEntry as exc:
                 return await self._deadletter(job, None, "malformed", exc.reason)
             structlog.contextvars.bind_contextvars(msg_id=msg.msg_id)
+            job.msg_id = msg.msg_id
             if job.attempts > settings.max_attempts:
                 error = job.last_error or (
                     f"delivered {job.attempts - 1} times without finishing "
@@ -258,11 +272,17 @@ class Pipeline:
             except PermanentError as exc:
                 log.warning("step_refused", error=_describe(exc), exc_info=exc)
                 return await self._deadletter(job, msg, "permanent", describe_failure(exc))
+            except StepCancelled:
+                log.info("step_cancelled")
+                return await self._end(job, "cancelled", msg)
             except LeaseLost:
                 self.metrics.fencing_rejections.inc()
                 log.warning("lease_lost", outcome="abandoned")
                 return None
             except Exception as exc:
+                if job.cancel_flag.is_set() and not job.lost:
+                    log.info("step_cancelled", error=_describe(exc))
+                    return await self._end(job, "cancelled", msg)
                 if job.lost:
                     self.metrics.fencing_rejections.inc()
                     log.warning("lease_lost", outcome="abandoned")
@@ -282,26 +302,53 @@ class Pipeline:
                 del self.leases[job.token]
 
     async def _step(self, job: Job, msg: Message) -> tuple[dict[str, Any], str]:
-        with anyio.CancelScope() as scope:
-            job.scope = scope
-            # fail_after raises TimeoutError as it exits, so it is caught out here; the
-            # engine's own TimeoutError (its scope did not expire) stays what it was.
-            try:
-                with anyio.fail_after(self.settings.step_timeout_s) as deadline:
-                    return await run_step(
-                        self.engine,
-                        job.load_state(),
-                        msg.as_engine_input(),
-                        limiter=self.step_limiter,
-                    )
-            except TimeoutError:
-                if not deadline.cancelled_caught:
-                    raise
-                raise StepTimeout(
-                    f"step did not finish within {self.settings.step_timeout_s:g} s"
-                ) from None
-        # Only a lost lease cancels this scope (the heartbeat does it).
+        flag = cancellation.bind(job.cancel_flag)
+        try:
+            with anyio.CancelScope() as scope:
+                job.scope = scope
+                # fail_after raises TimeoutError as it exits, so it is caught out here; the
+                # engine's own TimeoutError (its scope did not expire) stays what it was.
+                try:
+                    with anyio.fail_after(self.settings.step_timeout_s) as deadline:
+                        return await run_step(
+                            self.engine,
+                            job.load_state(),
+                            msg.as_engine_input(),
+                            limiter=self.step_limiter,
+                        )
+                except TimeoutError:
+                    if not deadline.cancelled_caught:
+                        raise
+                    raise StepTimeout(
+                        f"step did not finish within {self.settings.step_timeout_s:g} s"
+                    ) from None
+        finally:
+            job.scope = None
+            cancellation.unbind(flag)
+        # Only a lost lease (the heartbeat) or a cancel (watch_cancels) cancels this scope.
+        if job.cancel_flag.is_set() and not job.lost:
+            raise StepCancelled()
         raise LeaseLost()
+
+    async def watch_cancels(self, redis: Redis) -> float:
+        """One look at the cancel marks of the steps running here (one MGET per shard, only
+        while steps run): a marked one is stopped, and its message ends cancelled. Called every
+        `cancellation.WATCH_INTERVAL_S`, the bound on how late a running step learns of its
+        cancel (the commit script checks the mark too, so a missed look costs time, never
+        an outcome)."""
+        by_shard: dict[int, list[Job]] = {}
+        for job in list(self.leases.values()):
+            if job.scope is not None and job.msg_id and not job.cancel_flag.is_set():
+                by_shard.setdefault(job.keys.shard, []).append(job)
+        for jobs in by_shard.values():
+            marks = await redis.mget(
+                [j.keys.session(j.session_id).cancel_mark(j.msg_id) for j in jobs]
+            )
+            for job, mark in zip(jobs, marks, strict=True):
+                if mark is not None and job.scope is not None:
+                    job.cancel_flag.set()
+                    job.scope.cancel()
+        return cancellation.WATCH_INTERVAL_S
 
     # ------------------------------------------------------------------------------------
     # commit
@@ -314,6 +361,7 @@ class Pipeline:
         reply: str,
         started: float,
         dead_letter: dict[str, str] | None = None,
+        ending: str = "",
     ) -> Job | None:
         settings = self.settings
         held = job.held
@@ -330,6 +378,8 @@ class Pipeline:
             "user": _clip(msg.text if msg is not None else ""),
             "bot": reply,
         }
+        if ending:
+            turn[ending] = True  # "cancelled": true / "superseded": true
         old = job.load_state()
         history = [*old.get("history", []), turn][-settings.history_limit :]
         if not settings.history_limit:
@@ -345,12 +395,12 @@ class Pipeline:
             doc = json_bytes(new_state)
             reply_bytes = redis_text(reply).encode("utf-8")
         except (TypeError, ValueError) as exc:
-            if dead_letter is not None:
+            if dead_letter is not None or ending:
                 raise
             return await self._deadletter(
                 job, msg, "permanent", f"engine state is not JSON text: {exc}"
             )
-        if dead_letter is None and len(doc) > settings.max_state_bytes:
+        if dead_letter is None and not ending and len(doc) > settings.max_state_bytes:
             return await self._deadletter(
                 job,
                 msg,
@@ -360,6 +410,7 @@ class Pipeline:
             )
         # The next entry of the session, if this read gave it to us already.
         known_next = next(iter(held), "") if held else ""
+        outcome = ending or ("dead_lettered" if dead_letter is not None else "applied")
         args = [
             job.token,
             job.session_id,
@@ -368,7 +419,7 @@ class Pipeline:
             doc,
             redis_text(msg_id),
             reply_bytes,
-            "applied" if dead_letter is None else "dead_lettered",
+            outcome,
             job.entry_id,
             json_bytes(_flat(dead_letter)) if dead_letter is not None else "",
             known_next,
@@ -391,8 +442,11 @@ class Pipeline:
             self.metrics.fencing_rejections.inc()
             log.warning("commit_fenced", outcome="fenced", reason=code.name.lower())
             return None
+        if code is Code.CANCELLED:
+            # Cancelled while it ran (the cancel reached Redis before this commit): nothing
+            # was written; it ends cancelled instead, so it has exactly one outcome.
+            return await self._end(job, "cancelled", msg)
         ledger.committed(job.keys.session(job.session_id).state, job.version + 1)
-        outcome = "dead_lettered" if dead_letter is not None else "applied"
         self.metrics.messages.labels(outcome).inc()
         self.metrics.processing.observe(time.perf_counter() - started)
         if msg is not None and msg.enqueued_at_ms:
@@ -406,11 +460,12 @@ class Pipeline:
         if code is not Code.HANDOFF:
             return None
         self.metrics.handoffs.inc()
-        version, next_seq, next_id, flat = (
+        version, next_seq, next_id, flat, next_ending = (
             int(result[1]),
             int(result[2]),
             text(result[3]),
             result[4],
+            text(result[5]),
         )
         fields = held.pop(next_id, None)
         if fields is None:
@@ -429,6 +484,7 @@ class Pipeline:
             last_error="",
             state=new_state,
             held=held,
+            ending=next_ending,
         )
 
     # ------------------------------------------------------------------------------------
@@ -504,9 +560,30 @@ class Pipeline:
             dead_letter=letter,
         )
 
+    async def _end(self, job: Job, outcome: str, msg: Message | None = None) -> Job | None:
+        """End a message without applying it (``cancelled``, ``superseded``), in its turn: the
+        state is left as it was, the history gains the turn marked so (its bot text empty:
+        what a stopped step had streamed is not kept here), one reply event; the commit
+        frees its msg_id, so a re-send is applied."""
+        if msg is None:
+            try:
+                msg = decode_message(
+                    job.session_id, job.seq, job.entry_id, job.attempts, job.fields
+                )
+            except MalformedEntry:
+                msg = None  # ended all the same: the turn keeps what can be read
+        log.info("message_ended", outcome=outcome)
+        state = job.load_state()
+        kept = {k: v for k, v in state.items() if k != "history"}
+        return await self._commit(job, msg, kept, "", time.perf_counter(), ending=outcome)
+
 
 class LeaseLost(Exception):
     """The heartbeat found the lock taken over while the step ran."""
+
+
+class StepCancelled(Exception):
+    """The step's message was cancelled while it ran: it ends cancelled."""
 
 
 class StepTimeout(Exception):

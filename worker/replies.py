@@ -36,7 +36,7 @@ from dialog_worker.errors import ReplyStreamError
 
 log = structlog.get_logger("dialog_worker.replies")
 
-OUTCOMES = ("applied", "dead_lettered", "duplicate")
+OUTCOMES = ("applied", "dead_lettered", "duplicate", "cancelled", "rejected", "superseded")
 
 # Failures that a later read may not see again: wait and retry instead of failing waiters.
 # RedisClusterException covers "no node answers" during a cluster failover.

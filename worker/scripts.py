@@ -23,6 +23,7 @@ class Code(enum.IntEnum):
     FENCED_TOKEN = -1
     FENCED_VERSION = -2
     INVALID = -3  # commit-5.lua: this commit's arguments cannot be written (the others are)
+    CANCELLED = -4  # commit-5.lua: the message was cancelled meanwhile; commit it as cancelled
 
 
 def lua_dir() -> Path:
@@ -94,6 +95,7 @@ class Scripts:
     release: Script
     renew: Script
     delconsumer: Script
+    cancel: Script
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

@@ -16,9 +16,16 @@ the clock would: its lock key is gone (the lease ended) and its ready-set score 
 go with it (a dedupe window no longer than the state TTL, as with the defaults: none is
 younger than the state's idle TTL) or stay (a longer window).
 
+Cancel and double-texting: a cancel (lua/cancel-1.lua) of any msg_id of a session, known or
+not, at any moment; appends carry a multitask field now and then (enqueue, reject, interrupt,
+coalesce). The model predicts the cancel's answer, which messages end cancelled / superseded
+without a step (intake, resume, hand-off), a commit refused because its message was cancelled
+meanwhile (the worker then commits it cancelled), the rejected ones, and the cancel marks.
+
 Checked after every step (the model predicts each script's answer and effects first):
 - every reply event and dead letter is one the model expected from that call: an entry ends
-  at most once, with the outcome and seq it must have (applied / dead_lettered / duplicate);
+  at most once, with the outcome and seq it must have (applied / dead_lettered / duplicate /
+  cancelled / rejected / superseded);
 - per session, seqs are given in stream order without gaps, and a job is always the session's
   next message, with the state (version, document) the previous commit wrote;
 - a commit (or release) by a token that does not hold the lock is fenced and changes nothing;
@@ -117,7 +124,8 @@ class Entry:
     deleted: bool = False  # sequenced, then its q<seq> field deleted by hand (a gap)
     trimmed: bool = False  # removed from the stream unread by a producer command
     anonymous: bool = False  # ended as a gap: its event and letter name no entry
-    ended: str = ""  # applied | dead_lettered | duplicate
+    ended: str = ""  # applied | dead_lettered | duplicate | cancelled | rejected | superseded
+    multitask: str | None = None  # its multitask field
 
     def __repr__(self) -> str:
         return f"{self.label}({self.sid}#{self.seq})" if self.seq else self.label
@@ -146,6 +154,8 @@ class Session:
     lock: str | None = None
     ready: str | None = None  # None (not a member) | "due" | "later"
     age: int | None = None  # its score in the ages: when its next message was appended
+    xc: int = 0  # messages below this seq end cancelled (an interrupting message)
+    xs: int = 0  # messages below this seq, not running yet, end superseded (coalesce)
 
     @property
     def outstanding(self) -> bool:
@@ -167,6 +177,7 @@ class Job:
     gap: bool = False
     held: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
     commit: list[Any] | None = None  # the commit's 11 arguments once stepped
+    ending: str = ""  # cancelled | superseded: ends without a step
 
     def __repr__(self) -> str:
         return f"{self.sid}#{self.seq}@{self.token}"
@@ -253,6 +264,13 @@ class Scripts:
         self.commit = r.register_script(source("commit"))
         self.release = r.register_script(source("release"))
         self.renew = r.register_script(source("renew"))
+        self.cancel = r.register_script(source("cancel"))
+
+    def call_cancel(self, sid: str, msg_id: str) -> tuple[str, int, str]:
+        status, seq, outcome = self.cancel(
+            keys=[self.k.session_prefix], args=[sid, msg_id, DEDUPE_TTL_S]
+        )
+        return s(status), int(seq), s(outcome)
 
     def call_intake(self, consumer: str, count: int, token_base: str) -> list[Any]:
         k = self.k
@@ -303,6 +321,12 @@ class Append(NamedTuple):
     session: str
     msg_id: int | None  # explicit msg_id m<n>, or none (the entry id)
     poison: bool  # the engine fails on it every time
+    policy: str | None  # its multitask field, if any
+
+
+class Cancel(NamedTuple):
+    session: str
+    i: int  # which msg_id of the session's entries (or one never sent)
 
 
 class AppendBurst(NamedTuple):
@@ -379,7 +403,17 @@ rarely = st.sampled_from([False] * 5 + [True])  # shrinks to False
 # commit all enabled, and the rest never finished a message before the drain. (Swarm testing
 # still switches `act` or `nothing_happens` off in some examples.)
 ACTIONS: list[tuple[int, st.SearchStrategy[Any]]] = [
-    (4, st.builds(Append, sessions, st.one_of(st.none(), st.integers(1, 6)), rarely)),
+    (
+        4,
+        st.builds(
+            Append,
+            sessions,
+            st.one_of(st.none(), st.integers(1, 6)),
+            rarely,
+            st.sampled_from([None, None, None, "enqueue", "reject", "interrupt", "coalesce"]),
+        ),
+    ),
+    (2, st.builds(Cancel, sessions, pick)),
     (1, st.builds(AppendBurst, sessions, st.integers(2, 4))),
     (1, st.builds(AppendAgain, pick)),
     (1, st.builds(AppendMalformed, st.sampled_from(sorted(MALFORMED)), sessions)),
@@ -430,6 +464,7 @@ class DialogScripts(RuleBasedStateMachine):
         self.replies_seen = "-"
         self.letters_seen = "-"
         self.changed = False  # since the last check
+        self.marks: set[tuple[str, str]] = set()  # (session, msg_id) cancel marks
 
     @rule(a=action)
     def act(self, a: Any) -> None:
@@ -453,19 +488,24 @@ class DialogScripts(RuleBasedStateMachine):
         self.by_id[entry_id] = e
         return e
 
-    def append(self, session: str, msg_id: int | None, poison: bool) -> None:
-        self._append_message(session, None if msg_id is None else f"m{msg_id}", poison)
+    def append(self, session: str, msg_id: int | None, poison: bool, policy: str | None) -> None:
+        self._append_message(session, None if msg_id is None else f"m{msg_id}", poison, policy)
 
     def append_burst(self, session: str, n: int) -> None:
         for _ in range(n):
             self._append_message(session, None, poison=False)
 
-    def _append_message(self, session: str, msg_id: str | None, poison: bool) -> None:
+    def _append_message(
+        self, session: str, msg_id: str | None, poison: bool, policy: str | None = None
+    ) -> None:
         pairs = _fields(("session_id", session), ("text", "boom" if poison else "hi"))
         if msg_id is not None:
             pairs += _fields(("msg_id", msg_id))
-        e = self._append(pairs, sid=session, msg_id=msg_id, poison=poison)
-        note(f"{e.label} = append {session} msg_id={msg_id} {'boom' if poison else ''}")
+        if policy is not None:
+            pairs += _fields(("multitask", policy))
+        e = self._append(pairs, sid=session, msg_id=msg_id, poison=poison, multitask=policy)
+        note(f"{e.label} = append {session} msg_id={msg_id} {'boom' if poison else ''}"
+             f"{f' multitask={policy}' if policy else ''}")  # fmt: skip
 
     def append_again(self, i: int) -> None:
         """A producer retrying a send: the same fields again, explicit msg_id included."""
@@ -473,7 +513,9 @@ class DialogScripts(RuleBasedStateMachine):
         if not originals:
             return
         o = originals[i % len(originals)]
-        e = self._append(list(o.fields), sid=o.sid, msg_id=o.msg_id, poison=o.poison)
+        e = self._append(
+            list(o.fields), sid=o.sid, msg_id=o.msg_id, poison=o.poison, multitask=o.multitask
+        )
         note(f"{e.label} = append again {o.label} ({o.sid} msg_id={o.msg_id})")
 
     def append_malformed(self, shape: str, session: str) -> None:
@@ -501,7 +543,7 @@ class DialogScripts(RuleBasedStateMachine):
             if jobs:
                 for job in jobs:
                     job.held = {}
-                self._check_intake(again, ("0-0", 0, jobs, [], [0, 0, 0, 0, 0]))
+                self._check_intake(again, ("0-0", 0, jobs, [], [0, 0, 0, 0, 0, 0]))
             else:
                 more = self._predict_intake(w, count, base)
                 self._check_intake(again, more)
@@ -522,7 +564,7 @@ class DialogScripts(RuleBasedStateMachine):
         jobs: list[Job] = []
         held: list[tuple[Job, Entry]] = []
         taken: dict[str, Job] = {}
-        dups = refused = contended = 0
+        dups = refused = contended = rejected = 0
         for e in todo:
             e.delivered = True
             if e.refusal:
@@ -555,10 +597,26 @@ class DialogScripts(RuleBasedStateMachine):
                     self._end(e, "duplicate")
                     self.expect_events.append((e.id, e.sid, "duplicate", orig, e.msg_id, reply))
                 continue
+            busy = ss.last > ss.applied
+            if e.multitask == "reject" and busy:
+                e.kind = "rejected"
+                rejected += 1
+                self._end(e, "rejected")
+                self.expect_events.append((e.id, e.sid, "rejected", 0, e.msg_id or e.id, ""))
+                continue
             e.kind = "sequenced"
             ss.last += 1
             e.seq = ss.last
             ss.by_seq[e.seq] = e
+            if busy and e.multitask == "coalesce":
+                ss.xs = e.seq
+            elif busy and e.multitask == "interrupt":
+                ss.xc = e.seq
+                running = ss.by_seq[ss.applied + 1]
+                if e.sid in taken:
+                    taken[e.sid].ending = "cancelled"  # handed out by this call: unstepped
+                elif ss.lock is not None and not running.deleted:
+                    self.marks.add((e.sid, self._msg_id_of(running)))
             if e.msg_id:
                 ss.dedupe[e.msg_id] = (e.seq, ss.life)
             if e.seq == ss.applied + 1:
@@ -568,6 +626,7 @@ class DialogScripts(RuleBasedStateMachine):
                     ss.attempts += 1
                     ss.ready = "later"
                     job = self._job(ss, ss.lock, e)
+                    job.ending = self._ending(ss, e.seq, self._msg_id_of(e))
                     taken[e.sid] = job
                     jobs.append(job)
                 else:
@@ -586,7 +645,7 @@ class DialogScripts(RuleBasedStateMachine):
             len(todo),
             jobs,
             held,
-            [dups, refused, contended, trimmed, int(ahead)],
+            [dups, refused, contended, trimmed, int(ahead), rejected],
         )
 
     def _check_intake(self, reply: list[Any], expected: tuple[Any, ...]) -> None:
@@ -605,6 +664,7 @@ class DialogScripts(RuleBasedStateMachine):
         assert got == want, f"intake jobs {got} != model {want}"
         for row, job in zip(rows, jobs, strict=True):
             self._check_row(job, row[4], row[5], row[6], row[7], row[9])
+            assert s(row[10]) == job.ending, f"{job}: ending {row[10]!r} != {job.ending!r}"
         got_held = [(s(h[0]), int(h[1]), s(h[2])) for h in held_rows]
         want_held = [(e.sid, e.seq, e.id) for _, e in held]
         assert got_held == want_held, f"intake held {got_held} != model {want_held}"
@@ -702,6 +762,9 @@ class DialogScripts(RuleBasedStateMachine):
                 job.entry_id,
             ), f"resume of {ss.sid}: row {row[:5]} != model {job} (gap={gap})"
             self._check_row(job, row[5], row[6], row[7], row[8], row[10])
+            if not gap:
+                job.ending = self._ending(ss, e.seq, self._msg_id_of(e))
+            assert s(row[11]) == job.ending, f"{job}: ending {row[11]!r} != {job.ending!r}"
             jobs.append(job)
         assert not by_sid, f"resume took sessions that were not due: {sorted(by_sid)}"
         members = [ss for ss in self.sessions.values() if ss.ready]
@@ -723,7 +786,9 @@ class DialogScripts(RuleBasedStateMachine):
 
     def _step(self, w: SimWorker, job: Job, backoff: bool) -> None:
         """The pipeline's decisions for one job; the engine appends a history turn."""
-        if job.gap:
+        if job.ending:
+            self._stepped(w, job, job.ending, "")
+        elif job.gap:
             self._stepped(w, job, "dead_lettered", "gap")
         elif job.attempts > MAX_ATTEMPTS:
             self._stepped(w, job, "dead_lettered", "exhausted")
@@ -740,6 +805,9 @@ class DialogScripts(RuleBasedStateMachine):
         reply = f"reply to {job.entry_id}" if outcome == "applied" else FALLBACK
         old = json.loads(job.doc) if job.doc else {"history": []}
         turn = {"seq": job.seq, "msg_id": s(msg_id), "entry_id": job.entry_id, "bot": reply}
+        if outcome in ("cancelled", "superseded"):
+            reply = turn["bot"] = ""
+            turn[outcome] = True
         doc = json.dumps({"history": [*old["history"], turn]})
         letter = ""
         if outcome == "dead_lettered":
@@ -808,19 +876,24 @@ class DialogScripts(RuleBasedStateMachine):
                 f"commit of {job}: {Code(code).name}, the model expected {Code(want[0]).name} "
                 f"(lock {self.sessions[job.sid].lock!r} before the call)"
             )
+            if code == Code.CANCELLED:
+                # Cancelled while it ran: the worker commits it as cancelled instead.
+                job.commit, job.ending = None, "cancelled"
+                w.jobs.append(job)
+                continue
             if code < 0:
                 continue
             assert int(got[1]) == want[1], f"commit of {job}: version {got[1]} != {want[1]}"
             if code == Code.HANDOFF:
-                _, version, next_seq, next_id, next_fields = want
-                assert (int(got[2]), s(got[3]), list(got[4])) == (
-                    next_seq, next_id, next_fields
+                _, version, next_seq, next_id, next_fields, ending = want
+                assert (int(got[2]), s(got[3]), list(got[4]), s(got[5])) == (
+                    next_seq, next_id, next_fields, ending
                 ), f"hand-off after {job}: {got[2:]} != {want[2:]}"  # fmt: skip
                 assert job.commit is not None
                 fields = job.held.pop(next_id, None) or list(got[4])
                 doc = job.commit[4].encode()
                 w.jobs.append(Job(job.sid, job.token, next_seq, next_id, fields, doc, version,
-                                  attempts=1, held=job.held))  # fmt: skip
+                                  attempts=1, held=job.held, ending=ending))  # fmt: skip
         for sid, keys in before.items():
             if all(int(r[0]) < 0 for j, r in zip(batch, results, strict=True) if j.sid == sid):
                 assert self._session_keys(sid) == keys, f"a fenced commit changed {sid}"
@@ -841,6 +914,18 @@ class DialogScripts(RuleBasedStateMachine):
         e = ss.by_seq[job.seq]
         assert job.entry_id in (e.id, ""), f"{job} commits {job.entry_id}, seq {job.seq} is {e}"
         _, _, _, _, doc, msg_id, reply, outcome, _, letter, _ = job.commit
+        if (
+            outcome in ("applied", "dead_lettered")
+            and not e.deleted
+            and msg_id
+            and (ss.xc > job.seq or (ss.sid, s(msg_id)) in self.marks)
+        ):
+            return (Code.CANCELLED,)  # nothing written
+        if msg_id and (outcome in ("cancelled", "superseded") or (e.deleted and letter)):
+            # Ended without being applied: its msg_id is free (and its cancel mark gone).
+            if ss.dedupe.get(s(msg_id)) == (job.seq, ss.life):
+                del ss.dedupe[s(msg_id)]
+            self.marks.discard((ss.sid, s(msg_id)))
         self._end(e, outcome)
         e.anonymous = not job.entry_id
         self.expect_events.append((job.entry_id, ss.sid, outcome, e.seq, s(msg_id), reply))
@@ -864,13 +949,59 @@ class DialogScripts(RuleBasedStateMachine):
         ss.ready = "due" if ss.outstanding else None
         if not ss.outstanding:
             ss.age = None  # (with the next one missing, it keeps this one's age)
+            ss.xc = ss.xs = 0
         return (Code.COMMITTED, ss.version)
 
     def _handoff_answer(self, ss: Session, job: Job, nxt: Entry) -> tuple[Any, ...]:
         assert job.commit is not None
         known = job.commit[10] == nxt.id
         fields = [] if known else flat(nxt.fields)
-        return (Code.HANDOFF, ss.version, nxt.seq, nxt.id, fields)
+        ending = self._ending(ss, nxt.seq, self._msg_id_of(nxt))
+        return (Code.HANDOFF, ss.version, nxt.seq, nxt.id, fields, ending)
+
+    # -------------------------------------------------------------------------------------
+    # cancel
+
+    @staticmethod
+    def _msg_id_of(e: Entry) -> str:
+        return e.msg_id or e.id
+
+    def _ending(self, ss: Session, seq: int, msg_id: str) -> str:
+        """How a message handed out now ends without a step ('' : it is stepped)."""
+        if ss.xc > seq or (ss.sid, msg_id) in self.marks:
+            return "cancelled"
+        return "superseded" if ss.xs > seq else ""
+
+    def cancel(self, session: str, i: int) -> None:
+        """DialogClient.cancel of one of the session's msg_ids (explicit or entry ids), or
+        of one never sent."""
+        ss = self.sessions[session]
+        known = sorted({self._msg_id_of(e) for e in self.entries if e.sid == session})
+        choices = [*known, "m9"]
+        msg_id = choices[i % len(choices)]
+        want = self._predict_cancel(ss, msg_id)
+        got = self.sc.call_cancel(session, msg_id)
+        note(f"cancel {session} {msg_id} -> {got}")
+        assert got == want, f"cancel {session} {msg_id}: {got} != model {want}"
+
+    def _predict_cancel(self, ss: Session, msg_id: str) -> tuple[str, int, str]:
+        seen = ss.dedupe.get(msg_id)
+        seq = seen[0] if seen else None
+        if seq is not None and seq > ss.applied:
+            e = ss.by_seq.get(seq) if seq <= ss.last else None
+            if e is not None and not e.deleted and self._msg_id_of(e) == msg_id:
+                self.marks.add((ss.sid, msg_id))
+                return ("cancelled", seq, "")
+        if (ss.sid, msg_id) in self.marks:
+            return ("pending", 0, "")
+        for turn in reversed(ss.history if ss.version else []):
+            if turn["msg_id"] == msg_id:
+                flags = [o for o in ("cancelled", "superseded") if turn.get(o)]
+                return ("finished", turn["seq"], flags[0] if flags else "")
+        if seq is not None and seq <= ss.applied:
+            return ("finished", seq, "")
+        self.marks.add((ss.sid, msg_id))
+        return ("pending", 0, "")
 
     # -------------------------------------------------------------------------------------
     # leases, crashes, time
@@ -1095,6 +1226,11 @@ class DialogScripts(RuleBasedStateMachine):
         for ss in self.sessions.values():
             assert (ss.age is not None) == ss.outstanding, f"{ss.sid}: age {ss.age}"
 
+        # Cancel marks: exactly those the model says (kept until their message ends).
+        got_marks = {s(key) for key in self.r.scan_iter(match=f"{k.prefix}:*:cancel:*")}
+        want_marks = {k.session(sid).cancel_mark(m) for sid, m in self.marks}
+        assert got_marks == want_marks, f"cancel marks {got_marks} != model {want_marks}"
+
         now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
         scores = {s(m): score for m, score in ready}
         for i, sid in enumerate(SESSIONS):
@@ -1145,6 +1281,10 @@ class DialogScripts(RuleBasedStateMachine):
             want[f"u{seq}"] = ",".join(c.id for c in copies)
         if ss.last_error:
             want["e"] = ss.last_error
+        if ss.xc:
+            want["xc"] = str(ss.xc)
+        if ss.xs:
+            want["xs"] = str(ss.xs)
         got = {n: v for n, v in h.items() if n not in ("d", "n", "f", "g")}
         if got.get("a") == "0" and not ss.version:
             del got["a"]
@@ -1233,7 +1373,7 @@ class DialogScripts(RuleBasedStateMachine):
                 s(f[b"entry_id"])
                 for f in events
                 if f[b"session_id"] == sid.encode()
-                and f[b"outcome"] in (b"applied", b"dead_lettered")
+                and f[b"outcome"] in (b"applied", b"dead_lettered", b"cancelled", b"superseded")
                 and f[b"seq"] != b"0"
                 and f[b"entry_id"]  # a gap names no entry
             ]

@@ -108,11 +108,22 @@ def test_a_msg_id_with_colons_has_a_cursor_too():
 
 def test_the_reply_comes_from_the_history_only_when_the_turn_matches():
     doc = b'{"history": [{"seq": 2, "msg_id": "m", "user": "u", "bot": "hi"}, "junk"]}'
-    assert reply_from_history(doc, "m", 2) == "hi"
+    assert reply_from_history(doc, "m", 2) == ("applied", "hi")
     assert reply_from_history(doc, "m", 3) is None
     assert reply_from_history(doc, "other", None) is None
     assert reply_from_history(b"not json", "m", 2) is None
     assert reply_from_history(b'{"history": 5}', "m", 2) is None
+
+
+def test_a_turn_marked_cancelled_or_superseded_ended_so():
+    doc = (
+        b'{"history": [{"seq": 1, "msg_id": "a", "bot": "", "cancelled": true},'
+        b' {"seq": 2, "msg_id": "b", "bot": "", "superseded": true},'
+        b' {"seq": 3, "msg_id": "c", "bot": "ok", "cancelled": "yes"}]}'
+    )
+    assert reply_from_history(doc, "a", 1) == ("cancelled", "")
+    assert reply_from_history(doc, "b", None) == ("superseded", "")
+    assert reply_from_history(doc, "c", 3) == ("applied", "ok")  # only a true flag counts
 
 
 def test_emit_outside_a_step_does_nothing_and_refuses_non_text():

@@ -1,0 +1,318 @@
+"""Cancel and double-texting against real workers and a real Redis: each outcome ends a
+message exactly once (one reply event with its own msg_id and seq), a running async step
+stops within the documented bound, a cancel racing a commit gives one outcome, and a message
+that ended without being applied frees its msg_id."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis
+
+from dialog_worker.client import DialogClient
+from dialog_worker.config import load_settings
+
+pytestmark = pytest.mark.integration
+
+ASYNC_BOUND_S = 1.0  # asserted; the documented bound is 0.2 s (measured below)
+
+
+def events(url: str, stream: str = "dialog-replies") -> list[dict[str, str]]:
+    r = redis.Redis.from_url(url, decode_responses=True)
+    return [fields for _, fields in r.xrange(stream)]
+
+
+async def wait_for(check: Callable[[], Any], timeout_s: float = 15) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        await anyio.sleep(0.01)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
+def engine_log(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def by_msg(evts: list[dict[str, str]]) -> dict[str, list[dict[str, str]]]:
+    out: dict[str, list[dict[str, str]]] = {}
+    for e in evts:
+        out.setdefault(e["msg_id"], []).append(e)
+    return out
+
+
+def start(workers: Any, tmp_path: Path, engine: str = "SlowAsync", **env: str) -> Path:
+    log = tmp_path / "engine.jsonl"
+    workers.start(1, DIALOG_ENGINE=f"cancel_engines:{engine}", CANCEL_ENGINE_LOG=str(log), **env)
+    return log
+
+
+async def test_cancel_of_a_queued_message_ends_it_in_its_turn_without_a_step(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    log = start(workers, tmp_path)
+    url = env["REDIS_URL"]
+    await client.send("s1", "sleep 0.5", msg_id="m1")
+    await client.send("s1", "second", msg_id="m2")
+    await client.send("s1", "third", msg_id="m3")
+    await wait_for(lambda: any(e["event"] == "started" for e in engine_log(log)))
+    result = await client.cancel("s1", "m2")
+    assert (result.status, result.seq) == ("cancelled", 2)
+    assert (await client.cancel("s1", "m2")).status == "cancelled"  # idempotent
+    got = await wait_for(lambda: len(events(url)) >= 3 and events(url))
+    assert [(e["msg_id"], e["seq"], e["outcome"]) for e in got] == [
+        ("m1", "1", "applied"),
+        ("m2", "2", "cancelled"),
+        ("m3", "3", "applied"),
+    ]
+    assert {e["msg_id"] for e in engine_log(log) if e["event"] == "started"} == {"m1", "m3"}
+    state = await client.state("s1")
+    assert state is not None
+    assert state["memory"] == {"seen": ["m1", "m3"]}  # unchanged by the cancelled one
+    assert state["history"][1] == {
+        "seq": 2,
+        "msg_id": "m2",
+        "user": "second",
+        "bot": "",
+        "cancelled": True,
+    }
+    finished = await client.cancel("s1", "m2")
+    assert (finished.status, finished.seq, finished.outcome) == ("finished", 2, "cancelled")
+    # A reader of its answer learns how it ended, from the history (its dedupe key is gone).
+    ends = [e async for e in client.stream("s1", "m2", timeout=10) if e.kind == "end"]
+    assert [(e.outcome, e.text) for e in ends] == [("cancelled", "")]
+    # It ended without being applied: its msg_id is free again.
+    reply = await client.ask("s1", "again", msg_id="m2", timeout=15)
+    assert (reply.outcome, reply.seq) == ("applied", 4)
+
+
+async def test_a_running_async_step_stops_within_the_bound(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    log = start(workers, tmp_path)
+    url = env["REDIS_URL"]
+    delays = []
+    for i in range(20):
+        mid = f"run{i}"
+        await client.send("s2", "sleep 30", msg_id=mid)
+        await wait_for(lambda m=mid: any(e["msg_id"] == m for e in engine_log(log)))
+        sent = time.time()
+        assert (await client.cancel("s2", mid)).status == "cancelled"
+        stopped = await wait_for(
+            lambda m=mid: [
+                e for e in engine_log(log) if e["event"] == "cancelled" and e["msg_id"] == m
+            ]
+        )
+        delays.append(stopped[0]["t"] - sent)
+        await wait_for(lambda m=mid: by_msg(events(url)).get(m))
+    got = by_msg(events(url))
+    assert all([e["outcome"] for e in got[f"run{i}"]] == ["cancelled"] for i in range(20))
+    print(
+        f"cancel -> step stopped (s): median {statistics.median(delays):.3f} "
+        f"p90 {sorted(delays)[17]:.3f} max {max(delays):.3f}"
+    )
+    assert max(delays) < ASYNC_BOUND_S
+    state = await client.state("s2")
+    assert state is not None and state["memory"] == {} and state["applied_seq"] == 20
+
+
+async def test_a_plain_def_step_sees_the_flag_and_its_result_is_discarded(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    log = start(workers, tmp_path, engine="SlowThread")
+    url = env["REDIS_URL"]
+    await client.send("s3", "sleep 30", msg_id="t1")
+    await wait_for(lambda: engine_log(log))
+    assert (await client.cancel("s3", "t1")).status == "cancelled"
+    await wait_for(lambda: any(e["event"] == "cancelled" for e in engine_log(log)))
+    got = await wait_for(lambda: events(url))
+    assert [(e["msg_id"], e["outcome"]) for e in got] == [("t1", "cancelled")]
+    reply = await client.ask("s3", "next", msg_id="t2", timeout=15)
+    assert reply.outcome == "applied"
+    state = await client.state("s3")
+    assert state is not None and state["memory"] == {"seen": ["t2"]}  # t1's result discarded
+
+
+async def test_cancel_racing_the_commit_gives_exactly_one_outcome(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    start(workers, tmp_path)
+    url = env["REDIS_URL"]
+    answers = {}
+    for i in range(150):
+        mid = f"race{i}"
+        await client.send("s4", "sleep 0.02", msg_id=mid)
+        await anyio.sleep((i % 15) * 0.003)  # before, around and after the commit
+        answers[mid] = await client.cancel("s4", mid)
+    await wait_for(lambda: len(events(url)) >= 150, timeout_s=60)
+    await anyio.sleep(0.3)
+    got = by_msg(events(url))
+    outcomes = {"applied": 0, "cancelled": 0}
+    for mid, answer in answers.items():
+        assert len(got[mid]) == 1, got[mid]
+        outcome = got[mid][0]["outcome"]
+        outcomes[outcome] += 1
+        if answer.status in ("cancelled", "pending"):  # pending: not read by intake yet
+            assert outcome == "cancelled"
+        else:
+            assert (answer.status, outcome) == ("finished", "applied")
+    print(f"race outcomes: {outcomes}")
+    assert outcomes["applied"] and outcomes["cancelled"]
+    state = await client.state("s4")
+    assert state is not None
+    assert state["memory"]["seen"] == [m for m in answers if got[m][0]["outcome"] == "applied"]
+
+
+async def test_a_cancel_before_the_message_arrives_is_kept(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    log = start(workers, tmp_path)
+    pending = await client.cancel("s5", "early")
+    assert (pending.status, pending.seq) == ("pending", None)
+    await client.send("s5", "hi", msg_id="early")
+    got = await wait_for(lambda: events(env["REDIS_URL"]))
+    assert [(e["msg_id"], e["seq"], e["outcome"]) for e in got] == [("early", "1", "cancelled")]
+    assert engine_log(log) == []
+    # An applied message is answered as finished; nothing changes.
+    reply = await client.ask("s5", "hello", msg_id="later", timeout=15)
+    assert reply.outcome == "applied"
+    done = await client.cancel("s5", "later")
+    assert (done.status, done.seq, done.outcome) == ("finished", 2, None)
+
+
+async def test_a_message_cancelled_while_it_waits_for_a_retry_is_not_stepped_again(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    log = start(workers, tmp_path)
+    await client.send("s10", "flaky", msg_id="f1")
+    await wait_for(lambda: engine_log(log))
+    assert (await client.cancel("s10", "f1")).status == "cancelled"
+    got = await wait_for(lambda: events(env["REDIS_URL"]))
+    assert [(e["msg_id"], e["seq"], e["outcome"]) for e in got] == [("f1", "1", "cancelled")]
+    assert [e["event"] for e in engine_log(log)] == ["started"]  # the retry ended it unstepped
+
+
+async def test_reject_ends_the_new_message_at_intake(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    log = start(workers, tmp_path, DIALOG_MULTITASK="reject")
+    url = env["REDIS_URL"]
+    await client.send("s6", "sleep 0.5", msg_id="r1")
+    await wait_for(lambda: engine_log(log))
+    await client.send("s6", "too soon", msg_id="r2")
+    await client.send("s6", "queued anyway", msg_id="r3", multitask="enqueue")
+    got = await wait_for(lambda: len(events(url)) >= 3 and events(url))
+    assert sorted((e["msg_id"], e["seq"], e["outcome"]) for e in got) == [
+        ("r1", "1", "applied"),
+        ("r2", "0", "rejected"),
+        ("r3", "2", "applied"),
+    ]
+    assert got[0]["msg_id"] == "r2"  # at intake, before r1 ended
+    # The rejected msg_id is free: sent again when the session is idle, it is applied.
+    reply = await client.ask("s6", "now", msg_id="r2", timeout=15)
+    assert (reply.outcome, reply.seq) == ("applied", 3)
+
+
+async def test_interrupt_cancels_the_running_one_and_runs_next(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    log = start(workers, tmp_path)
+    url = env["REDIS_URL"]
+    await client.send("s7", "sleep 30", msg_id="i1")
+    await client.send("s7", "waiting", msg_id="i2")
+    await wait_for(lambda: engine_log(log))
+    sent = time.time()
+    await client.send("s7", "stop that", msg_id="i3", multitask="interrupt")
+    got = await wait_for(lambda: len(events(url)) >= 3 and events(url))
+    assert [(e["msg_id"], e["seq"], e["outcome"]) for e in got] == [
+        ("i1", "1", "cancelled"),
+        ("i2", "2", "cancelled"),
+        ("i3", "3", "applied"),
+    ]
+    stopped = [e["t"] for e in engine_log(log) if e["event"] == "cancelled"]
+    assert stopped and stopped[0] - sent < ASYNC_BOUND_S
+    assert [e["msg_id"] for e in engine_log(log) if e["event"] == "started"] == ["i1", "i3"]
+
+
+async def test_coalesce_supersedes_the_waiting_ones(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    log = start(workers, tmp_path, DIALOG_MULTITASK="coalesce")
+    url = env["REDIS_URL"]
+    await client.send("s8", "sleep 0.5", msg_id="c1")
+    await wait_for(lambda: engine_log(log))
+    for mid in ("c2", "c3", "c4"):
+        await client.send("s8", f"text {mid}", msg_id=mid)
+    got = await wait_for(lambda: len(events(url)) >= 4 and events(url))
+    assert [(e["msg_id"], e["seq"], e["outcome"]) for e in got] == [
+        ("c1", "1", "applied"),
+        ("c2", "2", "superseded"),
+        ("c3", "3", "superseded"),
+        ("c4", "4", "applied"),
+    ]
+    state = await client.state("s8")
+    assert state is not None and state["memory"] == {"seen": ["c1", "c4"]}
+    assert state["history"][1]["superseded"] is True
+
+
+async def test_an_unknown_multitask_value_is_malformed(
+    workers: Any, env: dict[str, str], tmp_path: Path
+) -> None:
+    start(workers, tmp_path)
+    r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
+    r.xadd("dialog", {"session_id": "s9", "text": "hi", "msg_id": "b1", "multitask": "later"})
+    got = await wait_for(lambda: events(env["REDIS_URL"]))
+    assert [(e["msg_id"], e["outcome"]) for e in got] == [("b1", "dead_lettered")]
+    letter = r.xrange("dialog-dlq")[0][1]
+    assert letter["error_kind"] == "malformed" and "multitask" in letter["error"]
+
+
+async def test_client_refuses_an_unknown_multitask(env: dict[str, str]) -> None:
+    async with DialogClient(settings=load_settings(environ=env)) as c:
+        with pytest.raises(ValueError, match="multitask"):
+            await c.send("s", "x", multitask="whenever")
+
+
+def _cli(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dialog_worker", *args],
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_cancel_prints_what_it_found(env: dict[str, str]) -> None:
+    first = _cli(env, "cancel", "c1", "m1")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout) == {
+        "session_id": "c1",
+        "msg_id": "m1",
+        "status": "pending",
+        "seq": None,
+        "outcome": None,
+    }
+    again = _cli(env, "cancel", "c1", "m1")  # idempotent
+    assert json.loads(again.stdout)["status"] == "pending"
+    bad = _cli(env, "cancel", "c1", "")
+    assert bad.returncode == 2 and bad.stderr.startswith("dialog-worker: ")
+
+
+def test_an_invalid_multitask_setting_is_one_line_and_exit_2(env: dict[str, str]) -> None:
+    result = _cli(env, "run", DIALOG_MULTITASK="sometimes")
+    assert result.returncode == 2
+    assert "DIALOG_MULTITASK" in result.stderr and len(result.stderr.strip().splitlines()) == 1
