@@ -1,7 +1,9 @@
 """The worker process: message tasks plus named side loops.
 
     intake   reader (intake script: deliver, sequence, lock; only as many entries as there
-             are free slots; when idle, XREAD BLOCK from the last delivered id)
+             are free slots; when idle, one reader per shard, the waiter, blocks on the
+             stream from the last delivered id, the others on the wake stream: see
+             Worker._idle_wait)
              resumer (sessions of the ready set that are due: a crashed holder's lease ran
              out, a retry's backoff is over)
              reclaimer (entries left pending by anything else; consumer hygiene)

@@ -7,7 +7,8 @@ ready, then measures over --seconds: Redis commands per second (``INFO commandst
 command, those run inside scripts included) and the workers' CPU (``/proc``). Then it sends
 --messages lone messages, one at a time with a pause in between, each to a new session, and
 times each from just before its ``XADD`` to the moment a blocked ``XREAD`` on the reply
-stream returns its reply event. Prints one JSON object.
+stream returns its reply event; the script calls and blocking reads per lone message show how
+many workers each append woke. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -62,7 +63,14 @@ async def measure(n_workers: int, seconds: float, messages: int) -> dict[str, An
             delta = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
             delta.pop("info", None)
             total = sum(delta.values())
+            before = _commands(await redis.info("commandstats"))
             lat = await _lone_messages(redis, settings, messages)
+            after = _commands(await redis.info("commandstats"))
+            lone = {
+                k: round((v - before.get(k, 0)) / max(1, messages), 2)
+                for k, v in sorted(after.items())
+                if v - before.get(k, 0) and k in ("evalsha", "xread", "xreadgroup", "xadd")
+            }
         finally:
             if os.environ.get("IDLE_KEEP_LOGS"):
                 for w in workers.procs:
@@ -78,6 +86,8 @@ async def measure(n_workers: int, seconds: float, messages: int) -> dict[str, An
         "by_command_per_s": {k: round(v / elapsed, 2) for k, v in sorted(delta.items())},
         "worker_cpu_pct_of_core_each": round(100 * (cpu1 - cpu0) / elapsed / n_workers, 3),
         "lone_message_ms": lat,
+        # Per lone message: script calls (intake, commit), blocking reads that returned.
+        "lone_message_commands": lone,
     }
 
 
