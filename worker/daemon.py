@@ -465,7 +465,9 @@ class Worker:
             raise
         last_id, read = reply[0], int(reply[1])
         self._start(shard, work, reply, slots)
-        if read == 0:
+        if read < min(slots, INTAKE_BATCH):
+            # The stream had no more: wait (a blocking read from the last id returns at once
+            # if something came meanwhile) rather than run another intake call to find out.
             await self._idle_wait(shard, last_id)
         return 0
 
