@@ -63,6 +63,9 @@ RESUME_IDLE_S = 1.0
 WAITER_LEASE_MS = 3000
 # The wake stream's consumer group (one per shard, readers of every worker join it).
 WAKE_GROUP = "readers"
+# A waiter that finished a message this recently counts as busy: woken, it hands its role on,
+# so a steady rate spreads over the pool instead of loading the waiter alone.
+BUSY_WINDOW_S = 0.02
 # An idle waiter runs an intake call this often even when its blocking read saw nothing: the
 # group's position can move back (docs/runbook.md: a pushed-ahead stream's recovery resets it),
 # and a read from the old position would never return.
@@ -180,6 +183,7 @@ class Worker:
         )
         self._token_counter = 0
         self._sessions_started = 0
+        self._last_finished = 0.0  # monotonic s: when a session task last ended
         # The sampler's view of idleness: sessions started at the last sample, whether that
         # sample saw an empty queue, and the intervals skipped since.
         self._sampled_at_sessions = -1
@@ -476,8 +480,9 @@ class Worker:
         of a short lease on the shard's waiter key), blocks on the inbound stream itself, so
         an append wakes one worker, not every replica. The other readers block on the shard's
         wake stream in a consumer group: Redis hands each entry appended there to exactly one
-        of them. The waiter keeps its role while it has nothing else in flight (a lone message
-        costs no hand-over); woken while it is busy, it hands the role on (deletes the key,
+        of them. The waiter keeps its role while it has nothing in flight and finished nothing
+        in the last BUSY_WINDOW_S (a lone message costs no hand-over); woken while busy, it
+        hands the role on (deletes the key,
         appends to the wake stream) before it reads, so the next append is caught by a worker
         with capacity and a rising rate spreads over the pool. A waiter that dies leaves the
         key to expire (the lease); the others ask for it that often. A wait that times out
@@ -494,7 +499,7 @@ class Worker:
                     if time.monotonic() - since >= IDLE_RECHECK_S:
                         return
                     continue
-                if self.leases:
+                if self.leases or time.monotonic() - self._last_finished < BUSY_WINDOW_S:
                     await self._hand_over(shard)
                 return
             try:
@@ -588,6 +593,7 @@ class Worker:
         finally:
             self.metrics.in_flight.dec()
             self._give_slots(shard, 1)
+            self._last_finished = time.monotonic()
 
     async def _resume_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         """Take up due sessions of the ready set, as many as there are free slots. Waits for
