@@ -63,9 +63,11 @@ RESUME_IDLE_S = 1.0
 WAITER_LEASE_MS = 3000
 # The wake stream's consumer group (one per shard, readers of every worker join it).
 WAKE_GROUP = "readers"
-# A waiter that finished a message this recently counts as busy: woken, it hands its role on,
-# so a steady rate spreads over the pool instead of loading the waiter alone.
-BUSY_WINDOW_S = 0.02
+# A worker that finished a message this recently is active: it blocks on the inbound stream
+# itself, waiter or not, so a pool under steady traffic reads in parallel (each woken reader
+# finds work) and no message waits for a hand-over; after this long without work it goes back
+# to the wake stream.
+ACTIVE_WINDOW_S = 2.0
 # An idle waiter runs an intake call this often even when its blocking read saw nothing: the
 # group's position can move back (docs/runbook.md: a pushed-ahead stream's recovery resets it),
 # and a read from the old position would never return.
@@ -480,18 +482,20 @@ class Worker:
         of a short lease on the shard's waiter key), blocks on the inbound stream itself, so
         an append wakes one worker, not every replica. The other readers block on the shard's
         wake stream in a consumer group: Redis hands each entry appended there to exactly one
-        of them. The waiter keeps its role while it has nothing in flight and finished nothing
-        in the last BUSY_WINDOW_S (a lone message costs no hand-over); woken while busy, it
-        hands the role on (deletes the key,
-        appends to the wake stream) before it reads, so the next append is caught by a worker
-        with capacity and a rising rate spreads over the pool. A waiter that dies leaves the
+        of them. The waiter keeps its role while it has nothing in flight (a lone message costs
+        no hand-over); woken while busy, it hands the role on (deletes the key, appends to the
+        wake stream) before it reads, so one more worker joins. A worker that finished a
+        message within ACTIVE_WINDOW_S blocks on the stream too, waiter or not: under steady
+        traffic the active workers read in parallel, as many as the rate keeps busy, and an
+        idle pool is back to one blocked reader within that window. A waiter that dies leaves the
         key to expire (the lease); the others ask for it that often. A wait that times out
         waits again without an intake call (the waiter runs one every IDLE_RECHECK_S)."""
         keys = shard.keys
         block = self.settings.read_block_ms
         since = time.monotonic()
         while True:
-            if await self._take_waiter_role(shard):
+            waiter = await self._take_waiter_role(shard)
+            if waiter or time.monotonic() - self._last_finished < ACTIVE_WINDOW_S:
                 # From the last delivered id, not "$": an entry appended between the empty
                 # intake and this call would be missed until the next timeout.
                 got = await self.raw.xread({keys.stream: last_id}, count=1, block=block)
@@ -499,7 +503,7 @@ class Worker:
                     if time.monotonic() - since >= IDLE_RECHECK_S:
                         return
                     continue
-                if self.leases or time.monotonic() - self._last_finished < BUSY_WINDOW_S:
+                if waiter and self.leases:
                     await self._hand_over(shard)
                 return
             try:
