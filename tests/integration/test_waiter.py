@@ -14,6 +14,7 @@ from dialog_worker.client import DialogClient
 pytestmark = pytest.mark.integration
 
 WAITER = "dialog:{dialog}:ready:waiter"
+WAKE = "dialog:{dialog}:ready:wake"
 
 
 def _calls(r: redis.Redis, command: str) -> int:
@@ -21,9 +22,17 @@ def _calls(r: redis.Redis, command: str) -> int:
     return int(stats["calls"]) if stats else 0
 
 
-def _idle(r: redis.Redis) -> str:
-    """Every worker has started and one holds the waiter role: its name."""
-    return str(wait_until(lambda: r.get(WAITER), 30, what="a waiter").decode())
+def _idle(r: redis.Redis, others: int) -> str:
+    """One worker holds the waiter role (its name is returned) and `others` are blocked on
+    the wake stream (Redis 7.0 lists no consumer for a read that is still blocked)."""
+    name = str(wait_until(lambda: r.get(WAITER), 30, what="a waiter").decode())
+
+    def readers() -> bool:
+        blocked = [c for c in r.client_list() if c["cmd"] == "xreadgroup" and "b" in c["flags"]]
+        return len(blocked) >= others
+
+    wait_until(readers, 30, what=f"{others} readers on the wake stream")
+    return name
 
 
 async def test_an_append_to_an_idle_pool_wakes_one_worker(client: DialogClient, workers, env):
@@ -31,8 +40,7 @@ async def test_an_append_to_an_idle_pool_wakes_one_worker(client: DialogClient, 
     workers.start(4)
     wait_until(lambda: all(w.alive() for w in workers.procs), 10)
     await client.ask("warm", "halo", timeout=20)  # every worker up, scripts loaded
-    _idle(r)
-    time.sleep(1.5)  # the others are blocked on the wake stream by now
+    _idle(r, others=3)
     scripts_before = _calls(r, "evalsha")
     n = 10
     for i in range(n):
@@ -48,8 +56,7 @@ async def test_a_killed_waiter_is_replaced_within_its_lease(client: DialogClient
     r = redis.Redis.from_url(env["REDIS_URL"])
     procs = workers.start(2)
     await client.ask("warm", "halo", timeout=20)
-    name = _idle(r)
-    time.sleep(1.5)
+    name = _idle(r, others=1)
     [waiter] = [w for w in procs if w.name == name]
     waiter.kill()
     started = time.monotonic()
