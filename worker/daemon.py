@@ -1,7 +1,9 @@
 """The worker process: message tasks plus named side loops.
 
     intake   reader (intake script: deliver, sequence, lock; only as many entries as there
-             are free slots; when idle, XREAD BLOCK from the last delivered id)
+             are free slots; when idle, one reader per shard, the waiter, blocks on the
+             stream from the last delivered id, the others on the wake stream: see
+             Worker._idle_wait)
              resumer (sessions of the ready set that are due: a crashed holder's lease ran
              out, a retry's backoff is over)
              reclaimer (entries left pending by anything else; consumer hygiene)
@@ -82,6 +84,24 @@ INTAKE_BATCH = 1000
 # How long the resumer sleeps when no session waits in the ready set: anything added later is
 # due a lock lease or a backoff from then, except a hand-back at shutdown.
 RESUME_IDLE_S = 1.0
+# The waiter role of a shard (see Worker._idle_wait): a lease at least this long (and three
+# blocking reads), renewed when half of it is left; a worker that waits on the wake stream asks
+# whether the role is free at most this often (a waiter that died leaves it to expire).
+WAITER_LEASE_MS = 3000
+# The wake stream's consumer group (one per shard, readers of every worker join it).
+WAKE_GROUP = "readers"
+# A worker that finished a message this recently is active: it blocks on the inbound stream
+# itself, waiter or not, so a pool under steady traffic reads in parallel (each woken reader
+# finds work) and no message waits for a hand-over; after this long without work it goes back
+# to the wake stream.
+ACTIVE_WINDOW_S = 2.0
+# An idle waiter runs an intake call this often even when its blocking read saw nothing: the
+# group's position can move back (docs/runbook.md: a pushed-ahead stream's recovery resets it),
+# and a read from the old position would never return.
+IDLE_RECHECK_S = 5.0
+# While a worker's last sample saw an empty queue and it has started no message since, it
+# samples the queue gauges every this many intervals.
+IDLE_SAMPLE_EVERY = 3
 
 
 class SlotGate:
@@ -147,6 +167,10 @@ class Shard:
     keys: Keys
     slots: SlotGate
     group_ready: bool = False
+    # This process is the shard's waiter until then (monotonic s; 0: not the waiter).
+    lease_until: float = 0.0
+    # When this process last asked whether the waiter role is free (monotonic s).
+    lease_checked_at: float = 0.0
 
     @property
     def label(self) -> str:
@@ -190,6 +214,13 @@ class Worker:
             settings, self.scripts, engine, self.metrics, self.leases, self.committers
         )
         self._token_counter = 0
+        self._sessions_started = 0
+        self._last_finished = 0.0  # monotonic s: when a session task last ended
+        # The sampler's view of idleness: sessions started at the last sample, whether that
+        # sample saw an empty queue, and the intervals skipped since.
+        self._sampled_at_sessions = -1
+        self._sampled_empty = False
+        self._samples_skipped = 0
         # A restarted process may reuse its consumer name and pid (pid 1 in a container):
         # the nonce keeps its tokens apart from the locks its previous life still holds.
         self._token_nonce = f"{settings.consumer}:{secrets.token_hex(6)}"
@@ -272,6 +303,7 @@ class Worker:
                             )
                         await self.stopping.wait()
                         intake.cancel_scope.cancel()
+                    await self._leave_waiter_roles()
                     # Intake has stopped; in-flight work gets the grace period, then is cancelled
                     # (cancelled steps hand their message back, see Pipeline._process).
                     work.cancel_scope.deadline = (
@@ -290,6 +322,18 @@ class Worker:
             log.info("worker_stopped")
             if self.refused is not None:
                 raise self.refused
+
+    async def _leave_waiter_roles(self) -> None:
+        """At shutdown: another worker takes over waiting at once, not when the lease ends."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+            for shard in self.shards:
+                try:
+                    await self._hand_over(shard)
+                    await self.raw.xgroup_delconsumer(
+                        shard.keys.wake, WAKE_GROUP, self.settings.consumer
+                    )
+                except redis.exceptions.RedisError as exc:
+                    log.warning("waiter_hand_over_failed", error=str(exc), shard=shard.label)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -405,9 +449,17 @@ class Worker:
         except redis.exceptions.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        await self._ensure_wake_group(keys)
         shard.group_ready = True
         if all(s.group_ready for s in self.shards):
             self.ready = True
+
+    async def _ensure_wake_group(self, keys: Keys) -> None:
+        try:
+            await self.raw.xgroup_create(keys.wake, WAKE_GROUP, id="$", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
 
     @staticmethod
     def _give_slots(shard: Shard, n: int) -> None:
@@ -461,6 +513,8 @@ class Worker:
     async def _read_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         if not shard.group_ready:
             await self._ensure_group(shard)
+        if shard.slots.free == 0 and shard.lease_until:
+            await self._hand_over(shard)  # busy: another worker waits for new entries
         await shard.slots.acquire()
         slots = 1 + self._take_free_slots(shard)
         try:
@@ -478,13 +532,95 @@ class Worker:
             raise
         last_id, read = reply[0], int(reply[1])
         self._start(shard, work, reply, slots)
-        if read == 0:
-            # Idle: wait for an entry after the last delivered one (not "$": an entry appended
-            # between the empty intake and this call would be missed until the next timeout).
-            await self.raw.xread(
-                {shard.keys.stream: last_id}, count=1, block=self.settings.read_block_ms
-            )
+        if read < min(slots, INTAKE_BATCH):
+            # The stream had no more: wait (a blocking read from the last id returns at once
+            # if something came meanwhile) rather than run another intake call to find out.
+            await self._idle_wait(shard, last_id)
         return 0
+
+    async def _idle_wait(self, shard: Shard, last_id: bytes) -> None:
+        """Nothing to read: wait until there is. One reader per shard, the waiter (the holder
+        of a short lease on the shard's waiter key), blocks on the inbound stream itself, so
+        an append wakes one worker, not every replica. The other readers block on the shard's
+        wake stream in a consumer group: Redis hands each entry appended there to exactly one
+        of them. The waiter keeps its role while it has nothing in flight (a lone message costs
+        no hand-over); woken while busy, it hands the role on (deletes the key, appends to the
+        wake stream) before it reads, so one more worker joins. A worker that finished a
+        message within ACTIVE_WINDOW_S blocks on the stream too, waiter or not: under steady
+        traffic the active workers read in parallel, as many as the rate keeps busy, and an
+        idle pool is back to one blocked reader within that window. A waiter that dies leaves the
+        key to expire (the lease); the others ask for it that often. A wait that times out
+        waits again without an intake call (the waiter runs one every IDLE_RECHECK_S)."""
+        keys = shard.keys
+        block = self.settings.read_block_ms
+        since = time.monotonic()
+        while True:
+            waiter = await self._take_waiter_role(shard)
+            if waiter or time.monotonic() - self._last_finished < ACTIVE_WINDOW_S:
+                # From the last delivered id, not "$": an entry appended between the empty
+                # intake and this call would be missed until the next timeout.
+                got = await self.raw.xread({keys.stream: last_id}, count=1, block=block)
+                if not got:
+                    if time.monotonic() - since >= IDLE_RECHECK_S:
+                        return
+                    continue
+                if waiter and self.leases:
+                    await self._hand_over(shard)
+                return
+            try:
+                woken = await self.raw.xreadgroup(
+                    WAKE_GROUP,
+                    self.settings.consumer,
+                    {keys.wake: ">"},
+                    count=1,
+                    block=block,
+                    noack=True,
+                )
+            except redis.exceptions.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self._ensure_wake_group(keys)
+                continue
+            if woken:
+                # The waiter was busy when entries came: read now, then ask for the role.
+                shard.lease_checked_at = 0.0
+                return
+
+    def _lease_ms(self) -> int:
+        # At least three blocking reads long: a lease renewed with half of it left outlasts
+        # the read that follows.
+        return max(WAITER_LEASE_MS, 3 * self.settings.read_block_ms)
+
+    async def _take_waiter_role(self, shard: Shard) -> bool:
+        now = time.monotonic()
+        lease_s = self._lease_ms() / 1000
+        if shard.lease_until - now > lease_s / 2:
+            return True
+        if not shard.lease_until and now - shard.lease_checked_at < lease_s:
+            return False  # another worker waits; it hands over through the wake stream
+        shard.lease_checked_at = now
+        me = self.settings.consumer.encode()
+        holder = await self.raw.set(shard.keys.waiter, me, nx=True, px=self._lease_ms(), get=True)
+        if holder == me:
+            await self.raw.pexpire(shard.keys.waiter, self._lease_ms())
+        elif holder is not None:
+            shard.lease_until = 0.0
+            return False
+        shard.lease_until = now + lease_s
+        return True
+
+    async def _hand_over(self, shard: Shard) -> None:
+        """Give up the waiter role and wake one other reader (it takes the role if free)."""
+        if not shard.lease_until:
+            return
+        shard.lease_until = 0.0
+        shard.lease_checked_at = time.monotonic()
+        async with self.raw.pipeline(transaction=False) as pipe:
+            pipe.delete(shard.keys.waiter)
+            pipe.xadd(
+                shard.keys.wake, {"from": self.settings.consumer}, maxlen=1, approximate=False
+            )
+            await pipe.execute()
 
     def _start(self, shard: Shard, work: anyio.abc.TaskGroup, reply: list[Any], slots: int) -> None:
         """One task per session whose lock the intake took; its held entries go with it.
@@ -518,12 +654,14 @@ class Worker:
             work.start_soon(self._run_session, shard, job)
 
     async def _run_session(self, shard: Shard, job: Job) -> None:
+        self._sessions_started += 1
         self.metrics.in_flight.inc()
         try:
             await self.pipeline.run_session(job)
         finally:
             self.metrics.in_flight.dec()
             self._give_slots(shard, 1)
+            self._last_finished = time.monotonic()
 
     async def _resume_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         """Take up due sessions of the ready set, as many as there are free slots. Waits for
@@ -531,6 +669,8 @@ class Worker:
         one poll interval plus the time until the next slot frees up, whatever the backlog."""
         if not shard.group_ready:
             return self.settings.promote_interval_ms / 1000
+        if not await self.raw.zrange(shard.keys.ready, 0, 0):
+            return RESUME_IDLE_S  # one cheap look instead of a script call while idle
         await shard.slots.acquire(priority=True)
         slots = 1 + self._take_free_slots(shard)
         k, s = shard.keys, self.settings
@@ -571,7 +711,8 @@ class Worker:
         reader of the group, an older version): they are sequenced like new ones."""
         if not shard.group_ready:
             return self.settings.reclaim_interval_ms / 1000
-        slots = self._take_free_slots(shard)
+        consumers = await self.redis.xinfo_consumers(shard.keys.stream, shard.keys.group)
+        slots = self._take_free_slots(shard) if any(int(c["pending"]) for c in consumers) else 0
         if slots:
             try:
                 reply = await self._intake(shard, slots, self.settings.visibility_timeout_ms)
@@ -582,12 +723,12 @@ class Worker:
                 self.metrics.reclaimed.inc(int(reply[1]))
                 log.info("reclaimed", count=int(reply[1]), shard=shard.keys.shard)
             self._start(shard, work, reply, slots)
-        await self._delete_idle_consumers(shard.keys)
+        await self._delete_idle_consumers(shard.keys, consumers)
         return self.settings.reclaim_interval_ms / 1000
 
-    async def _delete_idle_consumers(self, keys: Keys) -> None:
+    async def _delete_idle_consumers(self, keys: Keys, consumers: list[Any]) -> None:
         idle_ms = self.settings.consumer_idle_delete_s * 1000
-        for consumer in await self.redis.xinfo_consumers(keys.stream, keys.group):
+        for consumer in consumers:
             name = consumer["name"]
             if (
                 name != self.settings.consumer
@@ -639,6 +780,20 @@ class Worker:
             self.metrics.loop_lag.observe(max(0.0, time.perf_counter() - started - interval))
 
     async def _sample_once(self) -> float:
+        """The queue gauges. An idle worker (its last sample saw nothing unread, waiting,
+        delayed or pending, and it has started no message since) samples every
+        IDLE_SAMPLE_EVERY intervals: an idle pool costs Redis little."""
+        interval = self.settings.metrics_sample_interval_s
+        if (
+            self._sampled_empty
+            and self._sessions_started == self._sampled_at_sessions
+            and self._samples_skipped < IDLE_SAMPLE_EVERY - 1
+        ):
+            self._samples_skipped += 1
+            return interval
+        self._samples_skipped = 0
+        self._sampled_at_sessions = self._sessions_started
+        empty = True
         m = self.metrics
         for shard in self.shards:
             stats = await queue_stats(self.redis, shard.keys)
@@ -649,10 +804,14 @@ class Worker:
             m.oldest_pending_age.labels(label).set(stats["oldest_pending_age_s"])
             m.delayed.labels(label).set(stats["delayed"])
             m.dlq_length.labels(label).set(stats["dlq_length"])
+            empty = empty and not (
+                stats["stream_length"] or stats["pending"] or stats["delayed"] or stats["waiting"]
+            )
             if self.settings.reply_maxlen:
                 for group, lag in (await reply_group_lags(self.redis, shard.keys)).items():
                     m.reply_group_lag.labels(label, group).set(lag / self.settings.reply_maxlen)
-        return self.settings.metrics_sample_interval_s
+        self._sampled_empty = empty
+        return interval
 
 
 def run_worker(settings: Settings, engine: Engine, **kwargs: Any) -> None:

@@ -156,6 +156,18 @@ class Keys:
         return f"{self.ready}:ages"
 
     @property
+    def waiter(self) -> str:
+        """Which worker waits for new entries of this shard's stream (a string holding its
+        consumer name, with a lease TTL): one blocked reader per shard, not one per worker."""
+        return f"{self.ready}:waiter"
+
+    @property
+    def wake(self) -> str:
+        """A stream of at most one entry: the waiter appends one when it hands its role on,
+        and exactly one of the other readers, blocked on it in a consumer group, wakes."""
+        return f"{self.ready}:wake"
+
+    @property
     def reshard_moved(self) -> str:
         """The dead letters `reshard` re-added to this shard (lua/reshard-letter-2.lua); a set,
         deleted when the reshard completes."""

@@ -146,15 +146,19 @@ def contents(r: redis.Redis) -> dict[str, Any]:
         "set": lambda k: sorted(r.smembers(k)),
         "list": lambda k: r.lrange(k, 0, -1),
     }
-    # Receipts of the workers' own calls live one lock lease (they answer a re-sent call):
-    # they come and go with the deployment, not with the bench. Likewise the intake's count
-    # of what was appended to the inbound stream (its trim-detection baseline) grows with
-    # every append, the bench's included; its `trimmed` count must not change.
-    keys = [key for key in sorted(r.scan_iter(count=1000)) if ":receipt:" not in key]
+    # Receipts of the workers' own calls live one lock lease (they answer a re-sent call), the
+    # waiter key and the wake stream change hands as the workers wait, and the inbound hash's
+    # added/length are intake's count of every append (the bench's included): they come and
+    # go with the deployment, not with the bench.
+    keys = [
+        key
+        for key in sorted(r.scan_iter(count=1000))
+        if ":receipt:" not in key and not key.endswith((":ready:waiter", ":ready:wake"))
+    ]
     found = {key: read[r.type(key)](key) for key in keys}
-    for key in keys:
+    for key, value in found.items():
         if key.endswith(":ready:inbound"):
-            found[key] = {f: v for f, v in found[key].items() if f not in ("added", "length")}
+            found[key] = {k: v for k, v in value.items() if k not in ("added", "length")}
     return found
 
 
