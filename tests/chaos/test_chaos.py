@@ -44,7 +44,7 @@ apart from what the workers lost: "lost" must be 0 without any allowance. (One 1
 four saw Redis 7.0 count 973 fewer appends than it had acknowledged, and exactly those entries
 were gone: no worker can see, count or restore what Redis itself forgets.)
 
-A second run, where redis-sentinel is installed, does the same on a Sentinel deployment (one
+A second test, where redis-sentinel is installed, does the same on a Sentinel deployment (one
 master, one replica, three Sentinels) with worker faults and a kill -9 of the master mid-burst,
 the replica lagging behind: there Redis does lose acknowledged writes, and the check counts
 them apart from what the workers lost (which must be 0).
@@ -116,7 +116,6 @@ class Message:
     entry_ids: list[str] = field(default_factory=list)  # every acknowledged XADD
     failed_xadds: int = 0  # tries that raised (the entry may or may not exist)
     refused_xadds: int = 0  # tries Redis refused whole (out of memory, read-only replica)
-    acked_at: list[float] = field(default_factory=list)  # monotonic time of each acknowledgment
 
 
 @dataclass
@@ -175,7 +174,6 @@ class Workload:
                     approximate=True,
                 )
                 m.entry_ids.append(entry_id.decode())
-                m.acked_at.append(time.monotonic())
                 return
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                 m.failed_xadds += 1
