@@ -976,7 +976,9 @@ class DialogScripts(RuleBasedStateMachine):
         """DialogClient.cancel of one of the session's msg_ids (explicit or entry ids), or
         of one never sent."""
         ss = self.sessions[session]
-        known = sorted({self._msg_id_of(e) for e in self.entries if e.sid == session})
+        # In append order: entry ids come from the clock, so sorting them as text would pick
+        # a different message for the same drawn index from one run to the next.
+        known = list(dict.fromkeys(self._msg_id_of(e) for e in self.entries if e.sid == session))
         choices = [*known, "m9"]
         msg_id = choices[i % len(choices)]
         want = self._predict_cancel(ss, msg_id)
