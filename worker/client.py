@@ -21,7 +21,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dialog_worker.codec import MAX_EXTRA_FIELDS, RESERVED_FIELDS, check_id, check_meta, check_text
-from dialog_worker.config import Settings, load_settings
+from dialog_worker.config import Settings, client_settings
 from dialog_worker.errors import ReplyTimeout, UncertainSendError, ValidationError
 from dialog_worker.keys import Keys, Topology
 from dialog_worker.partials import (
@@ -99,11 +99,7 @@ class DialogClient:
         max_connections: int = 64,
         **overrides: Any,
     ) -> None:
-        if settings is None:
-            settings = load_settings({"redis_url": url, **overrides})
-        elif url or overrides:
-            settings = settings.replace(**({"redis_url": url} if url else {}), **overrides)
-        self.settings = settings
+        self.settings = settings = client_settings(url, settings, overrides)
         self.topology = Topology.from_settings(settings)
         # The first (in the plain layout, the only) shard's names, for callers that do not
         # shard; anything per session goes through `keys_for`.

@@ -349,6 +349,18 @@ def unknown_env_names(env: Mapping[str, str]) -> list[str]:
     return lines
 
 
+def client_settings(
+    url: str | None, settings: Settings | None, overrides: dict[str, Any]
+) -> Settings:
+    """What a client's constructor was given, as settings: `settings` (or those of the
+    environment and config file when None) with `url` and keyword `overrides` on top."""
+    if settings is None:
+        return load_settings({"redis_url": url, **overrides})
+    if url or overrides:
+        return settings.replace(**({"redis_url": url} if url else {}), **overrides)
+    return settings
+
+
 def load_settings(
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,

@@ -34,7 +34,7 @@ from typing import Any, TypeVar, cast
 import anyio.from_thread
 
 from dialog_worker.client import DialogClient, SendResult
-from dialog_worker.config import Settings, load_settings
+from dialog_worker.config import Settings, client_settings
 from dialog_worker.replies import Reply
 
 T = TypeVar("T")
@@ -66,11 +66,7 @@ class SyncDialogClient:
         max_connections: int = 64,
         **overrides: Any,
     ) -> None:
-        if settings is None:
-            settings = load_settings({"redis_url": url, **overrides})
-        elif url or overrides:
-            settings = settings.replace(**({"redis_url": url} if url else {}), **overrides)
-        self.settings = settings
+        self.settings = settings = client_settings(url, settings, overrides)
         self._max_connections = max_connections
         self._lock = threading.Lock()
         self._pid = 0
