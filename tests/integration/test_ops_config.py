@@ -499,7 +499,10 @@ async def test_real_prometheus_scrapes_a_worker_and_evaluates_every_rule(
         )
         assert applied[0]["metric"]["instance"] == f"127.0.0.1:{worker.metrics_port}"
         outcomes = {r["metric"]["outcome"] for r in query("dialog_messages_total")}
-        assert outcomes == {"applied", "duplicate", "dead_lettered"}
+        # Every outcome is exported from the start (at 0 until it happens).
+        assert outcomes == {
+            "applied", "duplicate", "dead_lettered", "cancelled", "rejected", "superseded",
+        }  # fmt: skip
         assert query("dialog_end_to_end_seconds_bucket")
         assert query(f'dialog_ready{{job="{JOB}"}} == 1')
 
