@@ -118,8 +118,9 @@ local function entry_ms(id)
 end
 
 -- The jobs of a receipt whose locks are still ours, with their state and fields read again.
--- Each receipt item is {kind, session_id, token, seq, entry id}; rows are built by `row`
--- (h: d, v, n, f, e, q<seq>, xc, xs of the session's state).
+-- Each receipt item is {kind, session_id, token, seq, entry id, ending}; rows are built by
+-- `row` (h: d, v, n, f, e, q<seq>, xc, xs of the session's state), with the ending the first
+-- call gave (a later entry of that call, or one appended since, must not change it).
 local function replay_receipt(ready, token_base, sprefix, stream, row)
   local saved = rcall('GET', receipt_key(ready, token_base))
   if not saved then return nil end
@@ -130,7 +131,7 @@ local function replay_receipt(ready, token_base, sprefix, stream, row)
       local h = rcall('HMGET', session_key(sprefix, sid, 'state'), 'd', 'v', 'n', 'f', 'e',
                       'q' .. seq, 'xc', 'xs')
       local _, fields = load_message(stream, h[6])
-      jobs[#jobs + 1] = row(kind, sid, token, seq, id, fields or {}, h)
+      jobs[#jobs + 1] = row(kind, sid, token, seq, id, fields or {}, h, item[6])
     end
   end
   return jobs

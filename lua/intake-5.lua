@@ -218,10 +218,10 @@ local function shard_problem(sid)
     .. shard .. '): append it to its own shard\'s stream'
 end
 
-local function job_row(kind, sid, token, seq, id, fields, h)
+local function job_row(kind, sid, token, seq, id, fields, h, ending)
   return {sid, token, seq, id, fields, h[1] or '', h[2] or '0', (tonumber(h[3]) or 0),
           h[4] or '', h[5] or '',
-          ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[7], h[8])}
+          ending or ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[7], h[8])}
 end
 
 local replayed = replay_receipt(ready, token_base, sprefix, stream, job_row)
@@ -454,7 +454,7 @@ for _, e in ipairs(entries) do
                              h[4] or '', h[5] or '',
                              ending_of(sprefix, sid, seq, msg_id or id, s.xc, s.xs)}
           s.job = jobs[#jobs]
-          receipt[#receipt + 1] = {'m', sid, s.token, seq, id}
+          receipt[#receipt + 1] = {'m', sid, s.token, seq, id, s.job}  -- its ending, at save
         else
           -- A lock with nothing outstanding: look again when its lease ends.
           contended = contended + 1
@@ -488,6 +488,9 @@ if #dels > 0 then
 end
 
 if #receipt > 0 then
+  for _, item in ipairs(receipt) do
+    item[6] = item[6][11]  -- the job's ending as this call leaves it (an interrupt may change it)
+  end
   save_receipt(ready, token_base, lock_ttl, receipt)
 end
 

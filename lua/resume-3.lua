@@ -36,9 +36,11 @@ for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}}) do
   if err then return err end
 end
 
-local function job_row(kind, sid, token, seq, id, fields, h)
-  local ending = ''
-  if kind == 'm' then ending = ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[7], h[8]) end
+local function job_row(kind, sid, token, seq, id, fields, h, ending)
+  if not ending then
+    ending = ''
+    if kind == 'm' then ending = ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[7], h[8]) end
+  end
   return {kind, sid, token, seq, id, fields, h[1] or '', h[2] or '0', (tonumber(h[3]) or 0),
           h[4] or '', h[5] or '', ending}
 end
@@ -107,7 +109,7 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
         end
         jobs[#jobs + 1] = {kind, sid, token, seq, id or '', fields or {},
                            h[3] or '', h[4] or '0', attempts, h[6] or '', h[7] or '', ending}
-        receipt[#receipt + 1] = {kind, sid, token, seq, id or ''}
+        receipt[#receipt + 1] = {kind, sid, token, seq, id or '', ending}
       end
     end
   end
