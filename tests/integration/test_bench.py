@@ -156,9 +156,13 @@ def contents(r: redis.Redis) -> dict[str, Any]:
         if ":receipt:" not in key and not key.endswith((":ready:waiter", ":ready:wake"))
     ]
     found = {key: read[r.type(key)](key) for key in keys}
-    for key, value in found.items():
+    for key, value in list(found.items()):
         if key.endswith(":ready:inbound"):
-            found[key] = {k: v for k, v in value.items() if k not in ("added", "length")}
+            kept = {k: v for k, v in value.items() if k not in ("added", "length")}
+            if kept:
+                found[key] = kept
+            else:  # only the baseline, written by whichever intake call came first
+                del found[key]
     return found
 
 
