@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any
 import anyio
 import pytest
 import redis
+from worker_procs import run_cli
 
 from dialog_worker.client import DialogClient
 from dialog_worker.config import load_settings
@@ -286,14 +285,7 @@ async def test_client_refuses_an_unknown_multitask(env: dict[str, str]) -> None:
             await c.send("s", "x", multitask="whenever")
 
 
-def _cli(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dialog_worker", *args],
-        env={**env, **extra},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+_cli = run_cli  # tests/support/worker_procs.py
 
 
 def test_cli_cancel_prints_what_it_found(env: dict[str, str]) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -23,6 +22,7 @@ import anyio
 import pytest
 import redis.asyncio
 from redis_server import wait_until_async as poll
+from worker_procs import run_cli
 
 from dialog_worker.client import DialogClient
 from dialog_worker.config import load_settings
@@ -32,14 +32,7 @@ from dialog_worker.views import queue_stats
 pytestmark = pytest.mark.integration
 
 
-def cli(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dialog_worker", *args],
-        env={**env, **extra},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+cli = run_cli  # tests/support/worker_procs.py
 
 
 async def acli(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:

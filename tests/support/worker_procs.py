@@ -172,3 +172,14 @@ class WorkerPool:
                 except subprocess.TimeoutExpired:
                     w.proc.kill()
                     w.proc.wait(10)
+
+
+def run_cli(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    """`python -m dialog_worker ARGS` with `env` (plus `extra`), its output as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "dialog_worker", *args],
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
