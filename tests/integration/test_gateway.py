@@ -3,6 +3,7 @@ routes, server-sent events, resumption, auth and refusals."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,6 +75,25 @@ async def test_post_then_stream_the_answer_as_server_sent_events(
     assert "".join(e.data["text"] for e in sse.events[:-1]) == REPLY
     assert all(e.id == e.data["cursor"] for e in sse.events)
     assert sse.events[-1].data["outcome"] == "applied"
+
+
+async def test_an_answer_that_starts_after_the_first_second_still_streams(
+    gateway: GatewayProc, workers: WorkerPool
+):
+    """The stream opens when nothing came within its first second (a busy worker, or none
+    yet), instead of answering 503 as if Redis were away."""
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        posted = await http.post("/sessions/web-late/messages", json={"text": "20 5"}, headers=AUTH)
+        started = asyncio.get_running_loop().call_later(
+            2.0, lambda: workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+        )
+        try:
+            response, sse = await read_sse(http, posted.json()["stream"])
+        finally:
+            started.cancel()
+    assert response.status_code == 200
+    assert sse.events[-1].kind == "end"
+    assert shown(sse.events) == "".join(f"w{i} " for i in range(20))
 
 
 async def test_last_event_id_or_after_resumes_and_the_end_cursor_gets_204(

@@ -219,15 +219,20 @@ async def stream_answer(request: Request) -> Response:
         raise
     if first is None:
         return Response(status_code=204, headers={"Cache-Control": "no-cache"})
+    if first is _NOTHING_YET:
+        # Nothing within the first second (the answer has not started): open the stream now.
+        # Checked first: a TimeoutError is also an OSError, which would read as Redis away.
+        return StreamingResponse(
+            _sse(None, queue, pump), media_type="text/event-stream", headers=SSE_HEADERS
+        )
     if isinstance(first, ValidationError):
         return _error(400, str(first))
     if isinstance(first, (redis.exceptions.RedisError, OSError, ReplyStreamError)):
         return _error(503, "the chat service is unavailable")
-    if isinstance(first, BaseException) and first is not _NOTHING_YET:
+    if isinstance(first, BaseException):
         raise first
-    opening = first if isinstance(first, StreamEvent) else None
     return StreamingResponse(
-        _sse(opening, queue, pump), media_type="text/event-stream", headers=SSE_HEADERS
+        _sse(first, queue, pump), media_type="text/event-stream", headers=SSE_HEADERS
     )
 
 
