@@ -13,7 +13,8 @@ The page shows each answer as it grows (``delta``), clears it when a retried att
 over (``reset``), replaces it when told (``resync``) and with the committed reply at the
 ``end``. When the connection drops, the browser's EventSource reconnects by itself with the
 last cursor (``Last-Event-ID``) and the answer goes on without a piece twice. The stop button
-stays disabled: the gateway has no cancel route yet.
+cancels the answer being written (``POST .../cancel``): it ends ``cancelled``, keeping the text
+shown so far.
 """
 
 from __future__ import annotations

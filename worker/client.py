@@ -446,7 +446,8 @@ class DialogClient:
         message ends ``cancelled`` in its turn without a step; a running one is stopped
         (an ``async def`` step within 0.2 s, typically 30-50 ms; a plain ``def`` step sees
         ``dialog_worker.cancelled()`` turn True and its result is discarded); either way one
-        ``cancelled`` reply event, and the session goes on. See `CancelResult`."""
+        ``cancelled`` reply event, and the session goes on. A running step's message keeps
+        what it had streamed (`emit`) as its reply and history text. See `CancelResult`."""
         check_id("session_id", session_id)
         check_id("msg_id", msg_id)
         keys = self.keys_for(session_id)

@@ -48,12 +48,15 @@ from dialog_worker.keys import Keys
 from dialog_worker.metrics import Metrics
 from dialog_worker.redis_checks import ledger, oom
 from dialog_worker.scripts import Code, Scripts
-from dialog_worker.streaming import PartialReplies
+from dialog_worker.streaming import PartialReplies, PartialWriter
 
 log = structlog.get_logger("dialog_worker.pipeline")
 
 # How much of a message's text a history turn keeps (the dead letter keeps it whole).
 HISTORY_TEXT_LIMIT = 1024
+# Most text a cancelled message keeps of what its step had streamed (its ending commit is not
+# held to DIALOG_MAX_STATE_BYTES, so this bounds what it adds to the state).
+SHOWN_TEXT_LIMIT = 16_384
 # Most commits sent in one script call.
 COMMIT_BATCH = 256
 
@@ -90,6 +93,9 @@ class Job:
     msg_id: str = ""  # once decoded
     # Set when the message is cancelled while its step runs (dialog_worker.cancelled()).
     cancel_flag: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # What the step streams (worker/streaming.py), once it runs: a cancelled message keeps
+    # the text it showed.
+    partial: PartialWriter | None = None
 
     @classmethod
     def from_script(cls, keys: Keys, row: Sequence[Any], gap: bool = False) -> Job:
@@ -274,7 +280,7 @@ class Pipeline:
                 return await self._deadletter(job, msg, "permanent", describe_failure(exc))
             except StepCancelled:
                 log.info("step_cancelled")
-                return await self._end(job, "cancelled", msg)
+                return await self._end(job, "cancelled", msg, await self._shown(job))
             except LeaseLost:
                 self.metrics.fencing_rejections.inc()
                 log.warning("lease_lost", outcome="abandoned")
@@ -282,7 +288,7 @@ class Pipeline:
             except Exception as exc:
                 if job.cancel_flag.is_set() and not job.lost:
                     log.info("step_cancelled", error=_describe(exc))
-                    return await self._end(job, "cancelled", msg)
+                    return await self._end(job, "cancelled", msg, await self._shown(job))
                 if job.lost:
                     self.metrics.fencing_rejections.inc()
                     log.warning("lease_lost", outcome="abandoned")
@@ -445,7 +451,7 @@ class Pipeline:
         if code is Code.CANCELLED:
             # Cancelled while it ran (the cancel reached Redis before this commit): nothing
             # was written; it ends cancelled instead, so it has exactly one outcome.
-            return await self._end(job, "cancelled", msg)
+            return await self._end(job, "cancelled", msg, await self._shown(job))
         ledger.committed(job.keys.session(job.session_id).state, job.version + 1)
         self.metrics.messages.labels(outcome).inc()
         self.metrics.processing.observe(time.perf_counter() - started)
@@ -560,11 +566,14 @@ class Pipeline:
             dead_letter=letter,
         )
 
-    async def _end(self, job: Job, outcome: str, msg: Message | None = None) -> Job | None:
+    async def _end(
+        self, job: Job, outcome: str, msg: Message | None = None, shown: str = ""
+    ) -> Job | None:
         """End a message without applying it (``cancelled``, ``superseded``), in its turn: the
-        state is left as it was, the history gains the turn marked so (its bot text empty:
-        what a stopped step had streamed is not kept here), one reply event; the commit
-        frees its msg_id, so a re-send is applied."""
+        state is left as it was, the history gains the turn marked so, one reply event; the
+        commit frees its msg_id, so a re-send is applied. ``shown`` is what its step had
+        streamed to readers when it was stopped: the turn's bot text and the event's reply
+        (cut to `SHOWN_TEXT_LIMIT`), so the history keeps what the user saw."""
         if msg is None:
             try:
                 msg = decode_message(
@@ -575,7 +584,13 @@ class Pipeline:
         log.info("message_ended", outcome=outcome)
         state = job.load_state()
         kept = {k: v for k, v in state.items() if k != "history"}
-        return await self._commit(job, msg, kept, "", time.perf_counter(), ending=outcome)
+        if len(shown) > SHOWN_TEXT_LIMIT:
+            shown = shown[:SHOWN_TEXT_LIMIT] + "…"
+        return await self._commit(job, msg, kept, shown, time.perf_counter(), ending=outcome)
+
+    async def _shown(self, job: Job) -> str:
+        """What the cancelled step of ``job`` had streamed to readers ('' if nothing)."""
+        return "" if job.partial is None else await job.partial.shown()
 
 
 class LeaseLost(Exception):

@@ -86,6 +86,7 @@ class PartialWriter:
         self.closed = False
         self.used = False  # anything emitted at all (most steps emit nothing)
         self.fenced = False
+        self.abandoned = False  # the step failed or was cancelled: nothing more is written
         self.inflight = 0  # batches of this writer in a call not answered yet
         self.drained: asyncio.Event | None = None  # set by `finish`, set when all is written
 
@@ -120,7 +121,7 @@ class PartialWriter:
     def give_back(self, text: str) -> None:
         """A write failed: the text goes first in the next one (dropped if the step ended)."""
         with self._lock:
-            if self.fenced:
+            if self.fenced or self.abandoned:
                 return
             self._pending.insert(0, text)
             self._pending_chars += len(text)
@@ -177,8 +178,17 @@ class PartialWriter:
         """The step failed or was cancelled: what is gathered is dropped (the next attempt's
         entries tell readers to start over)."""
         with self._lock:
-            self.closed = True
+            self.closed = self.abandoned = True
             self._pending, self._pending_chars = [], 0
+
+    async def shown(self) -> str:
+        """The text readers were given: what was written, once the batches already on their
+        way are answered (what a cancelled answer keeps; call after `abandon`)."""
+        if not self.idle():
+            self.drained = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.drained.wait(), SHOWN_WAIT_S)
+        return "".join(self._sent)
 
 
 @dataclasses.dataclass(slots=True)
@@ -191,6 +201,8 @@ class _Ended:
 
 # Longest wait, after a step returned, for its last partial text to be written.
 FINISH_WAIT_S = 5.0
+# Longest wait, after a step was cancelled, for the batches already sent (the text shown).
+SHOWN_WAIT_S = 1.0
 # Most batches in one script call.
 FLUSH_BATCH = 256
 
@@ -319,7 +331,7 @@ class PartialReplies:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._loop_thread = threading.get_ident()
-        writer = PartialWriter(self, job, msg.msg_id, job.attempts)
+        writer = job.partial = PartialWriter(self, job, msg.msg_id, job.attempts)
         token = _current.set(writer)
         try:
             result = await step

@@ -121,6 +121,61 @@ def test_the_page_streams_an_answer_across_a_dropped_connection_exactly_once(
     assert len(shown) >= 3, "the answer arrived in pieces"
 
 
+def test_the_stop_button_ends_the_answer_cancelled_keeping_what_was_shown(
+    chat_page: TcpProxy, workers: WorkerPool, env: dict[str, str]
+):
+    browser = _browser()
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    reply = "".join(f"w{i} " for i in range(300))
+
+    def bot(expr: str) -> Any:
+        return browser.execute_script(f"const b = document.querySelector('.bot'); return {expr};")
+
+    try:
+        browser.get(f"http://127.0.0.1:{chat_page.port}/")
+        stop = browser.find_element("id", "stop")
+        assert not stop.is_enabled(), "nothing to stop before a message is sent"
+        browser.find_element("id", "text").send_keys("300 40")  # about 12 s of answer
+        browser.find_element("id", "send").click()
+        wait_until(lambda: len(bot("b ? b.textContent : ''")) > 0, 20, what="the answer starts")
+        assert stop.is_enabled()
+        stop.click()
+        wait_until(lambda: bot("b.dataset.state") == "done", 10, what="the answer ends")
+        outcome, cancel, text = (
+            bot("b.dataset.outcome"),
+            bot("b.dataset.cancel"),
+            bot("b.textContent"),
+        )
+        shown_before_end: list[str] = bot("b.shown.slice(0, -1)")
+        stop_enabled = stop.is_enabled()
+        marker = bot("getComputedStyle(b, '::after').content")
+    finally:
+        browser.quit()
+    assert (outcome, cancel) == ("cancelled", "cancelled")
+    assert "stopped" in marker, marker  # the page shows it was stopped
+    assert not stop_enabled
+    # The page keeps the text it showed (the end's text is exactly what streamed), well short
+    # of the full answer.
+    assert text == shown_before_end[-1]
+    assert 0 < len(text) < len(reply) and reply.startswith(text)
+    state = _state(env, "cancelled")
+    assert state is not None and state["bot"] == text
+
+
+def _state(env: dict[str, str], flag: str) -> dict[str, Any] | None:
+    """The history turn marked ``flag`` of the page's (only) session."""
+    import redis
+
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    for key in r.scan_iter("*"):
+        if r.type(key) == b"hash" and r.hexists(key, "d"):
+            doc = json.loads(r.hget(key, "d") or b"{}")
+            for turn in doc.get("history", []) if isinstance(doc, dict) else []:
+                if isinstance(turn, dict) and turn.get(flag) is True:
+                    return turn
+    return None
+
+
 def test_chromium_is_driven_headless_in_time():
     """A guard for CI: the browser starts within a bounded time (or the test above skips)."""
     started = time.monotonic()

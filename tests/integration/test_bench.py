@@ -215,3 +215,32 @@ def test_bench_refuses_a_namespace_that_a_group_reads_unless_named(
         assert len(lines) == 1 and "--namespace" in lines[0], refused.stderr
         assert refused.stdout == ""
     assert contents(r) == before
+
+
+def test_streaming_bench_measures_plain_messages_alone_and_alongside_the_answers() -> None:
+    """`python -m dialog_worker.bench.streaming --plain M` (docs/benchmarks.md, section 8): a
+    small run answers every streamed answer correctly and reports the plain messages' two
+    throughputs, the one alongside taken while the answers were still being written."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dialog_worker.bench.streaming",
+            *("--answers", "4", "--tokens", "60", "--rate", "20"),
+            *("--plain", "100", "--plain-sessions", "20", "--plain-after-s", "0.5"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["correct_answers"] == 4 and result["tokens_received"] == 240
+    plain = result["plain"]
+    assert plain["alone"]["messages"] == plain["alongside"]["messages"] == 100
+    assert plain["alone"]["per_s"] > 0 and plain["alongside"]["per_s"] > 0
+    assert plain["streaming_still_running"] is True  # 3 s answers; the burst is at 0.5 s
+    assert plain["ratio"] == round(plain["alongside"]["per_s"] / plain["alone"]["per_s"], 3)
+    assert result["latency_ms_p99"] > 0
+    assert result["redis_commands_per_token"] is None  # the plain messages' commands are in it

@@ -308,3 +308,35 @@ def test_an_invalid_multitask_setting_is_one_line_and_exit_2(env: dict[str, str]
     result = _cli(env, "run", DIALOG_MULTITASK="sometimes")
     assert result.returncode == 2
     assert "DIALOG_MULTITASK" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("engine", ["AsyncWords", "ThreadWords"])
+async def test_a_cancelled_answer_keeps_the_text_it_showed_in_its_history_turn(
+    workers: Any, client: DialogClient, env: dict[str, str], engine: str
+) -> None:
+    """Stopped mid-answer: the end event, the reply event and the history turn (marked
+    cancelled) all hold exactly the text the reader was shown, not an empty reply."""
+    workers.start(1, DIALOG_ENGINE=f"stream_engines:{engine}")
+    full = "".join(f"w{i} " for i in range(200))
+    got: list[Any] = []
+    async for event in client.ask_stream("s-shown", "200 20", msg_id="c1", timeout=30):
+        got.append(event)
+        if len(got) == 3:
+            assert (await client.cancel("s-shown", "c1")).status == "cancelled"
+    end = got[-1]
+    assert end.kind == "end" and end.outcome == "cancelled"
+    deltas = "".join(e.text for e in got[:-1] if e.kind == "delta")
+    assert [e.kind for e in got[:-1]] == ["delta"] * (len(got) - 1)
+    assert end.text == deltas  # what was shown, once: nothing lost, nothing added
+    assert 0 < len(end.text) < len(full) and full.startswith(end.text)
+    reply = [e for e in events(env["REDIS_URL"]) if e["msg_id"] == "c1"]
+    assert [(e["outcome"], e["reply"]) for e in reply] == [("cancelled", end.text)]
+    state = await client.state("s-shown")
+    assert state is not None
+    assert state["history"] == [
+        {"seq": 1, "msg_id": "c1", "user": "200 20", "bot": end.text, "cancelled": True}
+    ]
+    assert "step" not in state or state["step"] != "STREAMED"  # the step's state: discarded
+    # A later reader learns the same from the history.
+    again = [e async for e in client.stream("s-shown", "c1", timeout=10) if e.kind == "end"]
+    assert [(e.outcome, e.text) for e in again] == [("cancelled", end.text)]

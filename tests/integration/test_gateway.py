@@ -3,6 +3,7 @@ routes, server-sent events, resumption, auth and refusals."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,6 +77,25 @@ async def test_post_then_stream_the_answer_as_server_sent_events(
     assert sse.events[-1].data["outcome"] == "applied"
 
 
+async def test_an_answer_that_starts_after_the_first_second_still_streams(
+    gateway: GatewayProc, workers: WorkerPool
+):
+    """The stream opens when nothing came within its first second (a busy worker, or none
+    yet), instead of answering 503 as if Redis were away."""
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        posted = await http.post("/sessions/web-late/messages", json={"text": "20 5"}, headers=AUTH)
+        started = asyncio.get_running_loop().call_later(
+            2.0, lambda: workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+        )
+        try:
+            response, sse = await read_sse(http, posted.json()["stream"])
+        finally:
+            started.cancel()
+    assert response.status_code == 200
+    assert sse.events[-1].kind == "end"
+    assert shown(sse.events) == "".join(f"w{i} " for i in range(20))
+
+
 async def test_last_event_id_or_after_resumes_and_the_end_cursor_gets_204(
     gateway: GatewayProc, workers: WorkerPool
 ):
@@ -99,6 +119,42 @@ async def test_last_event_id_or_after_resumes_and_the_end_cursor_gets_204(
         assert done.status_code == 204
         late, sse = await read_sse(http, url)
         assert late.status_code == 200 and sse.events[-1].data["text"] == REPLY
+
+
+async def test_cancel_route_stops_the_answer_which_ends_cancelled_with_what_was_shown(
+    gateway: GatewayProc, workers: WorkerPool
+):
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        posted = (
+            await http.post("/sessions/web-c/messages", json={"text": "200 20"}, headers=AUTH)
+        ).json()
+        url, msg_id = posted["stream"], posted["msg_id"]
+        _, first = await read_sse(http, url, stop_after=2)
+        cancel = f"/sessions/web-c/messages/{msg_id}/cancel"
+        assert (await http.post(cancel)).status_code == 401
+        stopped = await http.post(cancel, headers=AUTH)
+        assert stopped.status_code == 200, stopped.text
+        assert stopped.json() == {
+            "session_id": "web-c",
+            "msg_id": msg_id,
+            "status": "cancelled",
+            "seq": 1,
+            "outcome": None,
+        }
+        _, rest = await read_sse(http, url, headers={"Last-Event-ID": first.events[-1].id or ""})
+        end = rest.events[-1]
+        assert (end.kind, end.data["outcome"]) == ("end", "cancelled")
+        # The end keeps the text shown so far (every delta, once), not an empty reply.
+        assert end.data["text"] == shown(first.events + rest.events[:-1])
+        assert 0 < len(end.data["text"]) < len("".join(f"w{i} " for i in range(200)))
+        again = await http.post(cancel, headers=AUTH)  # idempotent: it says how it ended
+        assert again.status_code == 200
+        assert (again.json()["status"], again.json()["outcome"]) == ("finished", "cancelled")
+        early = await http.post("/sessions/web-c/messages/not-sent-yet/cancel", headers=AUTH)
+        assert early.json()["status"] == "pending"
+        bad = await http.post("/sessions/web-c/messages/%20%20/cancel", headers=AUTH)
+        assert bad.status_code == 400 and bad.json()["error"]
 
 
 async def test_every_request_needs_the_token(gateway: GatewayProc):

@@ -639,7 +639,8 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
         (f"HGET {S}:state d", False),
         (f"EVALSHA {SHA} 1 dialog-replies", False),
     ],
-    # The producer's rights and the reply reader's, nothing more (see config/redis-acl.conf).
+    # The producer's rights, the reply reader's, and what streaming an answer and cancelling
+    # need (see config/redis-acl.conf), nothing more.
     "app": [
         ("XADD dialog * session_id s text t", True),
         ("GET dialog:shards", True),
@@ -653,12 +654,34 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
         ("XADD dialog-dlq * f v", False),
         ("XRANGE dialog - +", False),
         ("XREAD COUNT 1 STREAMS dialog 0", False),
-        (f"HGET {S}:state d", False),
+        # stream / ask_stream: the partial stream, the state's applied seq and history (the end
+        # of an answer whose partial text expired), the msg_id's seq
+        (f"XRANGE {S}:partial:m1 - + COUNT 64", True),
+        (f"XREAD COUNT 64 BLOCK 100 STREAMS {S}:partial:m1 0-0", True),
+        (f"HMGET {S}:state a s d", True),
+        (f"HGET {S}:state d", True),
+        (f"GET {S}:msg:m1", True),
+        (f"XADD {S}:partial:m1 * a 1 p 0 k d t forged", False),
+        (f"DEL {S}:partial:m1", False),
+        (f"HGETALL {S}:state", False),
         (f"HSET {S}:state a 9", False),
+        (f"DEL {S}:state", False),
+        (f"GET {S}:lock", False),
         (f"SET {S}:lock t", False),
         (f"SET {S}:msg:m1 1", False),
-        (f"ZADD {READY} 1 x", False),
+        # cancel: lua/cancel-1.lua (declared: the session key prefix), loaded again after a
+        # NOSCRIPT; inside it TYPE, HMGET, HGET, GET, EXISTS, TIME and SET of the cancel mark
+        (f"EVALSHA {SHA} 1 {PREFIX}", True),
+        ("SCRIPT LOAD return", True),
+        (f"TYPE {S}:state", True),
+        (f"SET {S}:cancel:m1 1 EX 86400", True),
+        (f"EXISTS {S}:cancel:m1", True),
+        (f"DEL {S}:cancel:m1", False),
         (f"EVALSHA {SHA} 1 dialog", False),
+        (f"EVALSHA {SHA} 3 dialog {READY} {PREFIX}", False),
+        (f"EVALSHA {SHA} 2 {S}:lock {S}:partial:m1", False),  # emit-2.lua: the worker's
+        (f"ZADD {READY} 1 x", False),
+        (f"ZRANGE {READY} 0 -1", False),
     ],
     "keda": [
         ("XINFO GROUPS dialog", True),
@@ -953,3 +976,56 @@ def test_missing_ca_file_is_a_configuration_error(tls: Tls, tmp_path: Path) -> N
         result = cli(env, *args)
         assert result.returncode == 2
         assert "DIALOG_REDIS_CA_PATH" in result.stderr and "file not found" in result.stderr
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_app_user_streams_answers_and_cancels_with_nothing_denied(
+    acl: AclRedis, tmp_path: Path, layout: str
+) -> None:
+    """DialogClient.ask_stream, stream (from a cursor, and after the end) and cancel (of a
+    running message, of a finished one, of one not sent yet) as the app user, against a
+    streaming worker running as the worker user, in both key layouts: not one command denied.
+    What the app may do besides is pinned by test_each_role_has_exactly_its_rights."""
+    acl.admin.flushall()
+    acl.admin.execute_command("ACL", "LOG", "RESET")
+    layout_env = LAYOUTS[layout]
+    app = settings_for(acl.url("app"), **layout_env)
+    pool = WorkerPool(
+        worker_env(acl.url("worker"), **layout_env, DIALOG_ENGINE="stream_engines:AsyncWords"),
+        tmp_path,
+    )
+    reply = "".join(f"w{i} " for i in range(30))
+
+    async def as_app() -> dict[str, Any]:
+        got: dict[str, Any] = {}
+        async with DialogClient(settings=app) as c:
+            events = [e async for e in c.ask_stream("acl-st", "30 5", msg_id="m1", timeout=30)]
+            got["ask_stream"] = events
+            resumed = [e async for e in c.stream("acl-st", "m1", after=events[1].cursor)]
+            got["resumed"] = resumed
+            # A NOSCRIPT after a Redis restart loads the cancel script again (SCRIPT LOAD).
+            acl.admin.script_flush()
+            got["early"] = await c.cancel("acl-st", "later")
+            stopped: list[Any] = []
+            async for event in c.ask_stream("acl-st", "400 20", msg_id="m2", timeout=30):
+                stopped.append(event)
+                if len(stopped) == 2:
+                    got["cancel"] = await c.cancel("acl-st", "m2")
+            got["stopped"] = stopped
+            got["finished"] = await c.cancel("acl-st", "m2")
+        return got
+
+    try:
+        pool.start(1)
+        got = asyncio.run(as_app())
+    finally:
+        pool.stop_all()
+    events = got["ask_stream"]
+    assert (events[-1].kind, events[-1].outcome, events[-1].text) == ("end", "applied", reply)
+    assert "".join(e.text for e in events[:-1]) == reply
+    assert [e.kind for e in got["resumed"]] == [e.kind for e in events[2:]]
+    assert got["early"].status == "pending"
+    assert got["cancel"].status == "cancelled"
+    assert got["stopped"][-1].outcome == "cancelled"
+    assert (got["finished"].status, got["finished"].outcome) == ("finished", "cancelled")
+    assert acl.acl_log() == [], "the app user was denied a command it needs"

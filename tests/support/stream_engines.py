@@ -89,3 +89,36 @@ class SlowOnFirstWorker:
                 with open(marker, "w") as f:  # noqa: ASYNC230 - a test signal, microseconds
                     f.write(str(os.getpid()))
         return {**state, "step": "STREAMED"}, "".join(words)
+
+
+def _tagged(message: dict[str, Any]) -> tuple[list[str], float]:
+    """``<words> <delay_ms> <tag>``: words ``<tag>.0 <tag>.1 ...``, so no two messages'
+    answers share a piece (a piece of the wrong answer cannot pass for a right one)."""
+    parts = message["text"].split()
+    tag = parts[2]
+    return [f"{tag}.{i} " for i in range(int(parts[0]))], float(parts[1]) / 1000
+
+
+class TaggedAsync:
+    """AsyncWords with words of the message's own tag."""
+
+    async def step(
+        self, state: dict[str, Any], message: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        words, delay = _tagged(message)
+        for word in words:
+            emit(word)
+            await asyncio.sleep(delay)
+        return {**state, "step": "STREAMED"}, "".join(words)
+
+
+class TaggedThread:
+    """ThreadWords (a plain def step in its thread) with words of the message's own tag: the
+    same answer as TaggedAsync, so a message can move between the two kinds of worker."""
+
+    def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        words, delay = _tagged(message)
+        for word in words:
+            emit(word)
+            time.sleep(delay)
+        return {**state, "step": "STREAMED"}, "".join(words)

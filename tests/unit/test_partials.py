@@ -3,11 +3,16 @@ step: every resume case without Redis."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 
 from dialog_worker import emit
+from dialog_worker.config import load_settings
 from dialog_worker.errors import ValidationError
 from dialog_worker.partials import Cursor, Tracker, parse_cursor, reply_from_history
+from dialog_worker.streaming import PartialReplies
 
 
 def entry(a: int, p: int, t: str, k: str = "d", f: str | None = None, s: int = 3):
@@ -130,3 +135,47 @@ def test_emit_outside_a_step_does_nothing_and_refuses_non_text():
     emit("ignored")
     with pytest.raises(TypeError):
         emit(b"bytes")  # type: ignore[arg-type]
+
+
+class GatedReplies(PartialReplies):
+    """The worker's partial writer with Redis replaced by a call that waits for a gate (a
+    batch on its way when the step stops) and answers "appended" for every piece."""
+
+    def __init__(self) -> None:
+        super().__init__(None, load_settings(environ={"DIALOG_PARTIAL_FLUSH_MS": "1"}))  # type: ignore[arg-type]
+        self.gate = asyncio.Event()
+        self.sent: list[str] = []
+        self.calling = asyncio.Event()
+
+    async def call(self, keys: list[str], args: list[str | int]) -> list[int]:
+        self.calling.set()
+        await self.gate.wait()
+        texts = [str(args[i + 5]) for i in range(0, len(args), 8)]
+        self.sent += texts
+        return [1] * len(texts)
+
+
+async def test_a_stopped_step_keeps_the_text_of_a_batch_still_on_its_way() -> None:
+    """What a cancelled answer keeps is what readers get: a batch sent before the stop and
+    answered after it counts; text gathered but not sent does not."""
+    replies = GatedReplies()
+    keys = SimpleNamespace(
+        shard=0, session=lambda sid: SimpleNamespace(lock="L", partial=lambda m: f"P:{m}")
+    )
+    job = SimpleNamespace(keys=keys, token="t", seq=1, session_id="s", attempts=1, partial=None)
+
+    async def step() -> None:
+        emit("shown ")
+        await replies.calling.wait()  # the batch is on its way
+        emit("never sent")
+        raise RuntimeError("stopped")
+
+    with pytest.raises(RuntimeError):
+        await replies.run(job, SimpleNamespace(msg_id="m"), step())  # type: ignore[arg-type]
+    kept = asyncio.create_task(job.partial.shown())
+    await asyncio.sleep(0.05)
+    assert not kept.done(), "it waits for the batch on its way"
+    replies.gate.set()
+    assert await asyncio.wait_for(kept, 2) == "shown "
+    await asyncio.sleep(0.05)
+    assert replies.sent == ["shown "]  # the text gathered after it was dropped, not written

@@ -9,6 +9,11 @@ from INFO commandstats, divided by the tokens streamed), emit-to-client latency 
 with its own clock on arrival; same host), Redis memory per live answer (peak used_memory
 over the idle baseline, divided by N) and per finished answer (its partial stream, kept until
 DIALOG_PARTIAL_TTL_S), and the answers' correctness (each reader's text equals the reply).
+
+With ``--plain M``: the throughput of M messages that stream nothing (a burst of plain XADDs
+over ``--plain-sessions`` sessions, answered at once by the same engine), first on the idle
+workers, then again ``--plain-after-s`` into the streaming run, while every answer is still
+being written: ``plain_ratio`` is the second throughput over the first.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from dialog_worker import emit
 from dialog_worker.client import DialogClient
@@ -77,6 +82,46 @@ async def _read(client: DialogClient, i: int, tokens: int, rate: int) -> tuple[l
     return latencies, shown == final and len(final.split()) == tokens
 
 
+async def _plain_burst(
+    client: DialogClient, count: int, sessions: int, label: str, after_s: float
+) -> dict[str, float]:
+    """``count`` messages that stream nothing, appended at once (one pipeline of plain XADDs,
+    as producers do), and the time from the append to the last one's reply event (its
+    ``produced_at``, the worker's clock on this same host: the bench's own loop, busy with
+    the readers, does not count): messages per second."""
+    await asyncio.sleep(after_s)
+    replies = client.keys.replies
+    newest = cast(list[tuple[str, Any]], await client.redis.xrevrange(replies, count=1))
+    last_id: str = newest[0][0] if newest else "0-0"
+    prefix = f"plain-{label}-"
+    started = time.monotonic()
+    sent_at_ms = time.time() * 1000
+    async with client.redis.pipeline(transaction=False) as pipe:
+        for i in range(count):
+            pipe.xadd(
+                client.keys.stream,
+                {"session_id": f"{prefix}{i % sessions}", "text": "0 1", "msg_id": f"{prefix}{i}"},
+            )
+        await pipe.execute()
+    seen = 0
+    last_ms = sent_at_ms
+    while seen < count:
+        got = cast(
+            list[tuple[str, list[tuple[str, dict[str, str]]]]],
+            await client.redis.xread({replies: last_id}, count=1000, block=1000),
+        )
+        for _, entries in got or []:
+            for entry_id, fields in entries:
+                last_id = entry_id
+                if str(fields.get("session_id", "")).startswith(prefix):
+                    seen += 1
+                    last_ms = max(last_ms, float(fields.get("produced_at", 0)))
+        if time.monotonic() - started > 300:
+            raise TimeoutError(f"{count - seen} plain messages unanswered after 300 s")
+    seconds = max(0.001, (last_ms - sent_at_ms) / 1000)
+    return {"messages": count, "seconds": round(seconds, 3), "per_s": round(count / seconds, 1)}
+
+
 def _percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] if ordered else 0.0
@@ -97,12 +142,33 @@ async def _run(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 peak = max(peak, int((await client.redis.info("memory"))["used_memory"]))
                 await asyncio.sleep(0.2)
 
+        plain: dict[str, Any] = {}
+        if args.plain:
+            # Alone first, on idle workers, after a small burst that warms them up (their
+            # first calls load scripts and fill connection pools).
+            await _plain_burst(client, 200, args.plain_sessions, "warm", 0.0)
+            plain["alone"] = await _plain_burst(
+                client, args.plain, args.plain_sessions, "alone", 0.0
+            )
+            await client.redis.config_resetstat()
         sampler = asyncio.create_task(sample())
         started = time.monotonic()
+        alongside = (
+            asyncio.create_task(
+                _plain_burst(client, args.plain, args.plain_sessions, "along", args.plain_after_s)
+            )
+            if args.plain
+            else None
+        )
         results = await asyncio.gather(
             *(_read(client, i, args.tokens, args.rate) for i in range(args.answers))
         )
         elapsed = time.monotonic() - started
+        if alongside is not None:
+            plain["alongside"] = await alongside
+            plain["streaming_still_running"] = (
+                args.plain_after_s + plain["alongside"]["seconds"] <= elapsed
+            )
         done.set()
         await sampler
         stats = await client.redis.info("commandstats")
@@ -117,8 +183,11 @@ async def _run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     for own in ("info", "config|resetstat", "scan", "memory|usage"):
         calls.pop(own, None)  # the bench's own sampling
     latencies = [ms for lat, _ in results for ms in lat]
-    tokens = args.answers * args.tokens
-    return {
+    tokens = max(1, args.answers * args.tokens)
+    answers = max(1, args.answers)
+    if plain:
+        plain["ratio"] = round(plain["alongside"]["per_s"] / plain["alone"]["per_s"], 3)
+    result = {
         "answers": args.answers,
         "tokens_per_answer": args.tokens,
         "tokens_per_s_per_answer": args.rate,
@@ -137,10 +206,23 @@ async def _run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         "latency_ms_p50": round(_percentile(latencies, 50), 1),
         "latency_ms_p99": round(_percentile(latencies, 99), 1),
         "latency_ms_max": round(max(latencies, default=0.0), 1),
-        "memory_bytes_per_live_answer": (peak - baseline) // args.answers,
-        "memory_bytes_per_finished_answer": (after - baseline) // args.answers,
-        "partial_stream_bytes_per_answer": stream_bytes // args.answers,
+        "memory_bytes_per_live_answer": (peak - baseline) // answers,
+        "memory_bytes_per_finished_answer": (after - baseline) // answers,
+        "partial_stream_bytes_per_answer": stream_bytes // answers,
+        # Messages that stream nothing: alone, and alongside the streamed answers.
+        "plain": plain or None,
     }
+    if plain:
+        # The plain messages' commands and state are in these: measure them without --plain.
+        for name in (
+            "redis_calls_per_token",
+            "redis_commands_per_token",
+            "redis_commands",
+            "memory_bytes_per_live_answer",
+            "memory_bytes_per_finished_answer",
+        ):
+            result[name] = None
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,6 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=50, help="tokens per second (default 50)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--flush-ms", type=int, default=40, help="DIALOG_PARTIAL_FLUSH_MS")
+    parser.add_argument(
+        "--plain",
+        type=int,
+        default=0,
+        help="also measure M messages that stream nothing, alone and alongside (default 0)",
+    )
+    parser.add_argument(
+        "--plain-sessions", type=int, default=200, help="sessions of those (default 200)"
+    )
+    parser.add_argument(
+        "--plain-after-s",
+        type=float,
+        default=1.0,
+        help="when the burst alongside starts, after the answers (default 1.0)",
+    )
     args = parser.parse_args(argv)
     binary = shutil.which("redis-server")
     if binary is None:

@@ -2,6 +2,7 @@
 
     POST /sessions/{session_id}/messages                     send; 202 with the msg_id
     GET  /sessions/{session_id}/messages/{msg_id}/stream     the answer as server-sent events
+    POST /sessions/{session_id}/messages/{msg_id}/cancel     stop the answer (idempotent)
     GET  /sessions/{session_id}/events                       the session's turns, as they land
 
 Every request carries the token (``Authorization: Bearer <token>``, or ``?access_token=`` for
@@ -83,6 +84,7 @@ def create_app(
     routes: list[BaseRoute] = [
         Route("/sessions/{session_id}/messages", post_message, methods=["POST"]),
         Route("/sessions/{session_id}/messages/{msg_id}/stream", stream_answer, methods=["GET"]),
+        Route("/sessions/{session_id}/messages/{msg_id}/cancel", cancel_message, methods=["POST"]),
         Route("/sessions/{session_id}/events", session_events, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         *(extra_routes or []),
@@ -154,6 +156,25 @@ async def post_message(request: Request) -> Response:
     return JSONResponse({**sent.as_dict(), "stream": stream.path}, status_code=202)
 
 
+async def cancel_message(request: Request) -> Response:
+    """Cancel one message (`DialogClient.cancel`): 200 with ``{"session_id", "msg_id",
+    "status", "seq", "outcome"}``, ``status`` ``cancelled`` (it will end so), ``finished``
+    (it had ended: ``outcome`` says how when the history knows) or ``pending`` (not found yet:
+    the cancel is kept and ends it if it comes). No body; as often as you like."""
+    refused = _refused(request)
+    if refused is not None:
+        return refused
+    client: DialogClient = request.app.state.client
+    session_id, msg_id = request.path_params["session_id"], request.path_params["msg_id"]
+    try:
+        result = await client.cancel(session_id, msg_id)
+    except ValidationError as exc:
+        return _error(400, str(exc))
+    except (redis.exceptions.RedisError, OSError):
+        return _error(503, "the chat service is unavailable; cancel again", msg_id=msg_id)
+    return JSONResponse(result.as_dict())
+
+
 async def _read_json(request: Request) -> dict[str, Any] | Response:
     limit: int = request.app.state.max_body
     declared = request.headers.get("content-length")
@@ -198,15 +219,20 @@ async def stream_answer(request: Request) -> Response:
         raise
     if first is None:
         return Response(status_code=204, headers={"Cache-Control": "no-cache"})
+    if first is _NOTHING_YET:
+        # Nothing within the first second (the answer has not started): open the stream now.
+        # Checked first: a TimeoutError is also an OSError, which would read as Redis away.
+        return StreamingResponse(
+            _sse(None, queue, pump), media_type="text/event-stream", headers=SSE_HEADERS
+        )
     if isinstance(first, ValidationError):
         return _error(400, str(first))
     if isinstance(first, (redis.exceptions.RedisError, OSError, ReplyStreamError)):
         return _error(503, "the chat service is unavailable")
-    if isinstance(first, BaseException) and first is not _NOTHING_YET:
+    if isinstance(first, BaseException):
         raise first
-    opening = first if isinstance(first, StreamEvent) else None
     return StreamingResponse(
-        _sse(opening, queue, pump), media_type="text/event-stream", headers=SSE_HEADERS
+        _sse(first, queue, pump), media_type="text/event-stream", headers=SSE_HEADERS
     )
 
 
