@@ -88,13 +88,14 @@ class Harness:
 def commit_args(
     job: list[Any], doc: dict[str, Any] | None = None, *, version: int | None = None,
     token: bytes | None = None, dead: str = "", known_next: str = "", outcome: str = "applied",
+    extras: str = "",
 ) -> list[Any]:  # fmt: skip
     sid, tok, seq, entry_id = job[0], job[1], int(job[2]), job[3]
     return [
         token if token is not None else tok, sid, seq,
         int(job[6]) if version is None else version,
         json.dumps(doc or {"seq": seq}), b"m", b"reply-%d" % seq, outcome, entry_id,
-        dead, known_next,
+        dead, known_next, extras,
     ]  # fmt: skip
 
 
