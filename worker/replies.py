@@ -98,7 +98,13 @@ class Reply:
     echo: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """All fields; ``bubbles``, ``no_reply`` and ``echo`` only when the event has them,
+        so a plain reply prints as it always did (`dialog-worker ask`, `replies`)."""
+        shown = dataclasses.asdict(self)
+        for name, empty in (("bubbles", None), ("no_reply", False), ("echo", {})):
+            if shown[name] == empty:
+                del shown[name]
+        return shown
 
 
 def reply_from_entry(

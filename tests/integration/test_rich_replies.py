@@ -7,6 +7,8 @@ ends `expired` in order, without a step."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -244,3 +246,27 @@ async def test_a_malformed_expires_at_is_dead_lettered_alone(
     [letter] = dead_letters(url)
     assert letter["error_kind"] == "malformed" and why in letter["error"]
     assert letter["expires_at"] == value  # the original fields, byte for byte
+
+
+def save_menu_bot(path: Path) -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "engine.md").read_text("utf-8")
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if b.startswith("# menu")]
+    path.write_text(block, encoding="utf-8")
+
+
+async def test_the_guides_menu_bot_answers_with_buttons_bubbles_and_nothing(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """docs/engine.md's menu_bot.py, saved as the guide says, in a real worker."""
+    save_menu_bot(tmp_path / "menu_bot.py")
+    path = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    workers.start(1, DIALOG_ENGINE="menu_bot:MenuBot", PYTHONPATH=path)
+    menu = await client.ask("u1", "menu", timeout=15)
+    assert menu.text == "What would you like?"
+    [bubble] = menu.bubbles or []
+    assert [b["payload"] for b in bubble["data"]["buttons"]] == ["hours", "human"]
+    hours = await client.ask("u1", bubble["data"]["buttons"][0]["payload"], timeout=15)
+    assert len(hours.bubbles or []) == 2 and hours.text.startswith("We are open")
+    assert hours.bubbles and hours.bubbles[1]["data"]["quick_replies"][0]["payload"] == "menu"
+    quiet = await client.ask("u1", "ok", timeout=15)
+    assert (quiet.outcome, quiet.text, quiet.no_reply) == ("applied", "", True)
