@@ -20,7 +20,9 @@ import redis
 import redis.asyncio
 from reply_engines import BUTTONS
 
+from dialog_worker import SyncDialogClient
 from dialog_worker.client import DialogClient
+from dialog_worker.config import load_settings
 from dialog_worker.engine import MAX_BUBBLES, MAX_BUBBLES_BYTES
 from dialog_worker.replies import reply_from_entry
 
@@ -270,3 +272,14 @@ async def test_the_guides_menu_bot_answers_with_buttons_bubbles_and_nothing(
     assert hours.bubbles and hours.bubbles[1]["data"]["quick_replies"][0]["payload"] == "menu"
     quiet = await client.ask("u1", "ok", timeout=15)
     assert (quiet.outcome, quiet.text, quiet.no_reply) == ("applied", "", True)
+
+
+def test_the_sync_client_sends_expires_at_and_reads_rich_replies(
+    env: dict[str, str], workers: Any, tmp_path: Path
+) -> None:
+    start(workers, tmp_path)
+    with SyncDialogClient(settings=load_settings(environ=env)) as sync:
+        late = sync.ask("z1", "hello", timeout=15, expires_at=1.0)
+        rich = sync.ask("z1", "buttons", timeout=15, expires_at=time.time() + 60)
+    assert (late.outcome, late.seq, late.text) == ("expired", 1, "")
+    assert (rich.outcome, rich.bubbles) == ("applied", [{"text": "Lanjut?", "data": BUTTONS}])
