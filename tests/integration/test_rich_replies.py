@@ -189,6 +189,8 @@ async def test_a_message_past_its_expiry_ends_expired_in_order_without_a_step(
     assert state["history"][1] == {
         "seq": 2, "msg_id": "gone", "user": "soon", "bot": "", "expired": True
     }  # fmt: skip
+    finished = await client.cancel("x1", "gone")
+    assert (finished.status, finished.seq, finished.outcome) == ("finished", 2, "expired")
     # ask returns it; an expired message frees its msg_id (a re-send is applied).
     expired = await client.ask("x1", "soon", msg_id="gone2", expires_at=1.5, timeout=15)
     assert (expired.outcome, expired.seq) == ("expired", 4)

@@ -22,10 +22,16 @@ coalesce). The model predicts the cancel's answer, which messages end cancelled 
 without a step (intake, resume, hand-off), a commit refused because its message was cancelled
 meanwhile (the worker then commits it cancelled), the rejected ones, and the cancel marks.
 
+Replies and expiry: a step answers, by its seq, with a string, one bubble, two bubbles or
+nothing (the commit's reply extras: bubbles / no_reply), messages m2 and m3 carry a channel
+field that intake and commit echo onto every event of theirs (copies answered by the
+original's commit carry the original's), and m6 carries an expires_at long past: its turn
+ends it expired, without a step, and frees its msg_id (checked against the dedupe key).
+
 Checked after every step (the model predicts each script's answer and effects first):
 - every reply event and dead letter is one the model expected from that call: an entry ends
-  at most once, with the outcome and seq it must have (applied / dead_lettered / duplicate /
-  cancelled / rejected / superseded);
+  at most once, with the outcome, seq and extra fields it must have (applied / dead_lettered /
+  duplicate / cancelled / rejected / superseded / expired);
 - per session, seqs are given in stream order without gaps, and a job is always the session's
   next message, with the state (version, document) the previous commit wrote;
 - a commit (or release) by a token that does not hold the lock is fenced and changes nothing;
@@ -941,6 +947,14 @@ class DialogScripts(RuleBasedStateMachine):
             if code < 0:
                 continue
             assert int(got[1]) == want[1], f"commit of {job}: version {got[1]} != {want[1]}"
+            assert job.commit is not None
+            msg_id, outcome = s(job.commit[5]), s(job.commit[7])
+            if outcome in ("cancelled", "superseded", "expired") and msg_id:
+                # It ended without being applied: its msg_id is free exactly when the model
+                # says so (a re-send is then a new message).
+                ss = self.sessions[job.sid]
+                kept = self.r.exists(self.k.session(job.sid).dedupe(msg_id)) == 1
+                assert kept == (msg_id in ss.dedupe), f"{outcome} {job}: dedupe key kept={kept}"
             if code == Code.HANDOFF:
                 _, version, next_seq, next_id, next_fields, ending = want
                 assert (int(got[2]), s(got[3]), list(got[4]), s(got[5])) == (
