@@ -343,10 +343,12 @@ class DialogClient:
         msg_id: str | None = None,
         timeout: float = 60,  # noqa: ASYNC109 - bounds the whole iteration
         meta: Mapping[str, str] | None = None,
+        expires_at: float | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Send a message and stream its answer (events as `stream`). The msg_id is made before
         the send (a uuid unless given) and is on every event: after a failed send or a
-        timeout, stream it again (or resend with the same msg_id) instead of sending anew."""
+        timeout, stream it again (or resend with the same msg_id) instead of sending anew.
+        ``expires_at`` as for `send`."""
         check_id("session_id", session_id)
         msg_id = check_id("msg_id", msg_id) if msg_id is not None else uuid.uuid4().hex
         deadline = _deadline(timeout)
@@ -354,7 +356,7 @@ class DialogClient:
         waiter = router.expect(session_id, msg_id)
         try:
             await router.start()
-            await self.send(session_id, text, msg_id=msg_id, meta=meta)
+            await self.send(session_id, text, msg_id=msg_id, meta=meta, expires_at=expires_at)
             async for event in self._follow(session_id, msg_id, None, waiter, deadline):
                 yield event
         except TimeoutError:

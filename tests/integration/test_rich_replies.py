@@ -19,6 +19,7 @@ import pytest
 import redis
 import redis.asyncio
 from reply_engines import BUTTONS
+from worker_procs import run_cli
 
 from dialog_worker import SyncDialogClient
 from dialog_worker.client import DialogClient
@@ -285,3 +286,21 @@ def test_the_sync_client_sends_expires_at_and_reads_rich_replies(
         rich = sync.ask("z1", "buttons", timeout=15, expires_at=time.time() + 60)
     assert (late.outcome, late.seq, late.text) == ("expired", 1, "")
     assert (rich.outcome, rich.bubbles) == ("applied", [{"text": "Lanjut?", "data": BUTTONS}])
+
+
+def test_cli_send_and_ask_take_expires_at(
+    workers: Any, env: dict[str, str], tmp_path: Path
+) -> None:
+    start(workers, tmp_path)
+    late = run_cli(env, "ask", "c1", "hello", "--expires-at", "1", "--timeout", "15")
+    assert late.returncode == 0, late.stderr
+    assert json.loads(late.stdout)["outcome"] == "expired"
+    sent = run_cli(env, "send", "c1", "later", "--expires-at", f"{time.time() + 60:.3f}")
+    assert sent.returncode == 0, sent.stderr
+    rich = run_cli(env, "ask", "c1", "buttons", "--timeout", "15")
+    printed = json.loads(rich.stdout)
+    assert (printed["outcome"], printed["bubbles"][0]["data"]) == ("applied", BUTTONS)
+    outcomes = [(e["msg_id"], e["outcome"]) for e in events(env["REDIS_URL"])]
+    assert outcomes[1] == (json.loads(sent.stdout)["msg_id"], "applied")
+    bad = run_cli(env, "send", "c1", "x", "--expires-at", "1767225600000")
+    assert bad.returncode != 0 and "milliseconds" in bad.stderr
