@@ -22,14 +22,16 @@ local function session_key(prefix, session_id, role)
   return prefix .. '{' .. escaped .. '}:' .. role
 end
 
--- A reply event (the fields every outcome carries), trimmed with MAXLEN ~ when maxlen > 0.
-local function reply_event(replies, maxlen, sid, msg_id, seq, outcome, text, now, entry_id)
+-- A reply event (the fields every outcome carries, then extra name/value pairs when given:
+-- rich replies, echoed producer fields), trimmed with MAXLEN ~ when maxlen > 0.
+local function reply_event(replies, maxlen, sid, msg_id, seq, outcome, text, now, entry_id, extra)
+  local event = {'session_id', sid, 'msg_id', msg_id, 'seq', seq, 'outcome', outcome,
+                 'reply', text, 'produced_at', now, 'entry_id', entry_id}
+  for _, v in ipairs(extra or {}) do event[#event + 1] = v end
   if maxlen > 0 then
-    rcall('XADD', replies, 'MAXLEN', '~', maxlen, '*', 'session_id', sid, 'msg_id', msg_id,
-      'seq', seq, 'outcome', outcome, 'reply', text, 'produced_at', now, 'entry_id', entry_id)
+    rcall('XADD', replies, 'MAXLEN', '~', maxlen, '*', unpack(event))
   else
-    rcall('XADD', replies, '*', 'session_id', sid, 'msg_id', msg_id, 'seq', seq,
-      'outcome', outcome, 'reply', text, 'produced_at', now, 'entry_id', entry_id)
+    rcall('XADD', replies, '*', unpack(event))
   end
 end
 

@@ -13,8 +13,9 @@
   Returns {status, seq, outcome}
     'cancelled', seq, ''   the message is outstanding (waiting or running): it will end
                            cancelled (one cancelled reply event)
-    'finished', seq, outcome  it already ended (outcome 'cancelled' or 'superseded' when its
-                           history turn says so, else '': applied or dead-lettered)
+    'finished', seq, outcome  it already ended (outcome 'cancelled', 'superseded' or
+                           'expired' when its history turn says so, else '': applied or
+                           dead-lettered)
     'pending', 0, ''       no message with this msg_id is outstanding that this script can
                            find (not arrived yet, or sent without a msg_id): the mark ends it
                            cancelled if it is outstanding or arrives while the mark is kept
@@ -54,7 +55,8 @@ if ok and type(doc) == 'table' and type(doc['history']) == 'table' then
     if type(turn) == 'table' and turn['msg_id'] == msg_id and type(turn['seq']) == 'number' then
       local outcome = ''
       if turn['cancelled'] == true then outcome = 'cancelled'
-      elseif turn['superseded'] == true then outcome = 'superseded' end
+      elseif turn['superseded'] == true then outcome = 'superseded'
+      elseif turn['expired'] == true then outcome = 'expired' end
       return {'finished', turn['seq'], outcome}
     end
   end

@@ -17,7 +17,8 @@
   cancel script and this one are atomic, so each message gets exactly one outcome.
 
   Commits are isolated: one whose arguments cannot be used (a seq that is not a number, an
-  outcome we do not know, dead-letter fields that are not a JSON array of strings) is answered
+  outcome we do not know, dead-letter fields or reply extras that are not a JSON array of
+  strings in pairs, reply extras naming a field every event carries) is answered
   INVALID and writes nothing; the others of the call are written. Only a call whose shape is
   wrong, or whose shared keys have the wrong type, fails as a whole, before its first write.
   Per-session keys are read with pcall, so a corrupt one fences that commit alone. The state
@@ -27,12 +28,14 @@
   KEYS[4] reply stream     KEYS[5] dead-letter stream
 
   ARGV[1] lock ttl (ms)   ARGV[2] state ttl (s)   ARGV[3] reply MAXLEN (0: none)
-  ARGV[4] number of commits N, then N groups of 11:
+  ARGV[4] number of commits N, then N groups of 12:
     token, session_id, seq, expected version, state JSON, msg_id, reply, outcome
-    ("applied" | "dead_lettered" | "cancelled" | "superseded"), entry id (the message's
-    entry; "" for a gap),
+    ("applied" | "dead_lettered" | "cancelled" | "superseded" | "expired"), entry id (the
+    message's entry; "" for a gap),
     dead-letter fields (JSON array of name/value pairs added after the original fields; ""
-    for a normal commit), id of the session's next entry if the caller already has it (or "")
+    for a normal commit), id of the session's next entry if the caller already has it (or ""),
+    reply extras (JSON array of name/value pairs added to the message's reply events, its
+    duplicates' too: rich replies, echoed fields; "" for none)
 
   A commit that already ran (same token and seq, recorded in the state's c field) is answered
   as it was the first time and writes nothing: a client that lost the reply may send it again.
@@ -50,7 +53,7 @@
 local stream, ready, sprefix, replies, dlq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lock_ttl, state_ttl, maxlen, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
   tonumber(ARGV[4])
-local WIDTH = 11
+local WIDTH = 12
 if not (lock_ttl and state_ttl and maxlen and n) or n < 1 or #ARGV ~= 4 + n * WIDTH then
   return redis.error_reply('ERR commit: bad arguments')
 end
@@ -61,21 +64,37 @@ for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {replies, 'stream'}
   if err then return err end
 end
 
-local OUTCOMES = {applied = true, dead_lettered = true, cancelled = true, superseded = true}
+local OUTCOMES = {applied = true, dead_lettered = true, cancelled = true, superseded = true,
+                  expired = true}
+-- Reply extras may not replace the fields every event carries.
+local EVENT_FIELDS = {session_id = true, msg_id = true, seq = true, outcome = true, reply = true,
+                      produced_at = true, entry_id = true}
 
--- Why a commit's arguments cannot be written, or nil (then c.extra holds its letter fields).
-local function invalid(c, extra_json)
+-- A JSON array of at most 64 strings, in name/value pairs, or nil.
+local function pairs_of(json)
+  local ok, list = pcall(cjson.decode, json)
+  if not ok or type(list) ~= 'table' or #list % 2 ~= 0 or #list > 64 then return nil end
+  for _, v in ipairs(list) do
+    if type(v) ~= 'string' then return nil end
+  end
+  return list
+end
+
+-- Why a commit's arguments cannot be written, or nil (then c.extra holds its letter fields,
+-- c.event its reply extras).
+local function invalid(c, extra_json, event_json)
   if not (c.seq and c.version and c.seq >= 1) then return 'seq or version is not a number' end
   if not OUTCOMES[c.outcome] then return 'unknown outcome' end
   if extra_json ~= '' then
-    local ok, extra = pcall(cjson.decode, extra_json)
-    if not ok or type(extra) ~= 'table' or #extra % 2 ~= 0 or #extra > 64 then
-      return 'bad dead-letter fields'
+    c.extra = pairs_of(extra_json)
+    if not c.extra then return 'bad dead-letter fields' end
+  end
+  if event_json ~= '' then
+    c.event = pairs_of(event_json)
+    if not c.event then return 'bad reply extras' end
+    for i = 1, #c.event, 2 do
+      if EVENT_FIELDS[c.event[i]] then return 'bad reply extras' end
     end
-    for _, v in ipairs(extra) do
-      if type(v) ~= 'string' then return 'bad dead-letter fields' end
-    end
-    c.extra = extra
   end
   return nil
 end
@@ -88,7 +107,7 @@ for i = 0, n - 1 do
              version = tonumber(ARGV[b + 4]), doc = ARGV[b + 5], msg_id = ARGV[b + 6],
              reply = ARGV[b + 7], outcome = ARGV[b + 8], entry_id = ARGV[b + 9],
              known_next = ARGV[b + 11]}
-  c.problem = invalid(c, ARGV[b + 10])
+  c.problem = invalid(c, ARGV[b + 10], ARGV[b + 12])
   commits[#commits + 1] = c
 end
 
@@ -141,21 +160,23 @@ for _, c in ipairs(commits) do
       end
       rcall('XADD', dlq, '*', unpack(letter))
     end
-    if c.msg_id ~= '' and ((not id and c.outcome == 'dead_lettered')
+    if c.msg_id ~= '' and ((not id and c.outcome == 'dead_lettered') or c.outcome == 'expired'
         or c.outcome == 'cancelled' or c.outcome == 'superseded') then
-      -- A gap, or a message that was cancelled or superseded: it ended without being
-      -- applied, so its msg_id may be sent again.
+      -- A gap, or a message that was cancelled, superseded or expired: it ended without
+      -- being applied, so its msg_id may be sent again.
       local dkey = session_key(sprefix, c.sid, 'msg:' .. c.msg_id)
       if redis.pcall('GET', dkey) == tostring(c.seq) then rcall('DEL', dkey) end
       rcall('DEL', cancel_key(sprefix, c.sid, c.msg_id))
     end
-    reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, c.outcome, c.reply, now, c.entry_id)
+    reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, c.outcome, c.reply, now, c.entry_id,
+                c.event)
     if legacy then dels[#dels + 1] = id end  -- sequenced before custody: still in the stream
     if h[5] then
       -- Copies of this message that arrived while it was outstanding: answered now (their
       -- entries left the stream at intake; a copy read before custody is deleted now).
       for copy in string.gmatch(h[5], '[^,]+') do
-        reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, 'duplicate', c.reply, now, copy)
+        reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, 'duplicate', c.reply, now, copy,
+                    c.event)
         dels[#dels + 1] = copy
       end
     end

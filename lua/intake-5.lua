@@ -53,6 +53,9 @@
            refuses an entry whose session belongs to another shard: crc32 of its UTF-8 id
            mod the count, as keys.shard_of; it would get a second state here)
   ARGV[15] default multitask policy (enqueue | reject | interrupt | coalesce; optional)
+  ARGV[16] echoed fields: names, comma-separated, of the entry's fields copied onto the reply
+           events this call writes for it (optional; the commit's events get them from the
+           worker)
 
   Returns {last id, entries read, jobs, held,
            {duplicates, refused, contended, trimmed, ahead, rejected}}
@@ -74,6 +77,8 @@ local maxlen, claim_idle = tonumber(ARGV[9]), tonumber(ARGV[11])
 local shard, shards = tonumber(ARGV[13] or '0'), tonumber(ARGV[14] or '1')
 local POLICIES = {enqueue = true, reject = true, interrupt = true, coalesce = true}
 local default_policy = ARGV[15] or 'enqueue'
+local ECHO = {}
+for name in string.gmatch(ARGV[16] or '', '[^,]+') do ECHO[name] = true end
 
 if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen and claim_idle
         and shard and shards) or count < 1 or count > 1000 or shards < 1
@@ -245,6 +250,19 @@ local sessions, order = {}, {}
 local tokens = 0
 local dups, refused, contended, rejected = 0, 0, 0, 0
 
+-- The entry's fields named by ARGV[16], as reply extras (the first of a repeated name).
+local function echoed(f)
+  local extra, seen = {}, {}
+  for i = 1, #f - 1, 2 do
+    if ECHO[f[i]] and not seen[f[i]] then
+      seen[f[i]] = true
+      extra[#extra + 1] = f[i]
+      extra[#extra + 1] = f[i + 1]
+    end
+  end
+  return extra
+end
+
 local function refuse(id, f, problem, sid, msg_id)
   local letter = letter_fields(f)
   for _, v in ipairs({'error', problem, 'error_kind', 'malformed', 'attempts', '1',
@@ -255,7 +273,8 @@ local function refuse(id, f, problem, sid, msg_id)
   rcall('XADD', dlq, '*', unpack(letter))
   refused = refused + 1
   if sid then
-    reply_event(replies, maxlen, sid, msg_id or id, 0, 'dead_lettered', fallback, now, id)
+    reply_event(replies, maxlen, sid, msg_id or id, 0, 'dead_lettered', fallback, now, id,
+                echoed(f))
   end
   dels[#dels + 1] = id
 end
@@ -415,12 +434,12 @@ for _, e in ipairs(entries) do
       dups = dups + 1
     elseif seq then
       local reply = original_reply(s, seq, msg_id)
-      reply_event(replies, maxlen, sid, msg_id, seq, 'duplicate', reply, now, id)
+      reply_event(replies, maxlen, sid, msg_id, seq, 'duplicate', reply, now, id, echoed(f))
       dels[#dels + 1] = id
       dups = dups + 1
     elseif policy == 'reject' and s.last > s.a then
       -- Another message is in progress: this one ends here, unsequenced (its msg_id free).
-      reply_event(replies, maxlen, sid, msg_id or id, 0, 'rejected', '', now, id)
+      reply_event(replies, maxlen, sid, msg_id or id, 0, 'rejected', '', now, id, echoed(f))
       dels[#dels + 1] = id
       rejected = rejected + 1
     else

@@ -80,6 +80,12 @@ def _entry_id(raw: str) -> str:
     return raw
 
 
+_EXPIRES_HELP = (
+    "unix seconds: if the message's turn comes later, it ends expired without a step "
+    "(one reply event)"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dialog-worker", description=__doc__)
     p.add_argument("--version", action="version", version=f"dialog-worker {__version__}")
@@ -106,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
         help="idempotency key: a resend with the same one is answered as a duplicate "
         "(default: the stream entry id)",
     )
+    send.add_argument("--expires-at", type=float, metavar="SECONDS", help=_EXPIRES_HELP)
 
     ask = sub.add_parser(
         "ask",
@@ -122,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         "--msg-id to keep waiting (a seen msg_id is never applied twice)",
     )
     ask.add_argument("--msg-id", help="message id (default: a new random one)")
+    ask.add_argument("--expires-at", type=float, metavar="SECONDS", help=_EXPIRES_HELP)
     ask.add_argument(
         "--stream",
         action="store_true",
@@ -372,7 +380,7 @@ def _supervise(settings: Settings, processes: int, flags: dict[str, Any]) -> int
 
 async def _send(settings: Settings, args: argparse.Namespace) -> int:
     async with DialogClient(settings=settings) as c:
-        r = await c.send(args.session, args.text, msg_id=args.msg_id)
+        r = await c.send(args.session, args.text, msg_id=args.msg_id, expires_at=args.expires_at)
     _emit(r.as_dict())
     return EXIT_OK
 
@@ -382,7 +390,13 @@ async def _ask(settings: Settings, args: argparse.Namespace) -> int:
         return await _ask_stream(settings, args)
     async with DialogClient(settings=settings) as c:
         try:
-            reply = await c.ask(args.session, args.text, msg_id=args.msg_id, timeout=args.timeout)
+            reply = await c.ask(
+                args.session,
+                args.text,
+                msg_id=args.msg_id,
+                timeout=args.timeout,
+                expires_at=args.expires_at,
+            )
         except (ReplyTimeout, ReplyStreamError) as exc:
             print(f"dialog-worker: {exc}", file=sys.stderr)
             return EXIT_FAILURE
@@ -395,7 +409,11 @@ async def _ask_stream(settings: Settings, args: argparse.Namespace) -> int:
     async with DialogClient(settings=settings) as c:
         try:
             async for event in c.ask_stream(
-                args.session, args.text, msg_id=args.msg_id, timeout=args.timeout
+                args.session,
+                args.text,
+                msg_id=args.msg_id,
+                timeout=args.timeout,
+                expires_at=args.expires_at,
             ):
                 _emit({"session_id": args.session, **event.as_dict()})
                 outcome = event.outcome or ""

@@ -20,7 +20,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from dialog_worker.codec import MAX_EXTRA_FIELDS, RESERVED_FIELDS, check_id, check_meta, check_text
+from dialog_worker.codec import (
+    MAX_EXTRA_FIELDS,
+    RESERVED_FIELDS,
+    check_expires_at,
+    check_id,
+    check_meta,
+    check_text,
+)
 from dialog_worker.config import Settings, client_settings
 from dialog_worker.errors import ReplyTimeout, UncertainSendError, ValidationError
 from dialog_worker.keys import Keys, Topology
@@ -155,6 +162,7 @@ class DialogClient:
         msg_id: str | None = None,
         meta: Mapping[str, str] | None = None,
         multitask: str | None = None,
+        expires_at: float | None = None,
     ) -> SendResult:
         """Enqueue one message: one plain XADD to the session's stream (its shard's in a
         sharded deployment), what any producer in any language does. Raises
@@ -168,7 +176,10 @@ class DialogClient:
 
         ``multitask`` (``enqueue`` | ``reject`` | ``interrupt`` | ``coalesce``) overrides
         DIALOG_MULTITASK for this message: what it does if its session already has a message
-        in progress (docs/guarantees.md)."""
+        in progress (docs/guarantees.md).
+
+        ``expires_at`` (unix seconds): if the message's turn comes later than that, it ends
+        ``expired`` without a step (one reply event)."""
         check_id("session_id", session_id)
         if multitask is not None and multitask not in MULTITASK_POLICIES:
             raise ValidationError(
@@ -184,11 +195,13 @@ class DialogClient:
         fields: dict[str, str] = {"session_id": session_id, "text": text, "msg_id": msg_id}
         if multitask is not None:
             fields["multitask"] = multitask
+        if expires_at is not None:
+            fields["expires_at"] = check_expires_at(expires_at)
         for name, value in (meta or {}).items():
             if name in RESERVED_FIELDS:
                 raise ValidationError(f"meta field {name!r} is reserved")
             fields[name] = check_meta(name, value)
-        if len(fields) - 3 - (multitask is not None) > MAX_EXTRA_FIELDS:
+        if len(fields) - 3 - (multitask is not None) - (expires_at is not None) > MAX_EXTRA_FIELDS:
             raise ValidationError(f"at most {MAX_EXTRA_FIELDS} meta fields are allowed")
         size = sum(len(k.encode()) + len(v.encode()) for k, v in fields.items())
         if size > self.settings.max_message_bytes:
@@ -216,13 +229,15 @@ class DialogClient:
         # short, and its error names the msg_id to ask again with.
         timeout: float = 30,  # noqa: ASYNC109
         multitask: str | None = None,
+        expires_at: float | None = None,
     ) -> Reply:
         """Send a message and wait for its reply event: whatever the outcome (``applied``,
         ``dead_lettered`` with the fallback text, ``duplicate`` when ``msg_id`` was seen
-        before, or ``cancelled`` / ``rejected`` / ``superseded``). Raises `ReplyTimeout` after
-        ``timeout`` seconds (send included); the message may still be processed, and asking
-        again with the same ``msg_id`` waits for it (a resend of a seen ``msg_id`` is never
-        applied twice: its event says ``duplicate``). ``multitask`` as for `send`.
+        before, or ``cancelled`` / ``rejected`` / ``superseded`` / ``expired``). Raises
+        `ReplyTimeout` after ``timeout`` seconds (send included); the message may still be
+        processed, and asking again with the same ``msg_id`` waits for it (a resend of a seen
+        ``msg_id`` is never applied twice: its event says ``duplicate``). ``multitask`` and
+        ``expires_at`` as for `send`.
 
         Every ask of a client shares one reader per reply stream: waiting costs a dictionary
         entry, not a connection. The waiter is registered before the message is sent, so a
@@ -241,7 +256,9 @@ class DialogClient:
         waiter = router.expect(session_id, msg_id)
         try:
             await router.start()
-            await self.send(session_id, text, msg_id=msg_id, multitask=multitask)
+            await self.send(
+                session_id, text, msg_id=msg_id, multitask=multitask, expires_at=expires_at
+            )
             with anyio.move_on_after(deadline - anyio.current_time()):
                 return await waiter
             raise ReplyTimeout(
@@ -326,10 +343,12 @@ class DialogClient:
         msg_id: str | None = None,
         timeout: float = 60,  # noqa: ASYNC109 - bounds the whole iteration
         meta: Mapping[str, str] | None = None,
+        expires_at: float | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Send a message and stream its answer (events as `stream`). The msg_id is made before
         the send (a uuid unless given) and is on every event: after a failed send or a
-        timeout, stream it again (or resend with the same msg_id) instead of sending anew."""
+        timeout, stream it again (or resend with the same msg_id) instead of sending anew.
+        ``expires_at`` as for `send`."""
         check_id("session_id", session_id)
         msg_id = check_id("msg_id", msg_id) if msg_id is not None else uuid.uuid4().hex
         deadline = _deadline(timeout)
@@ -337,7 +356,7 @@ class DialogClient:
         waiter = router.expect(session_id, msg_id)
         try:
             await router.start()
-            await self.send(session_id, text, msg_id=msg_id, meta=meta)
+            await self.send(session_id, text, msg_id=msg_id, meta=meta, expires_at=expires_at)
             async for event in self._follow(session_id, msg_id, None, waiter, deadline):
                 yield event
         except TimeoutError:

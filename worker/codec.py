@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import struct
 from collections.abc import Sequence
@@ -33,8 +34,42 @@ RESERVED_FIELDS = frozenset(
         "attempts",
         "enqueued_at",
         "entry_id",
+        "expires_at",
     }
 )
+# expires_at is unix seconds (a fraction allowed); a value this large is milliseconds by
+# mistake (the year 5138), refused rather than read as "never".
+EXPIRES_AT_MAX_S = 10**11
+_EXPIRES_AT = re.compile(r"[0-9]{1,15}(\.[0-9]{1,6})?")
+
+
+def check_expires_at(value: object) -> str:
+    """``expires_at`` for `DialogClient.send`: unix seconds as the field's text."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValidationError(f"expires_at must be unix seconds (a number), got {value!r}")
+    if not 0 <= value < EXPIRES_AT_MAX_S:
+        raise ValidationError(
+            f"expires_at {value!r} is out of range: it is unix seconds, not milliseconds"
+        )
+    return f"{value:.3f}".rstrip("0").rstrip(".")
+
+
+def parse_expires_at(raw: bytes | str) -> int:
+    """A message's ``expires_at`` field (unix seconds) as unix milliseconds, or
+    MalformedEntry saying why it is not one."""
+    value = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    if not _EXPIRES_AT.fullmatch(value):
+        raise MalformedEntry(
+            f"expires_at {value[:40]!r} is not unix seconds (digits, optionally a fraction)"
+        )
+    seconds = float(value)
+    if seconds >= EXPIRES_AT_MAX_S:
+        raise MalformedEntry(
+            f"expires_at {value!r} is too large: it is unix seconds, not milliseconds"
+        )
+    return round(seconds * 1000)
+
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -101,6 +136,7 @@ class Message:
     enqueued_at_ms: int
     attempt: int
     meta: dict[str, str]
+    expires_at_ms: int | None = None  # from the message's expires_at field
 
     def as_engine_input(self) -> dict[str, Any]:
         return {
@@ -137,6 +173,8 @@ def decode_message(
         ) from None
     raw_msg_id = fields.get(b"msg_id")
     msg_id = raw_msg_id.decode("utf-8") if raw_msg_id is not None else entry_id
+    raw_expires = fields.get(b"expires_at")
+    expires_at_ms = None if raw_expires is None else parse_expires_at(raw_expires)
     meta: dict[str, str] = {}
     for raw_name, raw_value in fields.items():
         try:
@@ -156,6 +194,7 @@ def decode_message(
         enqueued_at_ms=entry_time_ms(entry_id),
         attempt=attempt,
         meta=meta,
+        expires_at_ms=expires_at_ms,
     )
 
 

@@ -72,6 +72,10 @@ class Settings:
     redis_mode: str = "standalone"
     # What a message does when its session already has one in progress (lua/intake-5.lua).
     multitask: str = "enqueue"
+    # Producer fields copied onto a message's reply events ("channel,chat_id"; docs/replies).
+    echo_fields: str = ""
+    # A message whose turn comes this long after it was appended ends expired (0: never).
+    message_ttl_s: float = 0.0
     shards: int = 1
     read_block_ms: int = 1000
     promote_interval_ms: int = 100
@@ -234,6 +238,46 @@ def _names(name: str, raw: Any) -> str:
     return ",".join(n.strip() for n in str(raw).split(",") if n.strip())
 
 
+# Names a reply event gives its own meaning to, and fields the worker reads itself: never echoed.
+NOT_ECHOED = frozenset(
+    {
+        "session_id",
+        "msg_id",
+        "seq",
+        "outcome",
+        "reply",
+        "produced_at",
+        "entry_id",
+        "bubbles",
+        "no_reply",
+        "text",
+        "multitask",
+        "expires_at",
+        "requeues",
+        "attempts",
+        "enqueued_at",
+    }
+)
+MAX_ECHO_FIELDS = 16
+
+
+def _echo_fields(name: str, raw: Any) -> str:
+    """A comma list of producer field names, each at most once, none the worker's own."""
+    names = [n.strip() for n in str(raw).split(",") if n.strip()]
+    for field in names:
+        if len(field.encode()) > 256 or any(c.isspace() or ord(c) < 32 for c in field):
+            raise ConfigError(name, f"{field[:60]!r} is not a field name (no spaces)")
+        if field in NOT_ECHOED:
+            raise ConfigError(
+                name, f"{field!r} is a field the worker uses itself; it cannot be echoed"
+            )
+    if len(set(names)) != len(names):
+        raise ConfigError(name, "a field is listed twice")
+    if len(names) > MAX_ECHO_FIELDS:
+        raise ConfigError(name, f"at most {MAX_ECHO_FIELDS} fields, got {len(names)}")
+    return ",".join(names)
+
+
 def _url(name: str, raw: Any) -> str:
     value = str(raw).strip()
     if value.startswith("redis+sentinel://"):
@@ -297,6 +341,8 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "shutdown_grace_s": _float(0.0),
     "redis_mode": _choice("standalone", "cluster"),
     "multitask": _choice("enqueue", "reject", "interrupt", "coalesce"),
+    "echo_fields": _echo_fields,
+    "message_ttl_s": _float(0.0),
     "shards": _int(1, 16384),
     # Below redis-py's 5 s socket timeout, or a blocked read times out (redis-py #2807).
     "read_block_ms": _int(1, 3999),

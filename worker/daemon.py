@@ -505,6 +505,7 @@ class Worker:
                         k.shard,
                         len(self.shards),
                         s.multitask,
+                        s.echo_fields,
                     ],
                 ),
             )

@@ -15,6 +15,7 @@ processed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import inspect
 import json
@@ -30,7 +31,15 @@ import structlog
 
 from dialog_worker.errors import ConfigError, EngineHookError, PermanentError
 
-StepResult = tuple[dict[str, Any], str]
+# What a step returns: (new_state, reply), the reply being a string, one bubble (a dict with
+# "text" and/or "data"), a list of bubbles, or None (no answer). See docs/engine.md.
+ReplyValue = str | dict[str, Any] | list[dict[str, Any]] | None
+StepResult = tuple[dict[str, Any], ReplyValue]
+
+# Limits of a rich reply (docs/engine.md): past them the step fails like any bad result.
+MAX_BUBBLES = 10
+MAX_BUBBLES_BYTES = 16384  # the reply event's bubbles field, JSON in UTF-8
+BUBBLE_KEYS = frozenset({"text", "data"})
 
 INITIAL_STEP = "ROOT"
 ENGINE_SETTING = "DIALOG_ENGINE"
@@ -64,6 +73,42 @@ class Engine(Protocol):
     ) -> StepResult | Awaitable[StepResult]: ...
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RichReply:
+    """A checked reply that is not one plain string: bubbles (each ``{"text": str}`` plus
+    ``"data"`` when given, passed through untouched), or no answer at all (``no_reply``).
+    ``text`` is what the reply event's ``reply`` field and the history keep: the bubbles' texts
+    joined by a blank line ("" for no answer)."""
+
+    text: str
+    bubbles: tuple[dict[str, Any], ...] = ()
+    no_reply: bool = False
+
+    def event_fields(self) -> list[str]:
+        """The reply event's extra fields: ``bubbles`` (JSON) or ``no_reply`` ("1")."""
+        if self.no_reply:
+            return ["no_reply", "1"]
+        return ["bubbles", bubbles_json(self.bubbles)]
+
+    def history_fields(self) -> dict[str, Any]:
+        """What a history turn keeps besides its ``bot`` text."""
+        if self.no_reply:
+            return {"no_reply": True}
+        return {"bubbles": list(self.bubbles)}
+
+
+# A step's reply once checked: plain text stays a str (exactly the reply event of old).
+CheckedReply = str | RichReply
+
+
+def bubbles_json(bubbles: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> str:
+    return json.dumps(list(bubbles), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def reply_text(reply: CheckedReply) -> str:
+    return reply if isinstance(reply, str) else reply.text
+
+
 class InlineEngine:
     """Base of the built-in engines that `run_step` calls inline, without copies or a thread:
     their step is synchronous, takes microseconds, never modifies its inputs (tested) and
@@ -90,7 +135,7 @@ async def run_step(
     message: dict[str, Any],
     *,
     limiter: anyio.CapacityLimiter | None = None,
-) -> StepResult:
+) -> tuple[dict[str, Any], CheckedReply]:
     """Run one step of any engine and check what it returns.
 
     An ``async def`` step is awaited on the event loop. A plain ``def`` step runs in a worker
@@ -138,15 +183,16 @@ def _is_async(step: object) -> bool:
     return call is not None and inspect.iscoroutinefunction(call)
 
 
-def _checked(engine_name: str, result: object, validate_json: bool) -> StepResult:
+def _checked(
+    engine_name: str, result: object, validate_json: bool
+) -> tuple[dict[str, Any], CheckedReply]:
     where = f"engine {engine_name}.step returned"
     if not (isinstance(result, tuple) and len(result) == 2):
         raise PermanentError(f"{where} {describe(result)}, expected (state, reply)")
     new_state, reply = cast(tuple[object, object], result)
     if not isinstance(new_state, dict):
         raise PermanentError(f"{where} state {describe(new_state)}, expected a dict")
-    if not isinstance(reply, str):
-        raise PermanentError(f"{where} reply {describe(reply)}, expected a string")
+    checked: CheckedReply = reply if isinstance(reply, str) else _rich(where, reply)
     if not isinstance(new_state.get("step"), str):
         raise PermanentError(
             f"{where} state whose step is {describe(new_state.get('step'))}, expected a string"
@@ -161,7 +207,56 @@ def _checked(engine_name: str, result: object, validate_json: bool) -> StepResul
             json.dumps(owned, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise PermanentError(f"{where} state that is not JSON: {exc}") from None
-    return cast(dict[str, Any], new_state), reply
+    return cast(dict[str, Any], new_state), checked
+
+
+def _rich(where: str, reply: object) -> RichReply:
+    """A reply that is not a string: None, one bubble or a list of bubbles, checked against
+    the limits (a PermanentError, like any bad result, when it is past them)."""
+    if reply is None:
+        return RichReply(text="", no_reply=True)
+    if isinstance(reply, dict):
+        items: list[object] = [reply]
+    elif isinstance(reply, list):
+        items = list(reply)
+        if not items:
+            raise PermanentError(f"{where} an empty list of bubbles (return None for no answer)")
+        if len(items) > MAX_BUBBLES:
+            raise PermanentError(f"{where} {len(items)} bubbles; at most {MAX_BUBBLES} are allowed")
+    else:
+        raise PermanentError(
+            f"{where} reply {describe(reply)}, expected a string, a dict, a list of dicts or None"
+        )
+    bubbles: list[dict[str, Any]] = []
+    for position, item in enumerate(items, 1):
+        if not isinstance(item, dict):
+            raise PermanentError(f"{where} bubble {position} {describe(item)}, expected a dict")
+        unknown = sorted(str(k) for k in item if k not in BUBBLE_KEYS)
+        if unknown:
+            raise PermanentError(
+                f"{where} bubble {position} with key(s) {', '.join(unknown)}; a bubble has "
+                "text and data (put everything else inside data)"
+            )
+        text = item.get("text", "")
+        if not isinstance(text, str):
+            raise PermanentError(
+                f"{where} bubble {position} whose text is {describe(text)}, expected a string"
+            )
+        bubble: dict[str, Any] = {"text": text}
+        if "data" in item:
+            bubble["data"] = item["data"]
+        bubbles.append(bubble)
+    try:
+        size = len(bubbles_json(bubbles).encode("utf-8", "surrogatepass"))
+    except (TypeError, ValueError) as exc:
+        raise PermanentError(f"{where} a reply whose data is not JSON: {exc}") from None
+    if size > MAX_BUBBLES_BYTES:
+        raise PermanentError(
+            f"{where} a reply of {size} bytes of JSON; at most {MAX_BUBBLES_BYTES} are allowed"
+        )
+    # Deep-copied: what is committed cannot change if the engine keeps and edits its objects.
+    frozen = tuple(copy.deepcopy(bubbles))
+    return RichReply(text="\n\n".join(b["text"] for b in frozen if b["text"]), bubbles=frozen)
 
 
 async def startup_engine(engine: Engine) -> None:

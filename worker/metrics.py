@@ -173,6 +173,7 @@ class Metrics:
             "cancelled",
             "rejected",
             "superseded",
+            "expired",
         ):
             self.messages.labels(outcome)
         for reason in ("contended", "out_of_order", "error"):

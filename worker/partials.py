@@ -169,8 +169,9 @@ class Tracker:
 
 def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> tuple[str, str] | None:
     """(outcome, the bot's reply) of ``msg_id``'s turn in a stored state document, or None when
-    the turn is not kept (any more). A turn marked ``cancelled`` or ``superseded`` ended so;
-    any other turn was applied. Nothing read from Redis is trusted to be well-formed."""
+    the turn is not kept (any more). A turn marked ``cancelled``, ``superseded`` or
+    ``expired`` ended so; any other turn was applied. Nothing read from Redis is trusted to be
+    well-formed."""
     if not doc:
         return None
     try:
@@ -187,7 +188,10 @@ def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> tuple
             and (seq is None or turn.get("seq") == seq)
             and isinstance(turn.get("bot"), str)
         ):
-            ended = next((o for o in ("cancelled", "superseded") if turn.get(o) is True), "applied")
+            ended = next(
+                (o for o in ("cancelled", "superseded", "expired") if turn.get(o) is True),
+                "applied",
+            )
             return ended, str(turn["bot"])
     return None
 

@@ -41,7 +41,14 @@ from dialog_worker.codec import (
     text,
 )
 from dialog_worker.config import Settings
-from dialog_worker.engine import Engine, initial_state, run_step
+from dialog_worker.engine import (
+    CheckedReply,
+    Engine,
+    RichReply,
+    initial_state,
+    reply_text,
+    run_step,
+)
 from dialog_worker.errors import PermanentError
 from dialog_worker.failures import describe_failure, retry_after_of, retry_delay_ms
 from dialog_worker.keys import Keys
@@ -205,6 +212,8 @@ class Pipeline:
         self.step_limiter = anyio.CapacityLimiter(settings.concurrency)
         # What steps emit (dialog_worker.emit) goes to their messages' partial streams.
         self.partials = PartialReplies(scripts.commit.redis, settings)
+        # Producer fields copied onto every reply event of their message (DIALOG_ECHO_FIELDS).
+        self.echo_names = [n.encode() for n in settings.echo_fields.split(",") if n]
 
     # ------------------------------------------------------------------------------------
     # Entry point
@@ -260,6 +269,9 @@ class Pipeline:
                 return await self._deadletter(job, None, "malformed", exc.reason)
             structlog.contextvars.bind_contextvars(msg_id=msg.msg_id)
             job.msg_id = msg.msg_id
+            if self._expired(msg):
+                # Its turn came too late (expires_at, or DIALOG_MESSAGE_TTL_S): no step.
+                return await self._end(job, "expired", msg)
             if job.attempts > settings.max_attempts:
                 error = job.last_error or (
                     f"delivered {job.attempts - 1} times without finishing "
@@ -307,7 +319,23 @@ class Pipeline:
             if self.leases.get(job.token) is job:
                 del self.leases[job.token]
 
-    async def _step(self, job: Job, msg: Message) -> tuple[dict[str, Any], str]:
+    def _expired(self, msg: Message) -> bool:
+        deadline = msg.expires_at_ms
+        if deadline is None and self.settings.message_ttl_s > 0 and msg.enqueued_at_ms:
+            deadline = msg.enqueued_at_ms + round(self.settings.message_ttl_s * 1000)
+        return deadline is not None and now_ms() >= deadline
+
+    def _reply_extras(self, job: Job, reply: CheckedReply) -> list[str]:
+        """The reply event's fields besides the ones every event has: a rich reply's, then
+        the echoed producer fields (as text: invalid UTF-8 is replaced)."""
+        extras = reply.event_fields() if isinstance(reply, RichReply) else []
+        for name in self.echo_names:
+            value = job.fields.get(name)
+            if value is not None:
+                extras += [name.decode(), redis_text(value.decode("utf-8", "replace"))]
+        return extras
+
+    async def _step(self, job: Job, msg: Message) -> tuple[dict[str, Any], CheckedReply]:
         flag = cancellation.bind(job.cancel_flag)
         try:
             with anyio.CancelScope() as scope:
@@ -364,7 +392,7 @@ class Pipeline:
         job: Job,
         msg: Message | None,
         new_state: dict[str, Any],
-        reply: str,
+        reply: CheckedReply,
         started: float,
         dead_letter: dict[str, str] | None = None,
         ending: str = "",
@@ -378,14 +406,16 @@ class Pipeline:
             if msg is not None
             else job.fields.get(b"msg_id", job.entry_id.encode()).decode("utf-8", "replace")
         )
-        turn = {
+        turn: dict[str, Any] = {
             "seq": job.seq,
             "msg_id": msg_id,
             "user": _clip(msg.text if msg is not None else ""),
-            "bot": reply,
+            "bot": reply_text(reply),
         }
+        if isinstance(reply, RichReply):
+            turn.update(reply.history_fields())  # "bubbles": [...] / "no_reply": true
         if ending:
-            turn[ending] = True  # "cancelled": true / "superseded": true
+            turn[ending] = True  # "cancelled" / "superseded" / "expired": true
         old = job.load_state()
         history = [*old.get("history", []), turn][-settings.history_limit :]
         if not settings.history_limit:
@@ -399,7 +429,9 @@ class Pipeline:
         }
         try:
             doc = json_bytes(new_state)
-            reply_bytes = redis_text(reply).encode("utf-8")
+            reply_bytes = redis_text(reply_text(reply)).encode("utf-8")
+            extras = self._reply_extras(job, reply)
+            extras_json = json_bytes(extras) if extras else b""
         except (TypeError, ValueError) as exc:
             if dead_letter is not None or ending:
                 raise
@@ -429,6 +461,7 @@ class Pipeline:
             job.entry_id,
             json_bytes(_flat(dead_letter)) if dead_letter is not None else "",
             known_next,
+            extras_json,
         ]
         result = await self.committers[job.keys.shard].commit(args)
         code = Code(int(result[0]))
@@ -462,7 +495,7 @@ class Pipeline:
             outcome=outcome,
             duration_ms=round((time.perf_counter() - started) * 1000, 3),
         )
-        await self.partials.committed(job, msg_id, outcome, reply)
+        await self.partials.committed(job, msg_id, outcome, reply_text(reply))
         if code is not Code.HANDOFF:
             return None
         self.metrics.handoffs.inc()
@@ -569,10 +602,10 @@ class Pipeline:
     async def _end(
         self, job: Job, outcome: str, msg: Message | None = None, shown: str = ""
     ) -> Job | None:
-        """End a message without applying it (``cancelled``, ``superseded``), in its turn: the
-        state is left as it was, the history gains the turn marked so, one reply event; the
-        commit frees its msg_id, so a re-send is applied. ``shown`` is what its step had
-        streamed to readers when it was stopped: the turn's bot text and the event's reply
+        """End a message without applying it (``cancelled``, ``superseded``, ``expired``), in
+        its turn: the state is left as it was, the history gains the turn marked so, one reply
+        event; the commit frees its msg_id, so a re-send is applied. ``shown`` is what its step
+        had streamed to readers when it was stopped: the turn's bot text and the event's reply
         (cut to `SHOWN_TEXT_LIMIT`), so the history keeps what the user saw."""
         if msg is None:
             try:

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -36,7 +37,23 @@ from dialog_worker.errors import ReplyStreamError
 
 log = structlog.get_logger("dialog_worker.replies")
 
-OUTCOMES = ("applied", "dead_lettered", "duplicate", "cancelled", "rejected", "superseded")
+OUTCOMES = (
+    "applied",
+    "dead_lettered",
+    "duplicate",
+    "cancelled",
+    "rejected",
+    "superseded",
+    "expired",
+)
+# The fields every event carries; the others are a rich reply's (bubbles, no_reply) or
+# producer fields echoed by DIALOG_ECHO_FIELDS.
+EVENT_FIELDS = frozenset(
+    {b"session_id", b"msg_id", b"seq", b"outcome", b"reply", b"produced_at", b"entry_id"}
+)
+# Bounds on what a reader parses from one event (anyone with XADD can write the stream).
+MAX_BUBBLES_FIELD_BYTES = 65536
+MAX_ECHOED = 64
 
 # Failures that a later read may not see again: wait and retry instead of failing waiters.
 # RedisClusterException covers "no node answers" during a cluster failover.
@@ -59,7 +76,12 @@ class Reply:
     apology; check ``outcome`` before showing it as an answer). ``id`` is the event's id on
     ``stream``; ``group`` is set when it was read through a consumer group, and then it must
     be acknowledged (`DialogClient.ack`). ``seq`` and ``produced_at`` are None when the event
-    does not carry a valid number."""
+    does not carry a valid number.
+
+    ``bubbles`` is set when the engine answered with bubbles (a dict or a list of them, see
+    docs/engine.md): each ``{"text": ..., "data": ...}``, ``text`` then being their texts
+    joined by a blank line. ``no_reply`` is True when the engine chose not to answer (``text``
+    is ""). ``echo`` holds the producer fields that DIALOG_ECHO_FIELDS copies onto events."""
 
     session_id: str
     msg_id: str
@@ -71,9 +93,18 @@ class Reply:
     entry_id: str = ""
     stream: str = ""
     group: str | None = None
+    bubbles: list[dict[str, Any]] | None = None
+    no_reply: bool = False
+    echo: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """All fields; ``bubbles``, ``no_reply`` and ``echo`` only when the event has them,
+        so a plain reply prints as it always did (`dialog-worker ask`, `replies`)."""
+        shown = dataclasses.asdict(self)
+        for name, empty in (("bubbles", None), ("no_reply", False), ("echo", {})):
+            if shown[name] == empty:
+                del shown[name]
+        return shown
 
 
 def reply_from_entry(
@@ -92,7 +123,33 @@ def reply_from_entry(
         entry_id=_text(values.get(b"entry_id")),
         stream=stream,
         group=group,
+        bubbles=_bubbles(values.get(b"bubbles")),
+        no_reply=values.get(b"no_reply") == b"1",
+        echo=_echoed(values),
     )
+
+
+def _bubbles(value: bytes | None) -> list[dict[str, Any]] | None:
+    """The bubbles field as a list of dicts, or None when absent or not that (never raises)."""
+    if value is None or len(value) > MAX_BUBBLES_FIELD_BYTES:
+        return None
+    try:
+        parsed = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(parsed, list) or not all(isinstance(b, dict) for b in parsed):
+        return None
+    return parsed
+
+
+def _echoed(values: RawFields) -> dict[str, str]:
+    echo: dict[str, str] = {}
+    for name, value in values.items():
+        if name not in EVENT_FIELDS and name not in (b"bubbles", b"no_reply"):
+            if len(echo) >= MAX_ECHOED:
+                break
+            echo[_text(name)] = _text(value)
+    return echo
 
 
 def _text(value: bytes | str | None) -> str:

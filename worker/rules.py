@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dialog_worker.engine import INITIAL_STEP, InlineEngine, StepResult, describe
+from dialog_worker.engine import INITIAL_STEP, InlineEngine, describe
 from dialog_worker.errors import ConfigError, PermanentError
 
 RULES_SETTING = "DIALOG_RULES_FILE"
@@ -75,7 +75,7 @@ class RuleEngine(InlineEngine):
         """Rule names in the order they are tried, for logs and tests."""
         return tuple(rule.name for rule in self._rules)
 
-    def step(self, state: dict[str, Any], message: dict[str, Any]) -> StepResult:
+    def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[dict[str, Any], str]:
         """Apply the first rule that fits; the inputs are never modified."""
         text = message.get("text")
         if not isinstance(text, str):

@@ -88,13 +88,14 @@ class Harness:
 def commit_args(
     job: list[Any], doc: dict[str, Any] | None = None, *, version: int | None = None,
     token: bytes | None = None, dead: str = "", known_next: str = "", outcome: str = "applied",
+    extras: str = "",
 ) -> list[Any]:  # fmt: skip
     sid, tok, seq, entry_id = job[0], job[1], int(job[2]), job[3]
     return [
         token if token is not None else tok, sid, seq,
         int(job[6]) if version is None else version,
         json.dumps(doc or {"seq": seq}), b"m", b"reply-%d" % seq, outcome, entry_id,
-        dead, known_next,
+        dead, known_next, extras,
     ]  # fmt: skip
 
 
@@ -426,6 +427,39 @@ async def test_a_commit_that_cannot_be_written_fails_alone_and_the_others_are_wr
     assert [e[b"session_id"] for e in await h.replies()] == [b"v1", b"v3"]
     assert b"d" not in await h.state("v2") and b"q1" in await h.state("v2")
     assert await h.dead() == [] and await h.r.get(h.k.session("v2").lock) == jobs[1][1]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["[1, 2", '["bubbles"]', '["no_reply", 1]', json.dumps(["f", "v"] * 33), '["reply", "x"]',
+     '["outcome", "applied"]', '["channel", "wa", "seq", "9"]'],
+)  # fmt: skip
+async def test_reply_extras_that_cannot_be_written_fail_their_commit_alone(h, bad):
+    """Reply extras (argument 12) are name/value pairs added to the message's events; pairs
+    that are not strings, too many, or a name every event carries already are refused."""
+    for sid in ["x1", "x2"]:
+        await xadd(h, sid)
+    _, _, jobs, _, _ = await h.intake()
+    at_limit = json.dumps(["f", "v"] * 32)
+    r1, r2 = await h.commit(commit_args(jobs[0], extras=bad), commit_args(jobs[1], extras=at_limit))
+    assert (int(r1[0]), int(r2[0])) == (Code.INVALID, Code.COMMITTED)
+    assert b"reply extras" in r1[1]
+    [event] = await h.replies()
+    assert event[b"session_id"] == b"x2" and event[b"f"] == b"v" and event[b"reply"] == b"reply-1"
+
+
+async def test_reply_extras_ride_on_the_event_and_on_the_copies_the_commit_answers(h):
+    await xadd(h, "c1", msg_id="m")
+    _, _, [job], _, _ = await h.intake()
+    await xadd(h, "c1", msg_id="m")  # a copy while the original is outstanding
+    await h.intake()
+    extras = json.dumps(["bubbles", '[{"text":"a"}]', "channel", "wa"])
+    [r] = await h.commit(commit_args(job, extras=extras))
+    assert int(r[0]) == Code.COMMITTED
+    events = await h.replies()
+    assert [e[b"outcome"] for e in events] == [b"applied", b"duplicate"]
+    for e in events:
+        assert (e[b"bubbles"], e[b"channel"]) == (b'[{"text":"a"}]', b"wa")
 
 
 async def test_a_lone_surrogate_in_an_error_is_a_dead_letter_of_its_own_commit_only(h):

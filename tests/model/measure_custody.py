@@ -102,7 +102,7 @@ def measure(r: redis.Redis, lua: Path, history: bool) -> dict[str, Any]:
         args: list[Any] = [TTL_MS, 86400, 1000, len(pending)]
         for sid, token, seq, entry_id, version in pending:
             doc = json.dumps({"history": [{"seq": seq}], "pad": "z" * 900 * history})
-            args += [token, sid, seq, version, doc, "m", "ok", "applied", entry_id, "", ""]
+            args += [token, sid, seq, version, doc, "m", "ok", "applied", entry_id, "", "", ""]
         results = sc["commit"](keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq],
                                args=args)  # fmt: skip
         applied += len(pending)

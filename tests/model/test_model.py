@@ -22,10 +22,16 @@ coalesce). The model predicts the cancel's answer, which messages end cancelled 
 without a step (intake, resume, hand-off), a commit refused because its message was cancelled
 meanwhile (the worker then commits it cancelled), the rejected ones, and the cancel marks.
 
+Replies and expiry: a step answers, by its seq, with a string, one bubble, two bubbles or
+nothing (the commit's reply extras: bubbles / no_reply), messages m2 and m3 carry a channel
+field that intake and commit echo onto every event of theirs (copies answered by the
+original's commit carry the original's), and m6 carries an expires_at long past: its turn
+ends it expired, without a step, and frees its msg_id (checked against the dedupe key).
+
 Checked after every step (the model predicts each script's answer and effects first):
 - every reply event and dead letter is one the model expected from that call: an entry ends
-  at most once, with the outcome and seq it must have (applied / dead_lettered / duplicate /
-  cancelled / rejected / superseded);
+  at most once, with the outcome, seq and extra fields it must have (applied / dead_lettered /
+  duplicate / cancelled / rejected / superseded / expired);
 - per session, seqs are given in stream order without gaps, and a job is always the session's
   next message, with the state (version, document) the previous commit wrote;
 - a commit (or release) by a token that does not hold the lock is fenced and changes nothing;
@@ -87,6 +93,15 @@ MAX_BYTES = 1024
 MAX_ATTEMPTS = 3
 GAP_TIMEOUT_MS = 0  # a missing entry is a gap at its second sighting by resume
 FALLBACK = "maaf"
+# Rich replies, echoed fields, expiry: messages m2 and m3 carry a channel field, echoed onto
+# every event of theirs; m6 carries an expires_at long past, so its turn ends it expired
+# (the pipeline's decision, before any step); an applied message's step answers, by its seq,
+# with a string, one bubble, two bubbles or nothing (reply extras: bubbles / no_reply).
+ECHO_FIELD = "channel"
+CHANNEL_OF = {"m2": "web", "m3": "wa"}
+EXPIRED_MSG_ID = "m6"
+EVENT_FIELDS = {b"session_id", b"msg_id", b"seq", b"outcome", b"reply", b"produced_at",
+                b"entry_id"}  # fmt: skip
 DRAIN_ROUNDS = 12
 WAITING_COPIES_BYTES = 1024  # lua/intake-5.lua MAX_WAITING_COPIES_BYTES
 
@@ -234,6 +249,34 @@ MALFORMED: dict[str, tuple[Callable[[str], list[tuple[bytes, bytes]]], bool]] = 
 }
 
 
+def echoed(pairs: list[tuple[bytes, bytes]]) -> tuple[tuple[str, str], ...]:
+    """The reply extras an entry's fields give its events: its first channel field."""
+    for name, value in pairs:
+        if name == ECHO_FIELD.encode():
+            return ((ECHO_FIELD, s(value)),)
+    return ()
+
+
+def _pairs(flat_fields: list[bytes]) -> list[tuple[bytes, bytes]]:
+    return [(flat_fields[i], flat_fields[i + 1]) for i in range(0, len(flat_fields) - 1, 2)]
+
+
+def engine_answer(seq: int, text: str) -> tuple[str, list[str]]:
+    """What the worker commits for a step that answered, by seq: a string, one bubble, two
+    bubbles or None (reply text and reply extras, as worker/engine.py's RichReply gives)."""
+    kind = seq % 4
+    if kind == 0:
+        return text, []
+    if kind == 1:
+        bubbles = [{"text": text, "data": {"buttons": [{"title": "ok", "payload": "ok"}]}}]
+    elif kind == 2:
+        bubbles = [{"text": text}, {"text": "more"}]
+    else:
+        return "", ["no_reply", "1"]
+    joined = "\n\n".join(b["text"] for b in bubbles if b["text"])
+    return joined, ["bubbles", json.dumps(bubbles, separators=(",", ":"))]
+
+
 def s(value: bytes | str | int) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -278,7 +321,7 @@ class Scripts:
             keys=[k.stream, k.ready, k.session_prefix, k.dlq, k.replies],
             args=[
                 k.group, consumer, count, token_base, LOCK_TTL_MS, DEDUPE_TTL_S, MAX_BYTES,
-                MAX_EXTRA_FIELDS, 0, "model", 0, FALLBACK,
+                MAX_EXTRA_FIELDS, 0, "model", 0, FALLBACK, 0, 1, "enqueue", ECHO_FIELD,
             ],
         )  # fmt: skip
 
@@ -501,6 +544,10 @@ class DialogScripts(RuleBasedStateMachine):
         pairs = _fields(("session_id", session), ("text", "boom" if poison else "hi"))
         if msg_id is not None:
             pairs += _fields(("msg_id", msg_id))
+        if msg_id in CHANNEL_OF:
+            pairs += _fields((ECHO_FIELD, CHANNEL_OF[msg_id]))
+        if msg_id == EXPIRED_MSG_ID:
+            pairs += _fields(("expires_at", "1"))
         if policy is not None:
             pairs += _fields(("multitask", policy))
         e = self._append(pairs, sid=session, msg_id=msg_id, poison=poison, multitask=policy)
@@ -573,7 +620,9 @@ class DialogScripts(RuleBasedStateMachine):
                 self._end(e, "dead_lettered")
                 self.expect_letters.append((e.id, "malformed"))
                 if e.sid is not None:
-                    self.expect_events.append((e.id, e.sid, "dead_lettered", 0, e.id, FALLBACK))
+                    self.expect_events.append(
+                        (e.id, e.sid, "dead_lettered", 0, e.id, FALLBACK, echoed(e.fields))
+                    )
                 continue
             assert e.sid is not None
             ss = self.sessions[e.sid]
@@ -595,14 +644,18 @@ class DialogScripts(RuleBasedStateMachine):
                 else:
                     reply = self._reply_of(ss, orig, e.msg_id) if life == ss.life else ""
                     self._end(e, "duplicate")
-                    self.expect_events.append((e.id, e.sid, "duplicate", orig, e.msg_id, reply))
+                    self.expect_events.append(
+                        (e.id, e.sid, "duplicate", orig, e.msg_id, reply, echoed(e.fields))
+                    )
                 continue
             busy = ss.last > ss.applied
             if e.multitask == "reject" and busy:
                 e.kind = "rejected"
                 rejected += 1
                 self._end(e, "rejected")
-                self.expect_events.append((e.id, e.sid, "rejected", 0, e.msg_id or e.id, ""))
+                self.expect_events.append(
+                    (e.id, e.sid, "rejected", 0, e.msg_id or e.id, "", echoed(e.fields))
+                )
                 continue
             e.kind = "sequenced"
             ss.last += 1
@@ -790,6 +843,8 @@ class DialogScripts(RuleBasedStateMachine):
             self._stepped(w, job, job.ending, "")
         elif job.gap:
             self._stepped(w, job, "dead_lettered", "gap")
+        elif field(job.fields, b"expires_at") is not None:
+            self._stepped(w, job, "expired", "")  # its turn came after its expiry: no step
         elif job.attempts > MAX_ATTEMPTS:
             self._stepped(w, job, "dead_lettered", "exhausted")
         elif field(job.fields, b"text") == b"boom":
@@ -804,10 +859,18 @@ class DialogScripts(RuleBasedStateMachine):
         msg_id = field(job.fields, b"msg_id") or job.entry_id.encode()
         reply = f"reply to {job.entry_id}" if outcome == "applied" else FALLBACK
         old = json.loads(job.doc) if job.doc else {"history": []}
-        turn = {"seq": job.seq, "msg_id": s(msg_id), "entry_id": job.entry_id, "bot": reply}
-        if outcome in ("cancelled", "superseded"):
+        turn: dict[str, Any] = {
+            "seq": job.seq, "msg_id": s(msg_id), "entry_id": job.entry_id, "bot": reply
+        }  # fmt: skip
+        extras: list[str] = []
+        if outcome in ("cancelled", "superseded", "expired"):
             reply = turn["bot"] = ""
             turn[outcome] = True
+        elif outcome == "applied":
+            reply, extras = engine_answer(job.seq, reply)
+            turn["bot"] = reply
+        for name, value in echoed(_pairs(job.fields)):
+            extras += [name, value]
         doc = json.dumps({"history": [*old["history"], turn]})
         letter = ""
         if outcome == "dead_lettered":
@@ -818,7 +881,7 @@ class DialogScripts(RuleBasedStateMachine):
         known_next = next(iter(job.held), "")
         job.commit = [
             job.token, job.sid, job.seq, job.version, doc, msg_id, reply, outcome,
-            job.entry_id, letter, known_next,
+            job.entry_id, letter, known_next, json.dumps(extras) if extras else "",
         ]  # fmt: skip
         note(f"step {w.name} {job} -> {outcome} {kind}")
 
@@ -884,6 +947,14 @@ class DialogScripts(RuleBasedStateMachine):
             if code < 0:
                 continue
             assert int(got[1]) == want[1], f"commit of {job}: version {got[1]} != {want[1]}"
+            assert job.commit is not None
+            msg_id, outcome = s(job.commit[5]), s(job.commit[7])
+            if outcome in ("cancelled", "superseded", "expired") and msg_id:
+                # It ended without being applied: its msg_id is free exactly when the model
+                # says so (a re-send is then a new message).
+                ss = self.sessions[job.sid]
+                kept = self.r.exists(self.k.session(job.sid).dedupe(msg_id)) == 1
+                assert kept == (msg_id in ss.dedupe), f"{outcome} {job}: dedupe key kept={kept}"
             if code == Code.HANDOFF:
                 _, version, next_seq, next_id, next_fields, ending = want
                 assert (int(got[2]), s(got[3]), list(got[4]), s(got[5])) == (
@@ -913,7 +984,9 @@ class DialogScripts(RuleBasedStateMachine):
             return (Code.FENCED_VERSION,)
         e = ss.by_seq[job.seq]
         assert job.entry_id in (e.id, ""), f"{job} commits {job.entry_id}, seq {job.seq} is {e}"
-        _, _, _, _, doc, msg_id, reply, outcome, _, letter, _ = job.commit
+        _, _, _, _, doc, msg_id, reply, outcome, _, letter, _, extras_json = job.commit
+        extras = json.loads(extras_json) if extras_json else []
+        event_extras = tuple(sorted(zip(extras[::2], extras[1::2], strict=True)))
         if (
             outcome in ("applied", "dead_lettered")
             and not e.deleted
@@ -921,19 +994,24 @@ class DialogScripts(RuleBasedStateMachine):
             and (ss.xc > job.seq or (ss.sid, s(msg_id)) in self.marks)
         ):
             return (Code.CANCELLED,)  # nothing written
-        if msg_id and (outcome in ("cancelled", "superseded") or (e.deleted and letter)):
+        if msg_id and (outcome in ("cancelled", "superseded", "expired") or (e.deleted and letter)):
             # Ended without being applied: its msg_id is free (and its cancel mark gone).
             if ss.dedupe.get(s(msg_id)) == (job.seq, ss.life):
                 del ss.dedupe[s(msg_id)]
             self.marks.discard((ss.sid, s(msg_id)))
         self._end(e, outcome)
         e.anonymous = not job.entry_id
-        self.expect_events.append((job.entry_id, ss.sid, outcome, e.seq, s(msg_id), reply))
+        self.expect_events.append(
+            (job.entry_id, ss.sid, outcome, e.seq, s(msg_id), reply, event_extras)
+        )
         if letter:
             self.expect_letters.append((job.entry_id, json.loads(letter)[3]))
         for copy in ss.waiting.pop(job.seq, []):
             self._end(copy, "duplicate")
-            self.expect_events.append((copy.id, ss.sid, "duplicate", e.seq, s(msg_id), reply))
+            # Answered by its original's commit: with the original's reply and extras.
+            self.expect_events.append(
+                (copy.id, ss.sid, "duplicate", e.seq, s(msg_id), reply, event_extras)
+            )
         ss.applied, ss.version = job.seq, ss.version + 1
         ss.history = json.loads(doc)["history"]
         ss.done = f"{job.token}:{job.seq}"
@@ -998,7 +1076,7 @@ class DialogScripts(RuleBasedStateMachine):
             return ("pending", 0, "")
         for turn in reversed(ss.history if ss.version else []):
             if turn["msg_id"] == msg_id:
-                flags = [o for o in ("cancelled", "superseded") if turn.get(o)]
+                flags = [o for o in ("cancelled", "superseded", "expired") if turn.get(o)]
                 return ("finished", turn["seq"], flags[0] if flags else "")
         if seq is not None and seq <= ss.applied:
             return ("finished", seq, "")
@@ -1192,7 +1270,8 @@ class DialogScripts(RuleBasedStateMachine):
         # Every event and dead letter written is one the model expected, each exactly once.
         got = [
             (s(f[b"entry_id"]), s(f[b"session_id"]), s(f[b"outcome"]), int(f[b"seq"]),
-             s(f[b"msg_id"]), s(f[b"reply"]))
+             s(f[b"msg_id"]), s(f[b"reply"]),
+             tuple(sorted((s(n), s(v)) for n, v in f.items() if n not in EVENT_FIELDS)))
             for _, f in events
         ]  # fmt: skip
         assert Counter(got) == Counter(self.expect_events), (
@@ -1375,7 +1454,8 @@ class DialogScripts(RuleBasedStateMachine):
                 s(f[b"entry_id"])
                 for f in events
                 if f[b"session_id"] == sid.encode()
-                and f[b"outcome"] in (b"applied", b"dead_lettered", b"cancelled", b"superseded")
+                and f[b"outcome"]
+                in (b"applied", b"dead_lettered", b"cancelled", b"superseded", b"expired")
                 and f[b"seq"] != b"0"
                 and f[b"entry_id"]  # a gap names no entry
             ]

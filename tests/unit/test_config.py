@@ -496,3 +496,27 @@ def test_worker_processes_under_a_supervisor_do_not_repeat_its_warning(
     env = {"DIALOG_CONFIG": "/dev/null", "DIALOG_SUPERVISOR_PID": "1", "DIALOG_LOG_LEVL": "x"}
     load_settings(environ=env)
     assert capsys.readouterr().err == ""
+
+
+def test_echo_fields_are_checked_at_start() -> None:
+    ok = load_settings(environ={"DIALOG_ECHO_FIELDS": " channel , chat_id "})
+    assert ok.echo_fields == "channel,chat_id"
+    assert load_settings(environ={}).echo_fields == ""
+    for value, why in [
+        ("channel,session_id", "'session_id' is a field the worker uses itself"),
+        ("text", "'text' is a field the worker uses itself"),
+        ("bubbles", "'bubbles' is a field the worker uses itself"),
+        ("channel,channel", "a field is listed twice"),
+        ("chat id", "is not a field name"),
+        (",".join(f"f{i}" for i in range(17)), "at most 16 fields"),
+    ]:
+        with pytest.raises(ConfigError, match=why) as raised:
+            load_settings(environ={"DIALOG_ECHO_FIELDS": value})
+        assert raised.value.setting == "DIALOG_ECHO_FIELDS"
+
+
+def test_message_ttl_is_a_number_of_seconds_zero_off() -> None:
+    assert load_settings(environ={}).message_ttl_s == 0
+    assert load_settings(environ={"DIALOG_MESSAGE_TTL_S": "7200"}).message_ttl_s == 7200
+    with pytest.raises(ConfigError, match="DIALOG_MESSAGE_TTL_S"):
+        load_settings(environ={"DIALOG_MESSAGE_TTL_S": "-1"})

@@ -17,6 +17,10 @@ import structlog
 
 from dialog_worker import rules as rules_module
 from dialog_worker.engine import (
+    MAX_BUBBLES,
+    MAX_BUBBLES_BYTES,
+    RichReply,
+    bubbles_json,
     initial_state,
     load_engine,
     run_step,
@@ -503,7 +507,14 @@ class _FixedEngine:
         pytest.param("reply only", id="string"),
         pytest.param(({"step": "ROOT", "memory": {}},), id="one-tuple"),
         pytest.param([{"step": "ROOT", "memory": {}}, "r"], id="list"),
-        pytest.param(({"step": "ROOT", "memory": {}}, None), id="reply-not-str"),
+        pytest.param(({"step": "ROOT", "memory": {}}, 42), id="reply-a-number"),
+        pytest.param(({"step": "ROOT", "memory": {}}, []), id="reply-no-bubbles"),
+        pytest.param(({"step": "ROOT", "memory": {}}, [{"text": "a"}] * 11), id="11-bubbles"),
+        pytest.param(({"step": "ROOT", "memory": {}}, ["a"]), id="bubble-not-dict"),
+        pytest.param(({"step": "ROOT", "memory": {}}, {"txt": "a"}), id="bubble-unknown-key"),
+        pytest.param(({"step": "ROOT", "memory": {}}, {"text": 1}), id="bubble-text-not-str"),
+        pytest.param(({"step": "ROOT", "memory": {}}, {"data": {1, 2}}), id="data-a-set"),
+        pytest.param(({"step": "ROOT", "memory": {}}, {"data": float("nan")}), id="data-nan"),
         pytest.param(("state", "r"), id="state-not-dict"),
         pytest.param(({"memory": {}}, "r"), id="no-step"),
         pytest.param(({"step": 1, "memory": {}}, "r"), id="step-not-str"),
@@ -516,6 +527,37 @@ class _FixedEngine:
 async def test_run_step_rejects_a_bad_result_shape_as_permanent(result: object) -> None:
     with pytest.raises(PermanentError, match=r"_FixedEngine\.step returned"):
         await run_step(_FixedEngine(result), initial_state("s1"), message("x"))
+
+
+def _bubble_of_json_size(size: int) -> dict[str, Any]:
+    """One bubble whose reply JSON ([{"text":"","data":"xx..."}]) is exactly `size` bytes."""
+    overhead = len(bubbles_json([{"text": "", "data": ""}]).encode())
+    return {"text": "", "data": "x" * (size - overhead)}
+
+
+async def test_rich_replies_are_checked_and_kept_at_their_limits() -> None:
+    state = {"step": "ROOT", "memory": {}}
+    buttons = {"buttons": [{"title": "Ya", "payload": "yes"}]}
+    _, one = await run_step(_FixedEngine((state, {"text": "Lanjut?", "data": buttons})),
+                            initial_state("s1"), message("x"))  # fmt: skip
+    assert one == RichReply("Lanjut?", ({"text": "Lanjut?", "data": buttons},))
+    ten = [{"text": f"b{i}"} for i in range(MAX_BUBBLES)]
+    _, many = await run_step(_FixedEngine((state, ten)), initial_state("s1"), message("x"))
+    assert isinstance(many, RichReply) and len(many.bubbles) == MAX_BUBBLES
+    assert many.text == "\n\n".join(f"b{i}" for i in range(MAX_BUBBLES))
+    _, none = await run_step(_FixedEngine((state, None)), initial_state("s1"), message("x"))
+    assert none == RichReply("", no_reply=True)
+    assert none.event_fields() == ["no_reply", "1"]
+    at_limit = _bubble_of_json_size(MAX_BUBBLES_BYTES)
+    _, big = await run_step(_FixedEngine((state, at_limit)), initial_state("s1"), message("x"))
+    assert isinstance(big, RichReply)
+    assert len(big.event_fields()[1].encode()) == MAX_BUBBLES_BYTES
+    past = _bubble_of_json_size(MAX_BUBBLES_BYTES + 1)
+    with pytest.raises(PermanentError, match="at most 16384"):
+        await run_step(_FixedEngine((state, past)), initial_state("s1"), message("x"))
+    with pytest.raises(PermanentError, match="at most 10"):
+        await run_step(_FixedEngine((state, [*ten, {"text": "x"}])), initial_state("s1"),
+                       message("x"))  # fmt: skip
 
 
 @pytest.mark.parametrize(

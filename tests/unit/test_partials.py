@@ -124,8 +124,10 @@ def test_a_turn_marked_cancelled_or_superseded_ended_so():
     doc = (
         b'{"history": [{"seq": 1, "msg_id": "a", "bot": "", "cancelled": true},'
         b' {"seq": 2, "msg_id": "b", "bot": "", "superseded": true},'
-        b' {"seq": 3, "msg_id": "c", "bot": "ok", "cancelled": "yes"}]}'
+        b' {"seq": 3, "msg_id": "c", "bot": "ok", "cancelled": "yes"},'
+        b' {"seq": 4, "msg_id": "d", "bot": "", "expired": true}]}'
     )
+    assert reply_from_history(doc, "d", 4) == ("expired", "")
     assert reply_from_history(doc, "a", 1) == ("cancelled", "")
     assert reply_from_history(doc, "b", None) == ("superseded", "")
     assert reply_from_history(doc, "c", 3) == ("applied", "ok")  # only a true flag counts
