@@ -26,6 +26,11 @@
   cancel mark so its worker stops the step), coalesce (sequenced; every message before it
   that is not running yet ends superseded in its turn: xs = its seq). A multitask value
   other than these four makes the entry malformed.
+  Timers: an entry with a deliver_at field (ms since the epoch) in the future is not
+  sequenced now: it becomes a timer of its session (see defer below and fire-3.lua). A
+  sequenced entry without a timer field (a user's message) cancels its session's timers that
+  were set with cancel_on_message. Each sequenced message's msg_id goes into its session's
+  msg_id index (index_msg_id in _common.lua), which delete uses instead of a scan.
   Every delivered entry is acked and deleted from the stream in this call (custody): the
   stream holds only unread entries, so no producer command (XADD MAXLEN/MINID, XTRIM, XDEL)
   can touch a sequenced message, and nothing ever waits in a pending list: a crashed
@@ -142,7 +147,7 @@ end
 -- session when it has one valid session_id field, whatever else is wrong with it: that
 -- session's user gets the dead_lettered event.
 local function inspect(f)
-  local sid, msg_id, text, repeated, policy
+  local sid, msg_id, text, repeated, policy, deliver_at, timer
   local sids, extra, size = 0, 0, 0
   for i = 1, #f, 2 do
     local name, value = f[i], f[i + 1]
@@ -160,6 +165,12 @@ local function inspect(f)
       else policy = value end
     else
       extra = extra + 1
+      if name == 'deliver_at' then
+        if deliver_at then repeated = name end
+        deliver_at = value
+      elseif name == 'timer' then
+        timer = true
+      end
     end
   end
   if sids > 1 then return 'field session_id appears more than once', nil, nil end
@@ -183,7 +194,47 @@ local function inspect(f)
   if policy ~= nil and not POLICIES[policy] then
     return 'multitask is not one of enqueue, reject, interrupt, coalesce', sid, msg_id
   end
-  return nil, sid, msg_id, policy or default_policy
+  if deliver_at ~= nil then
+    if not string.find(deliver_at, '^%d+$') or #deliver_at > 15 then
+      return 'deliver_at is not a time in ms since the epoch', sid, msg_id
+    end
+    deliver_at = tonumber(deliver_at)
+  end
+  return nil, sid, msg_id, policy or default_policy, deliver_at, timer
+end
+
+-- A message sent with deliver_at in the future becomes a timer of its session (named
+-- msg:<msg_id>; sending it again replaces it): fire-3.lua appends it when due, without
+-- deliver_at and with a timer field, and it is sequenced then. Returns why not, or nil.
+local MAX_DELIVER_AHEAD_MS = 366 * 86400 * 1000
+local function defer(id, f, sid, msg_id, deliver_at, now)
+  if deliver_at > now + MAX_DELIVER_AHEAD_MS then
+    return 'deliver_at is more than 366 days ahead'
+  end
+  local name = 'msg:' .. (msg_id or id)
+  local tkey = session_key(sprefix, sid, 'timers')
+  local tk = redis.pcall('TYPE', tkey)
+  if type(tk) ~= 'table' or (tk['ok'] ~= 'none' and tk['ok'] ~= 'hash') then
+    return 'session timers ' .. tkey .. ' is not a hash'
+  end
+  if rcall('HEXISTS', tkey, 't:' .. name) == 0 and timer_count(tkey) >= MAX_TIMERS then
+    return 'the session has ' .. MAX_TIMERS .. ' timers waiting (at most ' .. MAX_TIMERS .. ')'
+  end
+  local fields = {}
+  for i = 1, #f, 2 do
+    if f[i] ~= 'deliver_at' and f[i] ~= 'timer' then
+      fields[#fields + 1] = f[i]
+      fields[#fields + 1] = f[i + 1]
+    end
+  end
+  if not msg_id then
+    fields[#fields + 1] = 'msg_id'
+    fields[#fields + 1] = id
+  end
+  fields[#fields + 1] = 'timer'
+  fields[#fields + 1] = name
+  set_timer(ready, sprefix, sid, name, deliver_at, false, fields)
+  return nil
 end
 
 -- CRC-32 (zlib's) of a string, as an unsigned number; the table is built on first use.
@@ -244,6 +295,7 @@ local acks, dels, jobs, held, receipt = {}, {}, {}, {}, {}
 local sessions, order = {}, {}
 local tokens = 0
 local dups, refused, contended, rejected = 0, 0, 0, 0
+local deferred = false
 
 local function refuse(id, f, problem, sid, msg_id)
   local letter = letter_fields(f)
@@ -390,10 +442,17 @@ end
 for _, e in ipairs(entries) do
   local id, f = e[1], e[2]
   acks[#acks + 1] = id
-  local problem, sid, msg_id, policy = inspect(f)
+  local problem, sid, msg_id, policy, deliver_at, timer = inspect(f)
   local s, dkey, seen
   if not problem then
     problem = shard_problem(sid)  -- before any key of the session is read or written here
+  end
+  if not problem and deliver_at and deliver_at > now then
+    problem = defer(id, f, sid, msg_id, deliver_at, now)
+    if not problem then
+      dels[#dels + 1] = id
+      deferred = true
+    end
   end
   if not problem then
     s, problem = session(sid)
@@ -402,7 +461,9 @@ for _, e in ipairs(entries) do
     dkey = session_key(sprefix, sid, 'msg:' .. msg_id)
     seen, problem = dedupe_seen(dkey)
   end
-  if problem then
+  if deferred then
+    deferred = false
+  elseif problem then
     refuse(id, f, problem, sid, msg_id)
   else
     local seq = seen and (tonumber(seen) or 0)
@@ -429,6 +490,8 @@ for _, e in ipairs(entries) do
         interrupt_or_coalesce(s, sid, seq, policy)
       end
       s.last = seq
+      index_msg_id(sprefix, sid, msg_id or id, seq, now + dedupe_ttl * 1000, dedupe_ttl * 1000)
+      if not timer then cancel_message_timers(ready, sprefix, sid) end
       if dkey then
         rcall('SET', dkey, seq, 'EX', dedupe_ttl)
         s.msg_ids[seq] = msg_id

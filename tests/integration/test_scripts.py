@@ -61,7 +61,7 @@ class Harness:
         k = self.k
         args: list[Any] = [TTL_MS, 3600, maxlen, len(commits)]
         for c in commits:
-            args += c
+            args += [*c, "", ""] if len(c) == 11 else c  # reserved, timer operations
         return await self.s.commit(
             keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args
         )

@@ -293,7 +293,7 @@ class Scripts:
         k = self.k
         args: list[Any] = [LOCK_TTL_MS, STATE_TTL_S, 0, len(commits)]
         for c in commits:
-            args += c
+            args += [*c, "", ""] if len(c) == 11 else c  # reserved, timer operations
         return self.commit(keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args)
 
     def call_release(self, job: Job, delay_ms: int, error: str, counts: bool) -> int:
