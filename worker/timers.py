@@ -12,12 +12,13 @@ any message; its ``meta`` carries ``timer`` (the timer's name).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dialog_worker.codec import check_meta
@@ -66,6 +67,19 @@ def unbind(token: contextvars.Token[TimerOps | None]) -> None:
     _current.reset(token)
 
 
+@contextlib.contextmanager
+def recording() -> Iterator[list[dict[str, Any]]]:
+    """For an engine's own tests: what steps run inside the block ask for (``schedule`` /
+    ``cancel_timer``), as a list of operations (``{"op": "set", "name", "text", "meta",
+    "delay_ms" | "at_ms", "cancel_on_message"}`` / ``{"op": "cancel", "name"}``)."""
+    ops = TimerOps()
+    token = bind(ops)
+    try:
+        yield ops.ops
+    finally:
+        unbind(token)
+
+
 def check_timer_name(name: object) -> str:
     if (
         not isinstance(name, str)
@@ -97,7 +111,7 @@ def schedule(
     (an inactivity nudge). Written only if the step's result is committed; at most
     64 timers per session (a commit that would leave more is refused and its message
     dead-lettered). Call it from a step, ``async def`` or plain ``def``; outside a step it
-    raises ``RuntimeError``."""
+    raises ``RuntimeError`` (in an engine's own tests, wrap the step in ``recording()``)."""
     ops = _current.get()
     if ops is None:
         raise RuntimeError("dialog_worker.schedule() is called from a running step only")

@@ -5,6 +5,8 @@ message, none from a failed step; ``send(deliver_at=...)``."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +50,10 @@ def start(workers: Any, tmp_path: Path, n: int = 1) -> Path:
     log = tmp_path / "engine.jsonl"
     workers.start(n, DIALOG_ENGINE="timer_engines:Timers", TIMER_ENGINE_LOG=str(log))
     return log
+
+
+def guide() -> str:
+    return (Path(__file__).resolve().parents[2] / "docs" / "engine.md").read_text()
 
 
 def timer_keys(url: str) -> list[str]:
@@ -151,3 +157,30 @@ async def test_too_many_timers_dead_letter_the_step_that_asks_for_them(
     settings = load_settings(environ=env)
     r = redis.Redis.from_url(url)
     assert r.zcard(Keys.from_settings(settings).timers) == 64
+
+
+async def test_the_guides_nudger_asks_once_after_a_silence_and_not_while_the_user_writes(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """docs/engine.md's inactivity nudge, run by a real worker as the guide shows it."""
+    doc = guide()
+    [code] = [
+        b
+        for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+        if b.startswith("# nudger.py")
+    ]
+    (tmp_path / "nudger.py").write_text(code)
+    path = os.pathsep.join([env["PYTHONPATH"], str(tmp_path)])
+    workers.start(1, DIALOG_ENGINE="nudger:Nudger", NUDGE_AFTER_S="0.8", PYTHONPATH=path)
+    url = env["REDIS_URL"]
+    await client.send("n1", "hello")
+    await anyio.sleep(0.4)
+    await client.send("n1", "are you there?")  # before the nudge: it goes, a new one is set
+    got = await wait_for(lambda: len(session_events(url, "n1")) >= 3 and session_events(url, "n1"))
+    await anyio.sleep(1.5)  # one nudge only
+    assert [r for *_, r in session_events(url, "n1")] == [
+        "You said: hello",
+        "You said: are you there?",
+        "Are you still there?",
+    ]
+    assert got[2][0].startswith("timer:nudge:")
