@@ -198,8 +198,8 @@ end
 -- Remove one timer; returns its payload, or nil when there was none.
 local function drop_timer(ready, sprefix, sid, name)
   local tkey = session_key(sprefix, sid, 'timers')
-  local v = rcall('HGET', tkey, 't:' .. name)
-  if not v then return nil end
+  local v = redis.pcall('HGET', tkey, 't:' .. name)
+  if not v or type(v) == 'table' then return nil end  -- none, or a key of another type
   local ok, _, on_message = pcall(cmsgpack.unpack, v)
   rcall('HDEL', tkey, 't:' .. name)
   if ok and on_message == 1 and rcall('HINCRBY', tkey, 'c', -1) <= 0 then

@@ -295,7 +295,6 @@ local acks, dels, jobs, held, receipt = {}, {}, {}, {}, {}
 local sessions, order = {}, {}
 local tokens = 0
 local dups, refused, contended, rejected = 0, 0, 0, 0
-local deferred = false
 
 local function refuse(id, f, problem, sid, msg_id)
   local letter = letter_fields(f)
@@ -443,26 +442,23 @@ for _, e in ipairs(entries) do
   local id, f = e[1], e[2]
   acks[#acks + 1] = id
   local problem, sid, msg_id, policy, deliver_at, timer = inspect(f)
-  local s, dkey, seen
+  local s, dkey, seen, deferred
   if not problem then
     problem = shard_problem(sid)  -- before any key of the session is read or written here
   end
   if not problem and deliver_at and deliver_at > now then
     problem = defer(id, f, sid, msg_id, deliver_at, now)
-    if not problem then
-      dels[#dels + 1] = id
-      deferred = true
-    end
+    deferred = not problem
   end
-  if not problem then
+  if not problem and not deferred then
     s, problem = session(sid)
   end
-  if not problem and msg_id then
+  if not problem and not deferred and msg_id then
     dkey = session_key(sprefix, sid, 'msg:' .. msg_id)
     seen, problem = dedupe_seen(dkey)
   end
   if deferred then
-    deferred = false
+    dels[#dels + 1] = id  -- it waits as a timer now (sequenced when it fires)
   elseif problem then
     refuse(id, f, problem, sid, msg_id)
   else

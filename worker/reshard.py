@@ -319,7 +319,7 @@ class _Mover:
             except ResponseError as exc:
                 if "BUSYKEY" not in str(exc):
                     raise
-                if not await self._same(key, new_key, is_hash=role == "state"):
+                if not await self._same(key, new_key, role):
                     report.conflicts.append(_text(key))
                     return
                 report.already_moved += 1  # copied by an interrupted run
@@ -335,10 +335,14 @@ class _Mover:
             await self.step()
             await r.delete(key)
 
-    async def _same(self, key: bytes, new_key: str, is_hash: bool) -> bool:
-        if is_hash:
-            return bool(await self.redis.hgetall(key) == await self.redis.hgetall(new_key))
-        return bool(await self.redis.get(key) == await self.redis.get(new_key))
+    async def _same(self, key: bytes, new_key: str, role: str) -> bool:
+        r = self.redis
+        if role == "state":
+            return bool(await r.hgetall(key) == await r.hgetall(new_key))
+        if role == "ids":  # a sorted set (the msg_id index)
+            old = await r.zrange(key, 0, -1, withscores=True)
+            return bool(old == await r.zrange(new_key, 0, -1, withscores=True))
+        return bool(await r.get(key) == await r.get(new_key))
 
     async def dead_letters(self, keys: Keys, after: Topology) -> None:
         """Re-add each dead letter of the shard to its session's new shard, if that is
