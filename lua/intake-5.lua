@@ -453,7 +453,7 @@ for _, e in ipairs(entries) do
   if not problem and not deferred then
     s, problem = session(sid)
   end
-  if not problem and not deferred and msg_id then
+  if not problem and msg_id then
     dkey = session_key(sprefix, sid, 'msg:' .. msg_id)
     seen, problem = dedupe_seen(dkey)
   end
