@@ -7,6 +7,7 @@
              resumer (sessions of the ready set that are due: a crashed holder's lease ran
              out, a retry's backoff is over)
              reclaimer (entries left pending by anything else; consumer hygiene)
+             timers (due timers appended to the inbound stream: lua/fire-3.lua)
     work     one task per session being worked, at most DIALOG_CONCURRENCY at once
              (pipeline.py), and one committer per shard (group commit)
     side     heartbeat (lease renewal), sampler (gauges, readiness), event-loop lag watch,
