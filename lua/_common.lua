@@ -235,10 +235,11 @@ end
 -- Every msg_id a session's messages had (explicit or their entry id) -> until when (ms) keys
 -- named by it (msg:, cancel:, partial:) may exist: how delete (erase-2.lua) finds them
 -- without a scan. One ZADD and one PEXPIRE per sequenced message; expired members are pruned
--- every 32nd message, so it holds about one dedupe window of msg_ids.
+-- every 32nd message, so it holds about one dedupe window of msg_ids. With pcall: a key of
+-- another type (written by hand) must not fail the call after its first writes.
 local function index_msg_id(sprefix, sid, msg_id, seq, until_ms, ttl_ms)
   local ikey = session_key(sprefix, sid, 'ids')
-  rcall('ZADD', ikey, until_ms, msg_id)
-  if seq % 32 == 0 then rcall('ZREMRANGEBYSCORE', ikey, '-inf', '(' .. (until_ms - ttl_ms)) end
-  rcall('PEXPIRE', ikey, ttl_ms)
+  redis.pcall('ZADD', ikey, until_ms, msg_id)
+  if seq % 32 == 0 then redis.pcall('ZREMRANGEBYSCORE', ikey, '-inf', '(' .. (until_ms - ttl_ms)) end
+  redis.pcall('PEXPIRE', ikey, ttl_ms)
 end

@@ -61,7 +61,7 @@ if not (lock_ttl and state_ttl and maxlen and n) or n < 1 or #ARGV ~= 4 + n * WI
 end
 local inbound, ages = inbound_key(ready), ages_key(ready)
 for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {replies, 'stream'}, {dlq, 'stream'},
-                        {inbound, 'hash'}, {ages, 'zset'}}) do
+                        {inbound, 'hash'}, {ages, 'zset'}, {timers_key(ready), 'zset'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end

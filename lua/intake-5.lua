@@ -86,7 +86,8 @@ if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen
   return redis.error_reply('ERR intake: bad arguments')
 end
 for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {replies, 'stream'},
-                        {inbound_key(ready), 'hash'}, {ages_key(ready), 'zset'}}) do
+                        {inbound_key(ready), 'hash'}, {ages_key(ready), 'zset'},
+                        {timers_key(ready), 'zset'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end

@@ -184,3 +184,21 @@ async def test_the_guides_nudger_asks_once_after_a_silence_and_not_while_the_use
         "Are you still there?",
     ]
     assert got[2][0].startswith("timer:nudge:")
+
+
+async def test_a_session_key_of_timers_or_msg_ids_written_by_hand_hurts_no_message(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """A string where a session's msg_id index or timers hash belongs: its messages are still
+    applied (the index is skipped; a timer there is refused with its commit alone)."""
+    start(workers, tmp_path)
+    url = env["REDIS_URL"]
+    session = Keys.from_settings(load_settings(environ=env)).session("h1")
+    r = redis.Redis.from_url(url)
+    r.set(session.ids, "x")
+    r.set(session.timers, "x")
+    await client.send("h1", "hello")
+    await client.send("h1", "remind 60 r1")
+    await client.send("h1", "after")
+    got = await wait_for(lambda: len(session_events(url, "h1")) >= 3 and session_events(url, "h1"))
+    assert [o for _, _, o, _ in got] == ["applied", "dead_lettered", "applied"]
