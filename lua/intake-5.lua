@@ -86,11 +86,12 @@ if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen
   return redis.error_reply('ERR intake: bad arguments')
 end
 for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {replies, 'stream'},
-                        {inbound_key(ready), 'hash'}, {ages_key(ready), 'zset'},
-                        {timers_key(ready), 'zset'}}) do
+                        {inbound_key(ready), 'hash'}, {ages_key(ready), 'zset'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end
+local timers_err = expect_type(timers_key(ready), 'zset')  -- deliver_at, cancel_on_message
+if timers_err then return timers_err end
 
 local MAX_ID_BYTES = 256
 -- Copies of a not-yet-applied message waiting for its commit (ids joined by commas, at most
