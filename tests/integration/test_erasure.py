@@ -160,3 +160,20 @@ def test_cli_session_delete_and_reset_need_yes_and_are_audited(
         ("session_delete", "c1", ""),
     ]
     assert all(e["who"].startswith("cli:") for e in events)
+
+
+def test_the_end_of_a_streamed_reply_does_not_bring_a_deleted_session_back(
+    env: dict[str, str],
+) -> None:
+    """The worker appends a partial stream's end after its commit; a delete that ran in
+    between must not be undone by it (lua/emit-2.lua refuses an end without a state)."""
+    from dialog_worker.scripts import source
+
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    session = Keys.from_settings(load_settings(environ=env)).session("p1")
+    emit = r.register_script(source("emit"))
+    args = [100, 600, 1, "e", "", 1, 0, 1, "the reply", "", "applied"]
+    assert emit(keys=[session.lock, session.partial("m1")], args=args) == [-1]
+    assert not r.exists(session.partial("m1"))
+    r.hset(session.state, "v", 1)  # committed, not deleted: the end is appended
+    assert emit(keys=[session.lock, session.partial("m1")], args=args) == [1]
