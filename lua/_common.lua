@@ -166,3 +166,82 @@ local function ending_of(sprefix, sid, seq, msg_id, xc, xs)
   if xs and (tonumber(xs) or 0) > seq then return 'superseded' end
   return ''
 end
+
+-- Timers (lua/fire-3.lua fires them). A timer of a session is a message to be appended to its
+-- inbound stream when due. Per shard, a sorted set <ready>:timers holds "<session_id>\n<name>"
+-- by due time (ms), so the fire script finds the due ones in O(log n) without a scan; per
+-- session, a hash <session>:timers holds each timer's payload (field t:<name>: due ms,
+-- whether a user message cancels it, the entry's fields, packed with cmsgpack) and, in
+-- field c, how many of them a user message cancels. Session ids and timer names contain no
+-- control characters (checked at intake and by the client), so "\n" separates them.
+-- At most MAX_TIMERS timers per session.
+local MAX_TIMERS = 64
+local MAX_TIMER_NAME_BYTES = 128
+
+local function timers_key(ready)
+  return ready .. ':timers'
+end
+
+local function timer_problem(name)
+  if type(name) ~= 'string' or #name == 0 or #name > MAX_TIMER_NAME_BYTES
+      or string.find(name, '%c') then
+    return 'timer name must be 1 to ' .. MAX_TIMER_NAME_BYTES .. ' bytes without control characters'
+  end
+  return nil
+end
+
+-- How many timers the session has.
+local function timer_count(tkey)
+  local n = rcall('HLEN', tkey)
+  if rcall('HEXISTS', tkey, 'c') == 1 then n = n - 1 end
+  return n
+end
+
+-- Remove one timer; returns its payload, or nil when there was none.
+local function drop_timer(ready, sprefix, sid, name)
+  local tkey = session_key(sprefix, sid, 'timers')
+  local v = redis.pcall('HGET', tkey, 't:' .. name)
+  if not v or type(v) == 'table' then return nil end  -- none, or a key of another type
+  local ok, _, on_message = pcall(cmsgpack.unpack, v)
+  rcall('HDEL', tkey, 't:' .. name)
+  if ok and on_message == 1 and rcall('HINCRBY', tkey, 'c', -1) <= 0 then
+    rcall('HDEL', tkey, 'c')
+  end
+  rcall('ZREM', timers_key(ready), sid .. '\n' .. name)
+  return v
+end
+
+-- Set (or replace) one timer. The caller checked the session's timer count.
+local function set_timer(ready, sprefix, sid, name, due, on_message, fields)
+  drop_timer(ready, sprefix, sid, name)
+  local tkey = session_key(sprefix, sid, 'timers')
+  rcall('HSET', tkey, 't:' .. name, cmsgpack.pack(due, on_message and 1 or 0, fields))
+  if on_message then rcall('HINCRBY', tkey, 'c', 1) end
+  rcall('ZADD', timers_key(ready), due, sid .. '\n' .. name)
+end
+
+-- A user message of the session was sequenced: its timers marked cancel_on_message go (one
+-- HGET when it has none; else one HGETALL of at most MAX_TIMERS timers).
+local function cancel_message_timers(ready, sprefix, sid)
+  local tkey = session_key(sprefix, sid, 'timers')
+  if (tonumber(redis.pcall('HGET', tkey, 'c')) or 0) <= 0 then return end
+  local all = rcall('HGETALL', tkey)
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, 2) == 't:' then
+      local ok, _, on_message = pcall(cmsgpack.unpack, all[i + 1])
+      if ok and on_message == 1 then drop_timer(ready, sprefix, sid, string.sub(all[i], 3)) end
+    end
+  end
+end
+
+-- Every msg_id a session's messages had (explicit or their entry id) -> until when (ms) keys
+-- named by it (msg:, cancel:, partial:) may exist: how delete (erase-2.lua) finds them
+-- without a scan. One ZADD and one PEXPIRE per sequenced message; expired members are pruned
+-- every 32nd message, so it holds about one dedupe window of msg_ids. With pcall: a key of
+-- another type (written by hand) must not fail the call after its first writes.
+local function index_msg_id(sprefix, sid, msg_id, seq, until_ms, ttl_ms)
+  local ikey = session_key(sprefix, sid, 'ids')
+  redis.pcall('ZADD', ikey, until_ms, msg_id)
+  if seq % 32 == 0 then redis.pcall('ZREMRANGEBYSCORE', ikey, '-inf', '(' .. (until_ms - ttl_ms)) end
+  redis.pcall('PEXPIRE', ikey, ttl_ms)
+end

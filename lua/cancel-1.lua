@@ -65,4 +65,5 @@ if seq and seq <= applied then
   return {'finished', seq, ''}
 end
 rcall('SET', mark, now_ms(), 'EX', ttl)
+index_msg_id(sprefix, sid, msg_id, 1, now_ms() + ttl * 1000, ttl * 1000)  -- found by delete
 return {'pending', 0, ''}

@@ -28,7 +28,7 @@
   KEYS[4] reply stream     KEYS[5] dead-letter stream
 
   ARGV[1] lock ttl (ms)   ARGV[2] state ttl (s)   ARGV[3] reply MAXLEN (0: none)
-  ARGV[4] number of commits N, then N groups of 12:
+  ARGV[4] number of commits N, then N groups of 13:
     token, session_id, seq, expected version, state JSON, msg_id, reply, outcome
     ("applied" | "dead_lettered" | "cancelled" | "superseded" | "expired"), entry id (the
     message's entry; "" for a gap),
@@ -36,6 +36,10 @@
     for a normal commit), id of the session's next entry if the caller already has it (or ""),
     reply extras (JSON array of name/value pairs added to the message's reply events, its
     duplicates' too: rich replies, echoed fields; "" for none)
+    timer operations the step asked for ("" for none: a JSON array of
+    {"op": "set", "name", "text", "meta": [name, value, ...], "at_ms" | "delay_ms",
+    "cancel_on_message"} and {"op": "cancel", "name"}, applied in order with the commit's
+    writes; a set replaces a timer of the same name; see set_timer in _common.lua)
 
   A commit that already ran (same token and seq, recorded in the state's c field) is answered
   as it was the first time and writes nothing: a client that lost the reply may send it again.
@@ -47,19 +51,20 @@
         entry; ending: '' or 'cancelled' / 'superseded': it ends without a step)
     {-1 FENCED_TOKEN}    the lock is not ours any more: nothing written
     {-2 FENCED_VERSION}  the state moved on since we read it: nothing written
-    {-3 INVALID, why}    this commit's arguments cannot be written: nothing written
+    {-3 INVALID, why}    this commit's arguments cannot be written (also: its timer
+        operations would leave the session more than MAX_TIMERS timers): nothing written
     {-4 CANCELLED}       the message was cancelled meanwhile: nothing written
 ]]
 local stream, ready, sprefix, replies, dlq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lock_ttl, state_ttl, maxlen, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
   tonumber(ARGV[4])
-local WIDTH = 12
+local WIDTH = 13
 if not (lock_ttl and state_ttl and maxlen and n) or n < 1 or #ARGV ~= 4 + n * WIDTH then
   return redis.error_reply('ERR commit: bad arguments')
 end
 local inbound, ages = inbound_key(ready), ages_key(ready)
 for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {replies, 'stream'}, {dlq, 'stream'},
-                        {inbound, 'hash'}, {ages, 'zset'}}) do
+                        {inbound, 'hash'}, {ages, 'zset'}, {timers_key(ready), 'zset'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end
@@ -99,6 +104,64 @@ local function invalid(c, extra_json, event_json)
   return nil
 end
 
+-- The timer operations of a commit, decoded and checked, or nil and why not.
+local function timer_ops(json)
+  local ok, ops = pcall(cjson.decode, json)
+  if not ok or type(ops) ~= 'table' or #ops > 2 * MAX_TIMERS then
+    return nil, 'bad timer operations'
+  end
+  for _, op in ipairs(ops) do
+    if type(op) ~= 'table' then return nil, 'bad timer operations' end
+    local problem = timer_problem(op['name'])
+    if problem then return nil, problem end
+    if op['op'] == 'set' then
+      local at, delay = op['at_ms'], op['delay_ms']
+      if not ((type(at) == 'number' and at >= 0) or (type(delay) == 'number' and delay >= 0))
+          or type(op['text']) ~= 'string' or not string.find(op['text'], '%S')
+          or type(op['meta']) ~= 'table' or #op['meta'] % 2 ~= 0 or #op['meta'] > 60 then
+        return nil, 'bad timer ' .. op['name']
+      end
+      for _, v in ipairs(op['meta']) do
+        if type(v) ~= 'string' then return nil, 'bad timer ' .. op['name'] end
+      end
+    elseif op['op'] ~= 'cancel' then
+      return nil, 'bad timer operations'
+    end
+  end
+  return ops
+end
+
+-- Whether the timer operations would leave the session more than MAX_TIMERS timers.
+local function too_many_timers(c)
+  local tkey = session_key(sprefix, c.sid, 'timers')
+  local tk = redis.pcall('TYPE', tkey)
+  if type(tk) ~= 'table' or (tk['ok'] ~= 'none' and tk['ok'] ~= 'hash') then return true end
+  local n, present = timer_count(tkey), {}
+  for _, op in ipairs(c.timers) do
+    local name = op['name']
+    if present[name] == nil then present[name] = rcall('HEXISTS', tkey, 't:' .. name) == 1 end
+    if op['op'] == 'set' and not present[name] then n, present[name] = n + 1, true
+    elseif op['op'] == 'cancel' and present[name] then n, present[name] = n - 1, false end
+    if n > MAX_TIMERS then return true end
+  end
+  return false
+end
+
+local function apply_timers(c, now)
+  for _, op in ipairs(c.timers) do
+    if op['op'] == 'cancel' then
+      drop_timer(ready, sprefix, c.sid, op['name'])
+    else
+      local due = op['at_ms'] or (now + op['delay_ms'])
+      due = math.floor(due)
+      local fields = {'session_id', c.sid, 'text', op['text'],
+                      'msg_id', 'timer:' .. op['name'] .. ':' .. due, 'timer', op['name']}
+      for _, v in ipairs(op['meta']) do fields[#fields + 1] = v end
+      set_timer(ready, sprefix, c.sid, op['name'], due, op['cancel_on_message'] == true, fields)
+    end
+  end
+end
+
 -- Validate every commit before any write.
 local commits = {}
 for i = 0, n - 1 do
@@ -108,6 +171,9 @@ for i = 0, n - 1 do
              reply = ARGV[b + 7], outcome = ARGV[b + 8], entry_id = ARGV[b + 9],
              known_next = ARGV[b + 11]}
   c.problem = invalid(c, ARGV[b + 10], ARGV[b + 12])
+  if not c.problem and ARGV[b + 13] ~= '' then
+    c.timers, c.problem = timer_ops(ARGV[b + 13])
+  end
   commits[#commits + 1] = c
 end
 
@@ -149,6 +215,8 @@ for _, c in ipairs(commits) do
   elseif (c.outcome == 'applied' or c.outcome == 'dead_lettered') and h[7] and c.msg_id ~= ''
       and ending_of(sprefix, c.sid, c.seq, c.msg_id, h[8]) == 'cancelled' then
     results[#results + 1] = {-4}
+  elseif c.timers and too_many_timers(c) then
+    results[#results + 1] = {-3, 'the session would have more than ' .. MAX_TIMERS .. ' timers'}
   else
     local version, last = c.version + 1, tonumber(h[3]) or 0
     local id, fields, legacy = load_message(stream, h[7])
@@ -170,6 +238,7 @@ for _, c in ipairs(commits) do
     end
     reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, c.outcome, c.reply, now, c.entry_id,
                 c.event)
+    if c.timers then apply_timers(c, now) end
     if legacy then dels[#dels + 1] = id end  -- sequenced before custody: still in the stream
     if h[5] then
       -- Copies of this message that arrived while it was outstanding: answered now (their

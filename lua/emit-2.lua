@@ -16,7 +16,7 @@
   KEYS: 2 per batch: the session's lock, the message's partial stream (so the name says 2)
   ARGV[1] MAXLEN   ARGV[2] ttl (s)   ARGV[3] number of batches N, then N groups of 8:
     kind ("d": text, fenced by the lock; "e": the end, not fenced: only a worker whose commit
-    succeeded sends it), lock token ("d" only), attempt, pos, seq,
+    succeeded sends it; refused when the session's state is gone: deleted), lock token ("d" only), attempt, pos, seq,
     text (the batch, or the committed reply), whole text so far ("" for none: a snapshot for
     readers that fell behind a trim), outcome ("e" only)
 
@@ -51,6 +51,11 @@ end
 local function append(e)
   if e.bad then return -4 end
   if e.kind == 'd' and redis.pcall('GET', e.lock) ~= e.token then
+    return -1
+  end
+  -- An end after the session was deleted (DialogClient.delete ran between the commit and
+  -- this call) would bring its partial stream back: no state hash, no end.
+  if e.kind == 'e' and rcall('EXISTS', (string.gsub(e.lock, ':lock$', ':state'))) == 0 then
     return -1
   end
   -- The newest entry says where the stream stands (MAXLEN trims the oldest, never it).

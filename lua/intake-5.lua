@@ -26,6 +26,11 @@
   cancel mark so its worker stops the step), coalesce (sequenced; every message before it
   that is not running yet ends superseded in its turn: xs = its seq). A multitask value
   other than these four makes the entry malformed.
+  Timers: an entry with a deliver_at field (unix seconds) in the future is not
+  sequenced now: it becomes a timer of its session (see defer below and fire-3.lua). A
+  sequenced entry without a timer field (a user's message) cancels its session's timers that
+  were set with cancel_on_message. Each sequenced message's msg_id goes into its session's
+  msg_id index (index_msg_id in _common.lua), which delete uses instead of a scan.
   Every delivered entry is acked and deleted from the stream in this call (custody): the
   stream holds only unread entries, so no producer command (XADD MAXLEN/MINID, XTRIM, XDEL)
   can touch a sequenced message, and nothing ever waits in a pending list: a crashed
@@ -90,6 +95,8 @@ for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {r
   local err = expect_type(check[1], check[2])
   if err then return err end
 end
+local timers_err = expect_type(timers_key(ready), 'zset')  -- deliver_at, cancel_on_message
+if timers_err then return timers_err end
 
 local MAX_ID_BYTES = 256
 -- Copies of a not-yet-applied message waiting for its commit (ids joined by commas, at most
@@ -147,7 +154,7 @@ end
 -- session when it has one valid session_id field, whatever else is wrong with it: that
 -- session's user gets the dead_lettered event.
 local function inspect(f)
-  local sid, msg_id, text, repeated, policy
+  local sid, msg_id, text, repeated, policy, deliver_at, timer
   local sids, extra, size = 0, 0, 0
   for i = 1, #f, 2 do
     local name, value = f[i], f[i + 1]
@@ -165,6 +172,12 @@ local function inspect(f)
       else policy = value end
     else
       extra = extra + 1
+      if name == 'deliver_at' then
+        if deliver_at then repeated = name end
+        deliver_at = value
+      elseif name == 'timer' then
+        timer = true
+      end
     end
   end
   if sids > 1 then return 'field session_id appears more than once', nil, nil end
@@ -188,7 +201,50 @@ local function inspect(f)
   if policy ~= nil and not POLICIES[policy] then
     return 'multitask is not one of enqueue, reject, interrupt, coalesce', sid, msg_id
   end
-  return nil, sid, msg_id, policy or default_policy
+  if deliver_at ~= nil then
+    -- Unix seconds, a fraction allowed (like expires_at); a value in ms is refused below
+    -- as more than 366 days ahead.
+    if not (string.find(deliver_at, '^%d+$') or string.find(deliver_at, '^%d+%.%d+$'))
+        or #deliver_at > 20 then
+      return 'deliver_at is not unix seconds (digits, optionally a fraction)', sid, msg_id
+    end
+    deliver_at = math.floor(tonumber(deliver_at) * 1000 + 0.5)
+  end
+  return nil, sid, msg_id, policy or default_policy, deliver_at, timer
+end
+
+-- A message sent with deliver_at in the future becomes a timer of its session (named
+-- msg:<msg_id>; sending it again replaces it): fire-3.lua appends it when due, without
+-- deliver_at and with a timer field, and it is sequenced then. Returns why not, or nil.
+local MAX_DELIVER_AHEAD_MS = 366 * 86400 * 1000
+local function defer(id, f, sid, msg_id, deliver_at, now)
+  if deliver_at > now + MAX_DELIVER_AHEAD_MS then
+    return 'deliver_at is more than 366 days ahead'
+  end
+  local name = 'msg:' .. (msg_id or id)
+  local tkey = session_key(sprefix, sid, 'timers')
+  local tk = redis.pcall('TYPE', tkey)
+  if type(tk) ~= 'table' or (tk['ok'] ~= 'none' and tk['ok'] ~= 'hash') then
+    return 'session timers ' .. tkey .. ' is not a hash'
+  end
+  if rcall('HEXISTS', tkey, 't:' .. name) == 0 and timer_count(tkey) >= MAX_TIMERS then
+    return 'the session has ' .. MAX_TIMERS .. ' timers waiting (at most ' .. MAX_TIMERS .. ')'
+  end
+  local fields = {}
+  for i = 1, #f, 2 do
+    if f[i] ~= 'deliver_at' and f[i] ~= 'timer' then
+      fields[#fields + 1] = f[i]
+      fields[#fields + 1] = f[i + 1]
+    end
+  end
+  if not msg_id then
+    fields[#fields + 1] = 'msg_id'
+    fields[#fields + 1] = id
+  end
+  fields[#fields + 1] = 'timer'
+  fields[#fields + 1] = name
+  set_timer(ready, sprefix, sid, name, deliver_at, false, fields)
+  return nil
 end
 
 -- CRC-32 (zlib's) of a string, as an unsigned number; the table is built on first use.
@@ -409,19 +465,25 @@ end
 for _, e in ipairs(entries) do
   local id, f = e[1], e[2]
   acks[#acks + 1] = id
-  local problem, sid, msg_id, policy = inspect(f)
-  local s, dkey, seen
+  local problem, sid, msg_id, policy, deliver_at, timer = inspect(f)
+  local s, dkey, seen, deferred
   if not problem then
     problem = shard_problem(sid)  -- before any key of the session is read or written here
   end
-  if not problem then
+  if not problem and deliver_at and deliver_at > now then
+    problem = defer(id, f, sid, msg_id, deliver_at, now)
+    deferred = not problem
+  end
+  if not problem and not deferred then
     s, problem = session(sid)
   end
   if not problem and msg_id then
     dkey = session_key(sprefix, sid, 'msg:' .. msg_id)
     seen, problem = dedupe_seen(dkey)
   end
-  if problem then
+  if deferred then
+    dels[#dels + 1] = id  -- it waits as a timer now (sequenced when it fires)
+  elseif problem then
     refuse(id, f, problem, sid, msg_id)
   else
     local seq = seen and (tonumber(seen) or 0)
@@ -448,6 +510,8 @@ for _, e in ipairs(entries) do
         interrupt_or_coalesce(s, sid, seq, policy)
       end
       s.last = seq
+      index_msg_id(sprefix, sid, msg_id or id, seq, now + dedupe_ttl * 1000, dedupe_ttl * 1000)
+      if not timer then cancel_message_timers(ready, sprefix, sid) end
       if dkey then
         rcall('SET', dkey, seq, 'EX', dedupe_ttl)
         s.msg_ids[seq] = msg_id

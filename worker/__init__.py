@@ -3,8 +3,8 @@
 For applications: `DialogClient` (send, ask, replies, ack, state) and `Reply`;
 `SyncDialogClient` (send, ask, state) for code without an event loop. For engines:
 the `Engine` protocol, `TransientError` and `PermanentError`, `emit` to stream a reply as it
-is written, and `cancelled()` for a plain step to notice that its message was cancelled
-(docs/engine.md).
+is written, `cancelled()` for a plain step to notice that its message was cancelled, and
+`schedule` / `cancel_timer` for messages to the step's own session later (docs/engine.md).
 """
 
 # Set before the imports below: dialog_worker.pipeline reads it from here.
@@ -24,6 +24,7 @@ from dialog_worker.partials import StreamEvent
 from dialog_worker.replies import Reply
 from dialog_worker.streaming import emit
 from dialog_worker.sync_client import SyncDialogClient
+from dialog_worker.timers import cancel_timer, schedule
 
 __all__ = [
     "CancelResult",
@@ -39,6 +40,8 @@ __all__ = [
     "TransientError",
     "UncertainSendError",
     "__version__",
+    "cancel_timer",
     "cancelled",
     "emit",
+    "schedule",
 ]

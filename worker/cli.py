@@ -113,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
         "(default: the stream entry id)",
     )
     send.add_argument("--expires-at", type=float, metavar="SECONDS", help=_EXPIRES_HELP)
+    send.add_argument(
+        "--deliver-at",
+        type=float,
+        help="seconds since the epoch: the message joins its session's order then, not now",
+    )
 
     ask = sub.add_parser(
         "ask",
@@ -181,15 +186,38 @@ def _parser() -> argparse.ArgumentParser:
     state = sub.add_parser("state", help="print a session's dialog state (or null)")
     state.add_argument("session", type=_session_id, help="session id")
 
-    session = sub.add_parser("session", help="inspect one session: lock, seqs, waiting messages")
-    session.add_argument("session", type=_session_id, help="session id")
+    session = sub.add_parser(
+        "session",
+        help="inspect one session: lock, seqs, waiting messages (session SESSION); start it "
+        "over (session reset SESSION --yes) or erase it (session delete SESSION --yes)",
+    )
+    session.add_argument(
+        "session", type=_session_id, help="session id, or reset / delete followed by one"
+    )
+    session.add_argument(
+        "target",
+        nargs="?",
+        type=_session_id,
+        help="after reset: the session whose state goes back to the initial one (history "
+        "cleared, waiting messages and timers kept); after delete: the session whose state, "
+        "history, waiting messages, timers, dedupe keys, cancel marks, partial replies and "
+        "dead letters are removed. Both refuse a running step's commit; both need --yes",
+    )
+    session.add_argument("--reason", default="", help="reset/delete: recorded in the audit stream")
+    session.add_argument(
+        "--purge-replies",
+        action="store_true",
+        help="delete: also remove the session's reply events (reads the whole reply stream)",
+    )
     session.add_argument(
         "--release-lock",
         action="store_true",
         help="delete the session lock (needs --yes); the holder's late "
         "commit is then refused by the fence",
     )
-    session.add_argument("--yes", action="store_true", help="confirm --release-lock")
+    session.add_argument(
+        "--yes", action="store_true", help="confirm --release-lock, reset or delete"
+    )
 
     stats = sub.add_parser("stats", help="queue statistics (all shards, or --shard N)")
     stats.add_argument(
@@ -380,7 +408,13 @@ def _supervise(settings: Settings, processes: int, flags: dict[str, Any]) -> int
 
 async def _send(settings: Settings, args: argparse.Namespace) -> int:
     async with DialogClient(settings=settings) as c:
-        r = await c.send(args.session, args.text, msg_id=args.msg_id, expires_at=args.expires_at)
+        r = await c.send(
+            args.session,
+            args.text,
+            msg_id=args.msg_id,
+            expires_at=args.expires_at,
+            deliver_at=args.deliver_at,
+        )
     _emit(r.as_dict())
     return EXIT_OK
 
@@ -481,6 +515,8 @@ async def _session(settings: Settings, args: argparse.Namespace) -> int:
     from dialog_worker.views import session_view
 
     check_id("session_id", args.session)
+    if args.target is not None:
+        return await _erase_session(settings, args)
     if args.release_lock and not args.yes:
         raise ValidationError("--release-lock deletes another worker's lock: add --yes")
     async with DialogClient(settings=settings) as c:
@@ -490,6 +526,29 @@ async def _session(settings: Settings, args: argparse.Namespace) -> int:
             released = await c.redis.delete(keys.session(args.session).lock)
             view["lock_released"] = bool(released)
         _emit(view)
+    return EXIT_OK
+
+
+async def _erase_session(settings: Settings, args: argparse.Namespace) -> int:
+    action = args.session
+    if action not in ("reset", "delete"):
+        raise ValidationError(
+            f"session takes one session id, or reset|delete and one: got {action!r} and "
+            f"{args.target!r}"
+        )
+    if not args.yes:
+        raise ValidationError(f"session {action} cannot be undone: add --yes")
+    if args.release_lock or (args.purge_replies and action == "reset"):
+        raise ValidationError("--release-lock and --purge-replies do not go with reset")
+    who = "cli:" + (os.environ.get("USER") or os.environ.get("LOGNAME") or "unknown")
+    async with DialogClient(settings=settings) as c:
+        if action == "reset":
+            result = await c.reset(args.target, who=who, reason=args.reason)
+        else:
+            result = await c.delete(
+                args.target, who=who, reason=args.reason, replies=args.purge_replies
+            )
+    _emit(result.as_dict())
     return EXIT_OK
 
 

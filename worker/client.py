@@ -29,6 +29,7 @@ from dialog_worker.codec import (
     check_text,
 )
 from dialog_worker.config import Settings, client_settings
+from dialog_worker.erasure import EraseResult, erase
 from dialog_worker.errors import ReplyTimeout, UncertainSendError, ValidationError
 from dialog_worker.keys import Keys, Topology
 from dialog_worker.partials import (
@@ -43,6 +44,7 @@ from dialog_worker.redis_conn import check_topology, connect, prepare
 from dialog_worker.replies import Reply, ReplyRouter, ReplySubscription
 from dialog_worker.scripts import Script, source
 from dialog_worker.streams import StreamReader
+from dialog_worker.timers import deliver_at_ms
 
 # The standard library's logger: an application's own logging setup decides where a client's
 # warning goes (without one, Python prints warnings to stderr, never to stdout).
@@ -127,6 +129,7 @@ class DialogClient:
         # (checked once; see `_check_readers`).
         self._read_by_group: dict[str, bool] = {}
         self._cancel_script = Script(self.redis, source("cancel"))
+        self._erase_script = Script(self.redis, source("erase"))
 
         self._partial_routers: dict[int, PartialRouter] = {}  # per shard (worker/partials.py)
 
@@ -163,6 +166,7 @@ class DialogClient:
         meta: Mapping[str, str] | None = None,
         multitask: str | None = None,
         expires_at: float | None = None,
+        deliver_at: float | None = None,
     ) -> SendResult:
         """Enqueue one message: one plain XADD to the session's stream (its shard's in a
         sharded deployment), what any producer in any language does. Raises
@@ -179,7 +183,12 @@ class DialogClient:
         in progress (docs/guarantees.md).
 
         ``expires_at`` (unix seconds): if the message's turn comes later than that, it ends
-        ``expired`` without a step (one reply event)."""
+        ``expired`` without a step (one reply event).
+
+        ``deliver_at`` (seconds since the epoch, like ``time.time()``; at most 366 days
+        ahead): the message waits in its session as a timer and joins the session's order
+        when due (its ``meta`` then carries ``timer``: ``msg:<msg_id>``); sending again with
+        the same msg_id before then replaces it. Still one XADD (a ``deliver_at`` field, unix seconds)."""
         check_id("session_id", session_id)
         if multitask is not None and multitask not in MULTITASK_POLICIES:
             raise ValidationError(
@@ -197,11 +206,15 @@ class DialogClient:
             fields["multitask"] = multitask
         if expires_at is not None:
             fields["expires_at"] = check_expires_at(expires_at)
+        if deliver_at is not None:
+            fields["deliver_at"] = f"{deliver_at_ms(deliver_at) / 1000:.3f}"
         for name, value in (meta or {}).items():
-            if name in RESERVED_FIELDS:
+            if name in RESERVED_FIELDS or name in ("deliver_at", "timer"):
                 raise ValidationError(f"meta field {name!r} is reserved")
             fields[name] = check_meta(name, value)
-        if len(fields) - 3 - (multitask is not None) - (expires_at is not None) > MAX_EXTRA_FIELDS:
+        if (
+            len(fields) - 3 - (multitask is not None) - (expires_at is not None) > MAX_EXTRA_FIELDS
+        ):  # deliver_at counts
             raise ValidationError(f"at most {MAX_EXTRA_FIELDS} meta fields are allowed")
         size = sum(len(k.encode()) + len(v.encode()) for k, v in fields.items())
         if size > self.settings.max_message_bytes:
@@ -485,6 +498,31 @@ class DialogClient:
             int(seq) if int(seq) > 0 else None,
             outcome or None,
         )
+
+    async def reset(self, session_id: str, *, who: str = "client", reason: str = "") -> EraseResult:
+        """Start the session over: its state becomes the initial one (history cleared); the
+        messages waiting in it are kept and processed from there, in order; its timers are
+        kept. A step running for it is fenced: its commit is refused and it runs again on the
+        new state. One ``session_reset`` event in the audit stream (``who``, ``reason``)."""
+        check_id("session_id", session_id)
+        with self._cluster_errors("reset"):
+            await self._ready()
+            return await erase(self, session_id, "reset", who=who, reason=reason)
+
+    async def delete(
+        self, session_id: str, *, who: str = "client", reason: str = "", replies: bool = False
+    ) -> EraseResult:
+        """Erase everything the workers keep about the session: state, history, waiting
+        messages, timers, dedupe keys, cancel marks, partial-reply streams and its dead
+        letters (read from the shard's dead-letter stream in chunks). A step running for it is
+        fenced: its commit is refused and writes nothing. A later message starts a new
+        session. Reply events stay in the reply stream until it is trimmed (MAXLEN), unless
+        ``replies=True`` removes them too (a read of the whole reply stream). One
+        ``session_delete`` event in the audit stream (``who``, ``reason``)."""
+        check_id("session_id", session_id)
+        with self._cluster_errors("delete"):
+            await self._ready()
+            return await erase(self, session_id, "delete", who=who, reason=reason, replies=replies)
 
     async def state(self, session_id: str) -> dict[str, Any] | None:
         check_id("session_id", session_id)

@@ -7,6 +7,7 @@
              resumer (sessions of the ready set that are due: a crashed holder's lease ran
              out, a retry's backoff is over)
              reclaimer (entries left pending by anything else; consumer hygiene)
+             timers (due timers appended to the inbound stream: lua/fire-3.lua)
     work     one task per session being worked, at most DIALOG_CONCURRENCY at once
              (pipeline.py), and one committer per shard (group commit)
     side     heartbeat (lease renewal), sampler (gauges, readiness), event-loop lag watch,
@@ -84,6 +85,9 @@ INTAKE_BATCH = 1000
 # How long the resumer sleeps when no session waits in the ready set: anything added later is
 # due a lock lease or a backoff from then, except a hand-back at shutdown.
 RESUME_IDLE_S = 1.0
+# How often each worker looks for due timers (one ZRANGE of the first; the fire script only
+# when one is due): the most a timer is appended after it is due.
+TIMER_POLL_S = 0.25
 # The waiter role of a shard (see Worker._idle_wait): a lease at least this long (and three
 # blocking reads), renewed when half of it is left; a worker that waits on the wake stream asks
 # whether the role is free at most this often (a waiter that died leaves it to expire).
@@ -300,6 +304,11 @@ class Worker:
                                 self._loop,
                                 f"reclaimer-{shard.label}",
                                 partial(self._reclaim_once, shard, work),
+                            )
+                            intake.start_soon(
+                                self._loop,
+                                f"timers-{shard.label}",
+                                partial(self._fire_once, shard),
                             )
                         await self.stopping.wait()
                         intake.cancel_scope.cancel()
@@ -705,6 +714,29 @@ class Worker:
         if int(wait_ms) < 0:
             return RESUME_IDLE_S
         return min(s.promote_interval_ms, max(int(wait_ms), 5)) / 1000
+
+    async def _fire_once(self, shard: Shard) -> float:
+        """Append the shard's due timers to its inbound stream (lua/fire-3.lua: each timer
+        exactly once, whichever workers call it). Every worker runs this loop; a timer is
+        appended at most about `TIMER_POLL_S` after it is due, then sequenced like any
+        message (the reader wakes for it like for any append)."""
+        if not shard.group_ready:
+            return TIMER_POLL_S
+        k = shard.keys
+        first = await self.raw.zrange(k.timers, 0, 0, withscores=True)
+        if not first or float(first[0][1]) > time.time() * 1000 + TIMER_POLL_S * 1000:
+            return TIMER_POLL_S  # one cheap look instead of a script call
+        with anyio.CancelScope(shield=True):
+            fired, wait_ms = await self.scripts.fire(
+                keys=[k.stream, k.ready, k.session_prefix], args=[INTAKE_BATCH]
+            )
+        if int(fired):
+            log.info("timers_fired", shard=shard.label, fired=int(fired))
+        if int(fired) == INTAKE_BATCH:
+            return 0
+        if int(wait_ms) < 0:
+            return TIMER_POLL_S
+        return min(TIMER_POLL_S, max(int(wait_ms), 5) / 1000)
 
     async def _reclaim_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         """Entries pending in the group past the visibility timeout. The intake acks what it

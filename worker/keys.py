@@ -23,7 +23,8 @@ moved there from the stream at intake (codec.unpack_custody reads it), ``n``/``f
 attempts of the next message, ``g`` when a gap was first seen), ``lock`` (holder token, PX
 lease), ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id),
 ``partial:<msg_id>`` (a streamed reply's partial text, worker/streaming.py) and
-``cancel:<msg_id>`` (a cancel mark, kept DIALOG_DEDUPE_TTL_S). The state hash also holds
+``cancel:<msg_id>`` (a cancel mark, kept DIALOG_DEDUPE_TTL_S), ``timers`` (the session's timers)
+and ``ids`` (the msg_ids the keys above are named by). The state hash also holds
 ``xc``/``xs``: messages below that seq end cancelled / superseded in their turn.
 """
 
@@ -92,6 +93,18 @@ class SessionKeys:
     def dedupe(self, msg_id: str) -> str:
         return self.dedupe_prefix + msg_id
 
+    @property
+    def timers(self) -> str:
+        """The session's timers (a hash: ``t:<name>`` -> payload, ``c`` how many a user's
+        message cancels; lua/_common.lua, set_timer)."""
+        return self.state.removesuffix(":state") + ":timers"
+
+    @property
+    def ids(self) -> str:
+        """The msg_ids of the session's messages, each until when keys named by it may
+        exist (a sorted set; index_msg_id in lua/_common.lua): what delete removes."""
+        return self.state.removesuffix(":state") + ":ids"
+
     def partial(self, msg_id: str) -> str:
         """The stream of a message's partial reply (worker/streaming.py)."""
         return self.state.removesuffix(":state") + ":partial:" + msg_id
@@ -154,6 +167,13 @@ class Keys:
         the inbound stream no longer shows: it holds only unread entries. Derived from the
         ready set's name in the scripts (ages_key)."""
         return f"{self.ready}:ages"
+
+    @property
+    def timers(self) -> str:
+        """A sorted set: every timer of the shard's sessions ("<session_id>\\n<name>") -> when
+        it is due (ms); the payloads are in each session's ``timers`` hash (lua/_common.lua,
+        set_timer). Derived from the ready set's name in the scripts (timers_key)."""
+        return f"{self.ready}:timers"
 
     @property
     def waiter(self) -> str:

@@ -30,7 +30,7 @@ import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
-from dialog_worker import __version__, cancellation
+from dialog_worker import __version__, cancellation, timers
 from dialog_worker.codec import (
     MalformedEntry,
     Message,
@@ -103,6 +103,8 @@ class Job:
     # What the step streams (worker/streaming.py), once it runs: a cancelled message keeps
     # the text it showed.
     partial: PartialWriter | None = None
+    # What the step asked for with dialog_worker.schedule / cancel_timer (its last attempt).
+    timer_ops: timers.TimerOps | None = None
 
     @classmethod
     def from_script(cls, keys: Keys, row: Sequence[Any], gap: bool = False) -> Job:
@@ -337,6 +339,8 @@ class Pipeline:
 
     async def _step(self, job: Job, msg: Message) -> tuple[dict[str, Any], CheckedReply]:
         flag = cancellation.bind(job.cancel_flag)
+        job.timer_ops = timers.TimerOps()  # a new attempt starts with none
+        timer_token = timers.bind(job.timer_ops)
         try:
             with anyio.CancelScope() as scope:
                 job.scope = scope
@@ -358,6 +362,7 @@ class Pipeline:
                     ) from None
         finally:
             job.scope = None
+            timers.unbind(timer_token)
             cancellation.unbind(flag)
         # Only a lost lease (the heartbeat) or a cancel (watch_cancels) cancels this scope.
         if job.cancel_flag.is_set() and not job.lost:
@@ -462,6 +467,9 @@ class Pipeline:
             json_bytes(_flat(dead_letter)) if dead_letter is not None else "",
             known_next,
             extras_json,
+            # The step's timers go with its applied result only (a dead letter or an ending
+            # without a step keeps none).
+            job.timer_ops.encoded() if outcome == "applied" and job.timer_ops else "",
         ]
         result = await self.committers[job.keys.shard].commit(args)
         code = Code(int(result[0]))

@@ -10,7 +10,8 @@ It refuses, having changed nothing:
   `idle_threshold_ms`: a live worker reads at least every DIALOG_READ_BLOCK_MS and reclaims
   every DIALOG_RECLAIM_INTERVAL_MS), unless forced;
 - a shard that is not drained: entries in its inbound stream or pending list, sessions in its
-  ready set, a session lock, a session with a sequenced message it has not applied;
+  ready set, timers waiting, a session lock, a session with a sequenced message it has not
+  applied;
 - when the recorded shard count (keys.shards_key) is neither the configured one nor a reshard
   to the same target that was interrupted.
 
@@ -21,6 +22,7 @@ copies nothing twice:
   key that expired meanwhile is skipped, never recreated without its TTL. A new key that
   exists already with the same value was copied by an interrupted run: only the old one is
   deleted. One with another value is a conflict: both are kept, and the run fails at the end.
+  The session's msg_id index moves the same way.
 - dead letters, every field pair as stored, re-added to their session's new shard (their IDs
   change) in a MULTI/EXEC that records the source entry in the target shard's progress set in
   the same step, then deleted from the old stream.
@@ -236,6 +238,9 @@ async def _check_drained(
     ready = int(await redis.zcard(keys.ready))
     if ready:
         busy["ready"] = ready
+    timers = int(await redis.zcard(keys.timers))
+    if timers:
+        busy["timers"] = timers  # they would fire into the old shard's stream
     locks = sum(1 for _, _, role in session_keys if role == "lock")
     if locks:
         busy["locks"] = locks
@@ -291,6 +296,8 @@ class _Mover:
             new_key = target.state
         elif role.startswith("msg:"):
             new_key = target.dedupe(role[len("msg:") :])
+        elif role == "ids":
+            new_key = target.ids  # the msg_id index delete uses
         else:
             return  # a lock: refused by the drained check
         if new_key.encode() == key:
@@ -312,7 +319,7 @@ class _Mover:
             except ResponseError as exc:
                 if "BUSYKEY" not in str(exc):
                     raise
-                if not await self._same(key, new_key, is_hash=role == "state"):
+                if not await self._same(key, new_key, role):
                     report.conflicts.append(_text(key))
                     return
                 report.already_moved += 1  # copied by an interrupted run
@@ -322,16 +329,20 @@ class _Mover:
         # Counted as soon as the copy exists (a run stopped before the DEL did copy it).
         if role == "state":
             report.sessions += 1
-        else:
+        elif role != "ids":
             report.dedupe_keys += 1
         if not self.dry_run:
             await self.step()
             await r.delete(key)
 
-    async def _same(self, key: bytes, new_key: str, is_hash: bool) -> bool:
-        if is_hash:
-            return bool(await self.redis.hgetall(key) == await self.redis.hgetall(new_key))
-        return bool(await self.redis.get(key) == await self.redis.get(new_key))
+    async def _same(self, key: bytes, new_key: str, role: str) -> bool:
+        r = self.redis
+        if role == "state":
+            return bool(await r.hgetall(key) == await r.hgetall(new_key))
+        if role == "ids":  # a sorted set (the msg_id index)
+            old = await r.zrange(key, 0, -1, withscores=True)
+            return bool(old == await r.zrange(new_key, 0, -1, withscores=True))
+        return bool(await r.get(key) == await r.get(new_key))
 
     async def dead_letters(self, keys: Keys, after: Topology) -> None:
         """Re-add each dead letter of the shard to its session's new shard, if that is

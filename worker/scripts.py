@@ -96,6 +96,8 @@ class Scripts:
     renew: Script
     delconsumer: Script
     cancel: Script
+    fire: Script
+    erase: Script
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

@@ -460,6 +460,28 @@ def test_operator_can_reshard_there_and_back_with_nothing_denied(acl: AclRedis) 
     assert acl.acl_log() == [], "the operator was denied a command reshard needs"
 
 
+def test_operator_can_reset_and_delete_a_session_with_nothing_denied(acl: AclRedis) -> None:
+    """session reset|delete as `operator` (the erase script, its dead letters, the audit
+    event, --purge-replies): done, ACL LOG empty."""
+    acl.admin.flushall()
+    acl.admin.execute_command("ACL", "LOG", "RESET")
+    plain = Keys.from_settings(Settings())
+    sk = plain.session("gone")
+    acl.admin.hset(sk.state, mapping={"a": "1", "s": "2", "v": "2", "d": "{}", "q2": "x"})
+    acl.admin.set(sk.lock, "tok")
+    acl.admin.xadd(plain.dlq, {"session_id": "gone", "text": "t", "error": "e"})
+    acl.admin.xadd(plain.replies, {"session_id": "gone", "reply": "r"})
+    env = worker_env(acl.url("operator"))
+    reset = cli(env, "session", "reset", "gone", "--yes")
+    assert reset.returncode == 0, reset.stderr
+    done = cli(env, "session", "delete", "gone", "--yes", "--purge-replies")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert (out["dead_letters"], out["reply_events"]) == (1, 1)
+    assert not acl.admin.exists(sk.state)
+    assert acl.acl_log() == [], "the operator was denied a command reset or delete needs"
+
+
 def test_worker_user_gets_noperm_outside_its_job(acl: AclRedis) -> None:
     acl.admin.execute_command("ACL", "LOG", "RESET")
     r = redis.Redis.from_url(acl.url("worker"), decode_responses=True)
@@ -606,14 +628,19 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
         (f"WATCH {MOVED}", True),
         ("MULTI", True),
         ("EXEC", True),
-        (f"EVALSHA {SHA} 2 dialog-dlq {MOVED}", False),  # no script: no SCRIPT LOAD either
-        ("SCRIPT LOAD return", False),
+        (f"EVALSHA {SHA} 2 dialog-dlq {MOVED}", False),  # reshard runs no script
+        ("SCRIPT LOAD return", True),  # session reset|delete load the erase script
         ("SET dialog:shards 2", True),
         ("XDEL dialog 1-1", False),
-        (f"HSET {S}:state a 9", False),
+        # session reset|delete: the erase script on one session's keys and its shard's ready
+        # set (so these writes are the operator's too; it could RESTORE them already).
+        (f"EVALSHA {SHA} 2 {READY} {PREFIX}", True),
+        (f"HSET {S}:state a 9", True),
+        (f"ZREM {READY} x", True),
+        (f"ZADD {READY} 1 x", True),
+        ("XDEL dialog-replies 1-1", True),  # delete --purge-replies
+        (f"EVALSHA {SHA} 2 dialog {READY}", False),
         (f"SET {S}:lock t", False),
-        (f"ZREM {READY} x", False),
-        (f"ZADD {READY} 1 x", False),
         ("XACK dialog dialog-workers 1-1", False),
         ("XREADGROUP GROUP dialog-workers c STREAMS dialog >", False),
         ("XADD dialog-replies * f v", False),

@@ -199,6 +199,8 @@ async def _emit(client: DialogClient, *args: str | int, maxlen: int = 1000) -> i
     session = client.keys.session("st-9")
     script = Script(client.redis, source("emit"))
     keys = [session.lock, session.partial("m9")]
+    if args[0] == "e":  # the end follows a commit: the session has its state
+        await client.redis.hsetnx(session.state, "v", 1)
     [code] = await script(keys=keys, args=[maxlen, 600, 1, *args])
     return int(code)
 

@@ -17,6 +17,7 @@ after its first messages), so its state hash is already in Redis' hashtable enco
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 import uuid
@@ -64,6 +65,9 @@ def main(lua: Path, history: bool) -> dict[str, Any]:
 def measure(r: redis.Redis, lua: Path, history: bool) -> dict[str, Any]:
     k = Keys.from_settings(Settings())
     sc = scripts(r, lua)
+    # Values per commit: 11, or 13 in scripts with the reserved and timer arguments.
+    found = re.search(r"local WIDTH = (\d+)", (lua / "commit-5.lua").read_text())
+    width = int(found.group(1)) if found else 11
     r.xgroup_create(k.stream, k.group, id="0", mkstream=True)
     if history:
         turn = {"seq": 0, "msg_id": str(uuid.uuid4()), "user": "x" * 60, "bot": "y" * 60}
@@ -102,7 +106,8 @@ def measure(r: redis.Redis, lua: Path, history: bool) -> dict[str, Any]:
         args: list[Any] = [TTL_MS, 86400, 1000, len(pending)]
         for sid, token, seq, entry_id, version in pending:
             doc = json.dumps({"history": [{"seq": seq}], "pad": "z" * 900 * history})
-            args += [token, sid, seq, version, doc, "m", "ok", "applied", entry_id, "", "", ""]
+            args += [token, sid, seq, version, doc, "m", "ok", "applied", entry_id, "", ""]
+            args += [""] * (width - 11)  # newer scripts: reply extras, timer operations
         results = sc["commit"](keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq],
                                args=args)  # fmt: skip
         applied += len(pending)

@@ -37,6 +37,20 @@ def test_the_guides_engine_test_passes_as_written(tmp_path: Path) -> None:
     assert "2 passed" in ran.stdout, ran.stdout
 
 
+def test_the_guides_nudger_test_passes_as_written(tmp_path: Path) -> None:
+    (tmp_path / "nudger.py").write_text(saved_as("nudger.py"), encoding="utf-8")
+    (tmp_path / "test_nudger.py").write_text(saved_as("test_nudger.py"), encoding="utf-8")
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_nudger.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "1 passed" in ran.stdout, ran.stdout
+
+
 def test_the_guides_other_engines_load() -> None:
     namespace: dict[str, Any] = {"__name__": "engine_doc"}
     blocks = [b for b in python_blocks() if not b.startswith("# test_")]

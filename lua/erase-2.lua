@@ -1,0 +1,74 @@
+--[[
+  erase: reset or delete one session, fenced against a step running for it. The lock is
+  deleted in the same step, so the running step's commit (or release, or partial text) is
+  refused by the token check and writes nothing: no key of the session comes back.
+
+  reset   the state document becomes ARGV[3] (the initial state: history cleared), the
+          version moves on (a commit that read the old one is refused too); the messages
+          waiting in the session are kept and processed in order from there (the one that
+          was running runs again, on the new state); timers, dedupe keys and cancel marks are
+          kept.
+  delete  every key of the session: its state hash (with the waiting messages), lock,
+          timers (and their places in the shard's timer set), and every key named by a
+          msg_id of its index (dedupe keys, cancel marks, partial-reply streams: see
+          index_msg_id in _common.lua), then the index; it leaves the ready set and the ages.
+          A later message starts a new session (seq 1). Cost: one DEL per indexed msg_id
+          (about the messages of one dedupe window), no scan. The session's dead letters
+          and reply events are in shard-wide streams: the client removes the letters.
+
+  KEYS[1] ready set   KEYS[2] session key prefix
+  ARGV[1] 'reset' | 'delete'   ARGV[2] session_id   ARGV[3] initial state JSON (reset)
+
+  Returns {found (1 when the session had a state or a lock, else 0), keys deleted, waiting
+  messages (reset: kept; delete: removed), timers removed, was a step running (1/0)}
+]]
+local ready, sprefix = KEYS[1], KEYS[2]
+local mode, sid = ARGV[1], ARGV[2]
+if (mode ~= 'reset' and mode ~= 'delete') or not sid or #sid == 0 or #sid > 256
+    or (mode == 'reset' and not ARGV[3]) then
+  return redis.error_reply('ERR erase: bad arguments')
+end
+local state, lock = session_key(sprefix, sid, 'state'), session_key(sprefix, sid, 'lock')
+local tkey, ikey = session_key(sprefix, sid, 'timers'), session_key(sprefix, sid, 'ids')
+for _, check in ipairs({{ready, 'zset'}, {state, 'hash'}, {tkey, 'hash'}, {ikey, 'zset'},
+                        {timers_key(ready), 'zset'}}) do
+  local err = expect_type(check[1], check[2])
+  if err then return err end
+end
+
+local h = rcall('HMGET', state, 'a', 's', 'v')
+local applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
+local running = rcall('EXISTS', lock)
+local found = (h[3] or running == 1) and 1 or 0
+local waiting = math.max(0, last - applied)
+local now = now_ms()
+rcall('DEL', lock)
+
+if mode == 'reset' then
+  if rcall('EXISTS', state) == 1 then
+    rcall('HSET', state, 'd', ARGV[3])
+    rcall('HINCRBY', state, 'v', 1)
+    rcall('HDEL', state, 'c')  -- no commit is answered as already written any more
+    if last > applied then rcall('ZADD', ready, now, sid) end  -- the waiting ones go on now
+  end
+  return {found, 0, waiting, 0, running}
+end
+
+local deleted, timers = 0, 0
+local all = rcall('HGETALL', tkey)
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, 2) == 't:' then
+    rcall('ZREM', timers_key(ready), sid .. '\n' .. string.sub(all[i], 3))
+    timers = timers + 1
+  end
+end
+local ids = rcall('ZRANGE', ikey, 0, -1)
+for _, msg_id in ipairs(ids) do
+  deleted = deleted + rcall('DEL', session_key(sprefix, sid, 'msg:' .. msg_id),
+                            cancel_key(sprefix, sid, msg_id),
+                            session_key(sprefix, sid, 'partial:' .. msg_id))
+end
+deleted = deleted + rcall('DEL', state, tkey, ikey) + running
+rcall('ZREM', ready, sid)
+rcall('ZREM', ages_key(ready), sid)
+return {found, deleted, waiting, timers, running}

@@ -1,0 +1,70 @@
+"""Timers through a worker kill -9 and a Redis restart (AOF): every timer set by a committed
+step fires exactly once, and each session's timers are applied in the order they were due."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from redis_server import RedisServer, wait_until
+from worker_procs import WorkerPool
+
+from dialog_worker.config import load_settings
+from dialog_worker.keys import Keys
+
+pytestmark = pytest.mark.fault
+
+SESSIONS = 20
+TIMERS = ("a", "b", "c")  # due 3.0, 3.5, 4.0 s after their steps
+
+
+def events(r: redis.Redis) -> list[dict[str, str]]:
+    rows = r.xrange("dialog-replies")
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in rows]
+
+
+def test_timers_fire_once_in_order_through_worker_kill_and_redis_restart(tmp_path: Path) -> None:
+    from conftest import worker_env
+
+    server = RedisServer(tmp_path / "redis-aof", appendonly=True, fsync="always").start()
+    env = worker_env(
+        server.url,
+        DIALOG_ENGINE="timer_engines:Timers",
+        DIALOG_LOCK_TTL_MS="1000",
+        DIALOG_VISIBILITY_TIMEOUT_MS="2000",
+    )
+    pool = WorkerPool(env, tmp_path)
+    r = redis.Redis.from_url(server.url)
+    try:
+        procs = pool.start(2)
+        for i in range(SESSIONS):
+            for k, name in enumerate(TIMERS):
+                r.xadd(
+                    "dialog",
+                    {"session_id": f"s{i}", "text": f"remind {3.0 + k / 2} {name}",
+                     "msg_id": f"s{i}-{name}"},
+                )  # fmt: skip
+        set_all = SESSIONS * len(TIMERS)
+        wait_until(lambda: len(events(r)) >= set_all, 30, what="every timer set")
+        procs[0].kill()  # kill -9, with every timer waiting
+        server.kill()  # and Redis: only the AOF is left
+        server.start()
+        pool.start(1)
+        wait_until(lambda: len(events(r)) >= 2 * set_all, 60, what="every timer fired")
+        time.sleep(1.5)  # nothing more comes
+        got = events(r)
+        fired = [e for e in got if e["msg_id"].startswith("timer:")]
+        assert len(got) == 2 * set_all and len(fired) == set_all
+        assert {e["outcome"] for e in got} == {"applied"}
+        for i in range(SESSIONS):
+            mine = [e for e in fired if e["session_id"] == f"s{i}"]
+            names = [e["msg_id"].split(":")[1] for e in sorted(mine, key=lambda e: int(e["seq"]))]
+            assert names == list(TIMERS), f"s{i}: {names}"
+            assert [int(e["seq"]) for e in mine] == [4, 5, 6]
+        keys = Keys.from_settings(load_settings(environ=env))
+        assert r.zcard(keys.timers) == 0
+    finally:
+        pool.stop_all()
+        server.stop()
