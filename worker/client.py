@@ -188,7 +188,8 @@ class DialogClient:
         ``deliver_at`` (seconds since the epoch, like ``time.time()``; at most 366 days
         ahead): the message waits in its session as a timer and joins the session's order
         when due (its ``meta`` then carries ``timer``: ``msg:<msg_id>``); sending again with
-        the same msg_id before then replaces it. Still one XADD (a ``deliver_at`` field, unix seconds)."""
+        the same msg_id before then replaces it. Still one XADD (a ``deliver_at`` field, unix
+        seconds)."""
         check_id("session_id", session_id)
         if multitask is not None and multitask not in MULTITASK_POLICIES:
             raise ValidationError(
