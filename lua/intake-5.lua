@@ -18,7 +18,9 @@
               made persistent while anything is outstanding. If it is the session's next
               message and the lock is free, the lock is taken (one token per session) and
               the job returned. Otherwise it waits there: the lock holder's commit hands it
-              on, or the ready set brings it back (resume-3.lua).
+              on, or the ready set brings it back (resume-3.lua). A held session (the state's
+              h field, hold-3.lua) takes no lock and stays out of the ready set: its
+              messages wait until an operator releases or redrives it.
   Double-texting: when the session already has a message outstanding, the entry's multitask
   field (else ARGV[15]) decides: enqueue (sequenced as above), reject (one rejected reply
   event, seq 0, nothing else: its msg_id stays free), interrupt (sequenced; every message
@@ -298,13 +300,13 @@ local function session(sid)
     local state = session_key(sprefix, sid, 'state')
     -- One read for the common case (the session's next message, lock free): the state
     -- document and attempts come along.
-    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs')
+    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs', 'h')
     if h['err'] then
       return nil, 'session state ' .. state .. ': ' .. h['err']
     end
     s = {state = state, lock = session_key(sprefix, sid, 'lock'), a = tonumber(h[1]) or 0,
          last = tonumber(h[2]) or 0, writes = {}, token = nil, h = h,
-         xc = tonumber(h[8]) or 0, xs = tonumber(h[9]) or 0}
+         xc = tonumber(h[8]) or 0, xs = tonumber(h[9]) or 0, held = h[10]}
     s.last_read, s.msg_ids, s.ids = s.last, {}, {}
     sessions[sid] = s
     order[#order + 1] = sid
@@ -442,7 +444,9 @@ for _, e in ipairs(entries) do
         -- ready set, where it stays while anything is outstanding (and the ages).
         rcall('PERSIST', s.state)
         rcall('ZADD', ages_key(ready), entry_ms(id), sid)
-        if rcall('SET', s.lock, token_base .. ':' .. (tokens + 1), 'NX', 'PX', lock_ttl) then
+        if s.held then
+          contended = contended + 1  -- held: it waits for a release or redrive
+        elseif rcall('SET', s.lock, token_base .. ':' .. (tokens + 1), 'NX', 'PX', lock_ttl) then
           tokens = tokens + 1
           s.token = token_base .. ':' .. tokens
           local h = {s.h[3], s.h[4], s.h[5], s.h[6], s.h[7]}
@@ -464,7 +468,7 @@ for _, e in ipairs(entries) do
         held[#held + 1] = {sid, seq, id, f}
       else
         contended = contended + 1
-        if not s.ensured then
+        if not s.ensured and not s.held then
           -- Outstanding work always has a place in the ready set; NX keeps the holder's lease.
           rcall('ZADD', ready, 'NX', now + lock_ttl, sid)
           s.ensured = true

@@ -72,6 +72,9 @@ class Settings:
     redis_mode: str = "standalone"
     # What a message does when its session already has one in progress (lua/intake-5.lua).
     multitask: str = "enqueue"
+    # After a dead letter: "continue" with the session's next message, or "hold" the session
+    # until an operator releases or redrives it (lua/commit-5.lua, lua/hold-3.lua).
+    on_dead_letter: str = "continue"
     shards: int = 1
     read_block_ms: int = 1000
     promote_interval_ms: int = 100
@@ -297,6 +300,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "shutdown_grace_s": _float(0.0),
     "redis_mode": _choice("standalone", "cluster"),
     "multitask": _choice("enqueue", "reject", "interrupt", "coalesce"),
+    "on_dead_letter": _choice("continue", "hold"),
     "shards": _int(1, 16384),
     # Below redis-py's 5 s socket timeout, or a blocked read times out (redis-py #2807).
     "read_block_ms": _int(1, 3999),

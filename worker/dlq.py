@@ -265,6 +265,12 @@ async def _redrive_pages(
 async def resend(client: DialogClient, keys: Keys, handle: str, entry: Entry) -> None:
     """Send one dead letter back to its source stream. Raises ValidationError when it cannot
     be re-sent as it is."""
+    await client.send(**resend_fields(client, keys, handle, entry))
+
+
+def resend_fields(client: DialogClient, keys: Keys, handle: str, entry: Entry) -> dict[str, Any]:
+    """What re-sending a dead letter sends: `DialogClient.send`'s arguments (session_id,
+    text, msg_id, meta). Raises ValidationError when it cannot be re-sent as it is."""
     fields = entry.fields
     source = fields.get("source_stream") or keys.stream
     own = {k.stream for k in client.topology.shards}
@@ -280,9 +286,9 @@ async def resend(client: DialogClient, keys: Keys, handle: str, entry: Entry) ->
     if entry.names_repeat:
         raise ValidationError("a field name appears more than once in it")
     meta = {k: v for k, v in fields.items() if k not in RESERVED_FIELDS | LETTER_FIELDS}
-    await client.send(
-        fields.get("session_id", ""),
-        fields.get("text", ""),
+    return dict(
+        session_id=fields.get("session_id", ""),
+        text=fields.get("text", ""),
         msg_id=f"redrive:{handle}",
         meta=meta,
     )

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dialog_worker import __version__
 from dialog_worker.client import DialogClient
+from dialog_worker.codec import check_id
 from dialog_worker.config import Settings
 from dialog_worker.console import actions, reads
 from dialog_worker.console.audit import AuditLog
@@ -260,6 +261,56 @@ async def session_redrive(c: Console, request: Request) -> Response:
     )
 
 
+async def session_hold(c: Console, request: Request) -> Response:
+    """Hold or release a session (the form's `action`)."""
+    user = c.user(request)
+    fields = await c.form(request, user)
+    session_id = _session_id(_one(fields, "session_id"))
+    action = _one(fields, "action")
+    if action not in ("hold", "release"):
+        raise HTTPException(400, "action must be hold or release")
+    reason = _reason(fields)
+    run = (
+        (lambda: actions.hold(c.client, session_id, user.name))
+        if action == "hold"
+        else (lambda: actions.release(c.client, session_id))
+    )
+    return await _act(
+        c,
+        request,
+        user,
+        f"{action}_session",
+        f"session {session_id}",
+        reason,
+        [],
+        run,
+        back=f"/session?id={urllib.parse.quote(session_id, safe='')}",
+    )
+
+
+async def session_cancel(c: Console, request: Request) -> Response:
+    """Cancel one waiting message of a session, by its msg_id (the client's cancel)."""
+    user = c.user(request)
+    fields = await c.form(request, user)
+    session_id = _session_id(_one(fields, "session_id"))
+    try:
+        msg_id = check_id("msg_id", _one(fields, "msg_id"))
+    except ValidationError as exc:
+        raise HTTPException(400, str(exc)) from None
+    reason = _reason(fields)
+    return await _act(
+        c,
+        request,
+        user,
+        "cancel_message",
+        f"session {session_id} message {msg_id}",
+        reason,
+        [],
+        lambda: actions.cancel(c.client, session_id, msg_id),
+        back=f"/session?id={urllib.parse.quote(session_id, safe='')}",
+    )
+
+
 async def letters_list(c: Console, request: Request) -> Response:
     user = c.user(request)
     q = request.query_params
@@ -348,9 +399,8 @@ async def _act(
     run: Callable[[], Awaitable[actions.Outcome]],
     back: str,
 ) -> Response:
-    ref = await c.audit.append(
-        user, action, target, reason, "requested", {"handles": handles, "count": len(handles)}
-    )
+    asked: dict[str, Any] = {"handles": handles, "count": len(handles)} if handles else {}
+    ref = await c.audit.append(user, action, target, reason, "requested", asked)
     try:
         outcome = await run()
     except ValidationError as exc:
@@ -448,6 +498,8 @@ def create_app(settings: Settings, client: DialogClient | None = None) -> Starle
             Route("/api/letters", bind(letters_json)),
             Route("/session", bind(session_page)),
             Route("/session/redrive", bind(session_redrive), methods=["POST"]),
+            Route("/session/hold", bind(session_hold), methods=["POST"]),
+            Route("/session/cancel", bind(session_cancel), methods=["POST"]),
             Route("/letters", bind(letters_list)),
             Route("/letters/action", bind(letters_action), methods=["POST"]),
             Route("/audit", bind(audit_page)),

@@ -136,6 +136,8 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
         # Bookkeeping that does not parse must not hide the rest (state, dead letters).
         view_error = f"{type(exc).__name__}: {exc}"
     state = await client.state(session_id)
+    held_raw = await client.raw.hget(keys.session(session_id).state, "h")
+    held = None if held_raw is None else _text(held_raw)
     history = state.get("history") if isinstance(state, dict) else None
     found_letters, scanned, complete = await session_letters(client, keys, session_id)
     now = int(time.time() * 1000)
@@ -149,7 +151,8 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
     return {
         "session_id": session_id,
         "shard": keys.shard,
-        "found": found or view_error is not None,
+        "found": found or view_error is not None or held is not None,
+        "held": held,
         "view_error": view_error,
         "view": {k: v for k, v in view.items() if k not in ("dead_letters", "waiting")},
         "lock": view.get("lock") or {},
