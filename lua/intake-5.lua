@@ -18,7 +18,9 @@
               made persistent while anything is outstanding. If it is the session's next
               message and the lock is free, the lock is taken (one token per session) and
               the job returned. Otherwise it waits there: the lock holder's commit hands it
-              on, or the ready set brings it back (resume-3.lua). A held session (the state's
+              on, or the ready set brings it back (resume-3.lua). Its msg_id (else its entry
+              id) is indexed: <ready set>:msg:<msg_id> -> session_id, kept DIALOG_DEDUPE_TTL_S
+              (the console finds a message by msg_id with one GET). A held session (the state's
               h field, hold-3.lua) takes no lock and stays out of the ready set: its
               messages wait until an operator releases or redrives it.
   Double-texting: when the session already has a message outstanding, the entry's multitask
@@ -439,6 +441,8 @@ for _, e in ipairs(entries) do
       s.writes[#s.writes + 1] = pack_message(id, f)
       s.ids[seq] = msg_id or id
       dels[#dels + 1] = id
+      -- Which session a msg_id belongs to, for the console's find (kept as long as dedupe).
+      rcall('SET', ready .. ':msg:' .. (msg_id or id), sid, 'EX', dedupe_ttl)
       if seq == s.a + 1 then
         -- The session had nothing outstanding: it may carry its idle TTL, and it joins the
         -- ready set, where it stays while anything is outstanding (and the ages).

@@ -147,6 +147,12 @@ class Keys:
         baseline. Derived from the ready set's name in the scripts (inbound_key)."""
         return f"{self.ready}:inbound"
 
+    def msg_index(self, msg_id: str) -> str:
+        """A string: the session a msg_id (or, without one, an entry id) was last sequenced
+        for, kept DIALOG_DEDUPE_TTL_S (lua/intake-5.lua); how the console finds a message by
+        its msg_id without a scan."""
+        return f"{self.ready}:msg:{msg_id}"
+
     @property
     def ages(self) -> str:
         """A sorted set: each session with messages outstanding -> when its next message was

@@ -22,7 +22,7 @@ import jinja2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -311,6 +311,40 @@ async def session_cancel(c: Console, request: Request) -> Response:
     )
 
 
+def _msg_id(raw: str | None) -> str:
+    try:
+        return check_id("msg_id", raw if raw is not None else "")
+    except ValidationError as exc:
+        raise HTTPException(400, str(exc)) from None
+
+
+async def message_find(c: Console, request: Request) -> Response:
+    """Find a message by its exact msg_id: straight to its session's page when one session
+    has it, a list when several shards do, 404 when none does."""
+    user = c.user(request)
+    msg_id = _msg_id(request.query_params.get("msg_id"))
+    found = await reads.find_message(c.client, msg_id)
+    if len(found) == 1:
+        sid = urllib.parse.quote(found[0]["session_id"], safe="")
+        return RedirectResponse(f"/session?id={sid}", status_code=303)
+    return c.page(
+        request,
+        user,
+        "find.html",
+        msg_id=msg_id,
+        found=found,
+        dedupe_ttl_s=c.settings.dedupe_ttl_s,
+        status=200 if found else 404,
+    )
+
+
+async def message_json(c: Console, request: Request) -> Response:
+    c.user(request)
+    msg_id = _msg_id(request.query_params.get("msg_id"))
+    found = await reads.find_message(c.client, msg_id)
+    return JSONResponse({"msg_id": msg_id, "sessions": found}, status_code=200 if found else 404)
+
+
 async def letters_list(c: Console, request: Request) -> Response:
     user = c.user(request)
     q = request.query_params
@@ -496,6 +530,8 @@ def create_app(settings: Settings, client: DialogClient | None = None) -> Starle
             Route("/api/overview", bind(overview_json)),
             Route("/api/session", bind(session_json)),
             Route("/api/letters", bind(letters_json)),
+            Route("/api/message", bind(message_json)),
+            Route("/message", bind(message_find)),
             Route("/session", bind(session_page)),
             Route("/session/redrive", bind(session_redrive), methods=["POST"]),
             Route("/session/hold", bind(session_hold), methods=["POST"]),

@@ -217,6 +217,17 @@ def original_order(letter: Mapping[str, Any]) -> tuple[int, int, int]:
     return (0, int(seq), 0) if isinstance(seq, int) else (1, ms, n)
 
 
+async def find_message(client: DialogClient, msg_id: str) -> list[dict[str, Any]]:
+    """The sessions (one per shard at most) a message with this msg_id was sequenced for
+    within the dedupe window: one GET per shard of the index intake keeps (Keys.msg_index)."""
+    found = []
+    for keys in client.topology.shards:
+        raw = await client.raw.get(keys.msg_index(msg_id))
+        if raw is not None:
+            found.append({"session_id": _text(raw), "shard": keys.shard})
+    return found
+
+
 # ---------------------------------------------------------------------------------------------
 # dead letters
 
