@@ -147,6 +147,7 @@ for _, c in ipairs(commits) do
         letter[#letter + 1] = v
       end
       rcall('XADD', dlq, '*', unpack(letter))
+      index_letter(ready, sprefix, c.sid, rcall('XREVRANGE', dlq, '+', '-', 'COUNT', 1)[1][1])
     end
     if c.msg_id ~= '' and ((not id and c.outcome == 'dead_lettered')
         or c.outcome == 'cancelled' or c.outcome == 'superseded') then

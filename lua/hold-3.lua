@@ -12,7 +12,7 @@
              messages, in the order given: they take seqs applied + 1.., each waiting
              message moves up by their count (its q<seq> and u<seq> fields, and the seq its
              dedupe key records), the letters leave the dead-letter stream, and the session
-             is released. A letter already gone is counted, one whose msg_id was seen
+             is released (and they leave the session's letters index). A letter already gone is counted, one whose msg_id was seen
              (redriven before) is removed and counted as a duplicate. Refused while the lock
              is held (a step is running: its commit would apply the wrong seq).
 
@@ -85,6 +85,7 @@ for _, l in ipairs(letters) do
   elseif rcall('EXISTS', session_key(sprefix, sid, 'msg:' .. l.msg_id)) == 1 then
     dups = dups + 1
     rcall('XDEL', dlq, l.id)
+    redis.pcall('ZREM', letters_key(sprefix, sid), l.id)
   else
     todo[#todo + 1] = l
   end
@@ -116,6 +117,7 @@ if k > 0 then
     rcall('HSET', state, 'q' .. (applied + i), pack_message(l.id, l.fields))
     rcall('SET', session_key(sprefix, sid, 'msg:' .. l.msg_id), applied + i, 'EX', ttl)
     rcall('XDEL', dlq, l.id)
+    redis.pcall('ZREM', letters_key(sprefix, sid), l.id)
   end
   local writes = {'s', last + k, 'n', 0}
   for i, name in ipairs({'xc', 'xs'}) do

@@ -262,6 +262,9 @@ local function refuse(id, f, problem, sid, msg_id)
     reply_event(replies, maxlen, sid, msg_id or id, 0, 'dead_lettered', fallback, now, id)
   end
   dels[#dels + 1] = id
+  if sid then  -- the letter just added is the stream's last
+    index_letter(ready, sprefix, sid, rcall('XREVRANGE', dlq, '+', '-', 'COUNT', 1)[1][1])
+  end
 end
 
 -- A dedupe key can outlive its session's state (DIALOG_DEDUPE_TTL_S longer than

@@ -92,6 +92,13 @@ class SessionKeys:
     def dedupe(self, msg_id: str) -> str:
         return self.dedupe_prefix + msg_id
 
+    @property
+    def letters(self) -> str:
+        """A sorted set: the session's dead letters (entry id -> its ms), newest 1,000, written
+        with each letter and cleaned when it is redriven or purged (LETTERS_KEPT in
+        lua/_common.lua); the console's session page reads them through it."""
+        return self.state.removesuffix(":state") + ":letters"
+
     def partial(self, msg_id: str) -> str:
         """The stream of a message's partial reply (worker/streaming.py)."""
         return self.state.removesuffix(":state") + ":partial:" + msg_id
@@ -152,6 +159,12 @@ class Keys:
         for, kept DIALOG_DEDUPE_TTL_S (lua/intake-5.lua); how the console finds a message by
         its msg_id without a scan."""
         return f"{self.ready}:msg:{msg_id}"
+
+    @property
+    def letters_since(self) -> str:
+        """A string: the first dead letter written into a session's letter index
+        (SessionKeys.letters); letters older than it are not indexed."""
+        return f"{self.ready}:letters-since"
 
     @property
     def ages(self) -> str:

@@ -1,11 +1,15 @@
-"""Finding a message by its msg_id in the console (one GET per shard of the index intake
-keeps, never a scan), against a real redis-server and real workers."""
+"""The console's indexes, against a real redis-server and real workers: a message found by
+its msg_id (one GET per shard of the index intake keeps, never a scan), and each session's
+dead letters read through the index the scripts keep with them (never the whole stream),
+cleaned when a letter is redriven or purged."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
-from console_support import VIEWER, basic
+from console_support import OPERATOR, VIEWER, basic, form_token
 from redis_server import wait_until_async
 from worker_procs import WorkerPool
 
@@ -14,6 +18,7 @@ from dialog_worker.client import DialogClient
 pytestmark = pytest.mark.integration
 
 VIEW = basic(VIEWER)
+OP = basic(OPERATOR)
 
 
 async def test_a_message_is_found_by_its_msg_id_and_leads_to_its_session(
@@ -48,3 +53,47 @@ async def test_a_message_is_found_by_its_msg_id_and_leads_to_its_session(
     assert r.status_code == 404
     assert "<script>nope" not in r.text and "&lt;script&gt;nope" in r.text
     assert (await http.get("/api/message?msg_id=", headers=VIEW)).status_code == 400
+
+
+async def test_a_sessions_dead_letters_come_from_its_index_not_from_the_stream(
+    http: httpx.AsyncClient, client: DialogClient, workers: WorkerPool, tmp_path: Path
+) -> None:
+    flag = tmp_path / "flag"
+    flag.write_text("on")
+    workers.start(
+        1, DIALOG_ENGINE="fault_engine:make", DIALOG_MAX_ATTEMPTS="1", FAULT_FLAG_FILE=str(flag)
+    )
+    assert (await client.ask("mine", "flaky one", timeout=20)).outcome == "dead_lettered"
+    # Refused at intake (no text) but names the session: indexed too.
+    await client.redis.xadd(client.keys.stream, {"session_id": "mine", "msg_id": "no-text"})
+    # Many newer letters of other sessions: the page must not read through them.
+    for i in range(300):
+        await client.redis.xadd(client.keys.dlq, {"session_id": f"other-{i}", "text": "x"})
+    index = client.keys.session("mine").letters
+
+    async def two_indexed() -> bool:
+        return await client.redis.zcard(index) == 2
+
+    await wait_until_async(two_indexed, 15, what="two letters indexed for the session")
+    data = (await http.get("/api/session?id=mine", headers=VIEW)).json()
+    assert data["letters_scanned"] == 0 and data["letters_complete"] is True
+    kinds = sorted(d["error_kind"] for d in data["dead_letters"])
+    assert len(kinds) == 2 and kinds[1] == "malformed", kinds
+
+    flag.unlink()
+    page = (await http.get("/session?id=mine", headers=OP)).text
+    handles = [h.split('"')[0] for h in page.split('data-handle="')[1:]]
+    assert len(handles) == 2
+    r = await http.post(
+        "/letters/action",
+        headers=OP,
+        data={
+            "action": "purge",
+            "handle": handles,
+            "count": "2",
+            "reason": "cleaning up",
+            "form_token": form_token(page),
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert await client.redis.zcard(index) == 0  # purged letters leave the index

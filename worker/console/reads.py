@@ -29,6 +29,8 @@ REDACTED = "[redacted]"
 # The newest dead letters of a shard the session page reads for the session's own (about
 # 100 ms for 10,000 on a laptop-class core).
 SESSION_LETTER_SCAN = 10_000
+# A session's indexed dead letters the session page shows, newest first.
+SESSION_LETTERS_SHOWN = 200
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +142,7 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
     held = None if held_raw is None else _text(held_raw)
     history = state.get("history") if isinstance(state, dict) else None
     found_letters, scanned, complete = await session_letters(client, keys, session_id)
+    indexed = scanned == 0
     now = int(time.time() * 1000)
     letters = []
     for entry_id, fields in found_letters:
@@ -161,6 +164,7 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
         "dead_letters": letters,
         "letters_scanned": scanned,
         "letters_complete": complete,
+        "letters_indexed": indexed,
         "history": redact.value(history) if isinstance(history, list) else [],
         "state_json": (
             None
@@ -173,14 +177,54 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
 async def session_letters(
     client: DialogClient, keys: Keys, session_id: str, scan: int | None = None
 ) -> tuple[list[tuple[str, dict[str, str]]], int, bool]:
-    """The session's dead letters among the newest `scan` (SESSION_LETTER_SCAN) of its
-    shard, how many were read, and whether that was all of them. Without an index of each
-    session's letters this is a scan; the bound keeps the page fast on a large stream, and
-    the dead-letter list (filtered by session) pages through the rest."""
-    bound = SESSION_LETTER_SCAN if scan is None else scan
+    """The session's dead letters, how many letters of the stream were read for them
+    (0: the index alone answered) and whether they are all there.
+
+    The scripts index each session's letters as they write them (SessionKeys.letters; the
+    newest SESSION_LETTERS_SHOWN are read, one XRANGE each). Letters older than the first
+    indexed one (Keys.letters_since; all of them when nothing was ever indexed) were written
+    before the index existed: they are looked for among the newest `scan`
+    (SESSION_LETTER_SCAN) of that older part of the stream, and the dead-letter list
+    (filtered by session) pages through the rest."""
+    found, complete = await _indexed_letters(client, keys, session_id)
+    since = await client.raw.get(keys.letters_since)
+    high = "+" if since is None else f"({_text(since)}"
+    older, scanned, older_complete = await _scan_session_letters(
+        client, keys, session_id, high, SESSION_LETTER_SCAN if scan is None else scan
+    )
+    seen = {entry_id for entry_id, _ in found}
+    found += [(i, f) for i, f in older if i not in seen]
+    return found, scanned, complete and older_complete
+
+
+async def _indexed_letters(
+    client: DialogClient, keys: Keys, session_id: str
+) -> tuple[list[tuple[str, dict[str, str]]], bool]:
+    index = keys.session(session_id).letters
+    try:
+        raw_ids = cast(list[bytes], await client.raw.zrevrange(index, 0, SESSION_LETTERS_SHOWN))
+        ids = [_text(i) for i in raw_ids]
+    except ResponseError:
+        return [], True  # a key of another type, written by hand: the stream is read instead
+    pipe = client.raw.pipeline(transaction=False)
+    for entry_id in ids[:SESSION_LETTERS_SHOWN]:
+        if _is_entry_id(entry_id):
+            pipe.xrange(keys.dlq, min=entry_id, max=entry_id)
+    rows = cast(list[list[tuple[bytes, dict[bytes, bytes]]]], await pipe.execute())
+    want = session_id.encode("utf-8")
+    found = [
+        (_text(row[0][0]), {_text(k): _text(v) for k, v in row[0][1].items()})
+        for row in rows
+        if row and row[0][1].get(b"session_id") == want  # gone: purged by hand
+    ]
+    return found, len(ids) <= SESSION_LETTERS_SHOWN
+
+
+async def _scan_session_letters(
+    client: DialogClient, keys: Keys, session_id: str, high: str, bound: int
+) -> tuple[list[tuple[str, dict[str, str]]], int, bool]:
     want = session_id.encode("utf-8")
     found: list[tuple[str, dict[str, str]]] = []
-    high = "+"
     scanned = 0
     while scanned < bound:
         count = min(1000, bound - scanned)
