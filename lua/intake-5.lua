@@ -491,6 +491,18 @@ for _, sid in ipairs(order) do
     rcall('HSET', s.state, 's', s.last, unpack(s.writes))
   end
 end
+-- Sessions that received a message, by id (score 0: ordered by the id's bytes), in buckets of
+-- DIALOG_DEDUPE_TTL_S each kept two buckets long: the console finds sessions by id prefix in
+-- the current and the previous bucket (ZRANGEBYLEX), never by scanning keys.
+local seen_bucket = ready .. ':sessions:' .. math.floor(now / (dedupe_ttl * 1000))
+local seen_any = false
+for _, sid in ipairs(order) do
+  if #sessions[sid].writes > 0 then
+    rcall('ZADD', seen_bucket, 0, sid)
+    seen_any = true
+  end
+end
+if seen_any then rcall('EXPIRE', seen_bucket, 2 * dedupe_ttl + 60) end
 if #acks > 0 then
   rcall('XACK', stream, group, unpack(acks))
 end

@@ -160,6 +160,12 @@ class Keys:
         its msg_id without a scan."""
         return f"{self.ready}:msg:{msg_id}"
 
+    def sessions_seen(self, bucket: int) -> str:
+        """A sorted set (score 0, so ordered by id): the sessions that received a message in
+        one bucket of DIALOG_DEDUPE_TTL_S (bucket = ms // (ttl * 1000)), kept two buckets long
+        (lua/intake-5.lua); the console's search by session id prefix reads it."""
+        return f"{self.ready}:sessions:{bucket}"
+
     @property
     def letters_since(self) -> str:
         """A string: the first dead letter written into a session's letter index

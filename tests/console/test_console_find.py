@@ -97,3 +97,25 @@ async def test_a_sessions_dead_letters_come_from_its_index_not_from_the_stream(
     )
     assert r.status_code == 200, r.text
     assert await client.redis.zcard(index) == 0  # purged letters leave the index
+
+
+async def test_sessions_are_listed_by_id_prefix_without_a_scan(
+    http: httpx.AsyncClient, client: DialogClient, workers: WorkerPool
+) -> None:
+    workers.start(1)
+    for sid in ("acme-1", "acme-2", "acme-<b>3</b>", "other-1"):
+        await client.send(sid, "halo")
+
+    async def listed() -> list[str] | None:
+        r = await http.get("/api/sessions", params={"prefix": "acme-"}, headers=VIEW)
+        ids = list(r.json()["sessions"])
+        return ids if len(ids) == 3 else None
+
+    ids = await wait_until_async(listed, 15, what="three acme sessions")
+    assert ids == ["acme-1", "acme-2", "acme-<b>3</b>"]
+    page = (await http.get("/sessions", params={"prefix": "acme-<"}, headers=VIEW)).text
+    assert "acme-&lt;b&gt;3&lt;/b&gt;" in page and "acme-<b>" not in page
+    assert "/session?id=acme-%3Cb%3E3%3C%2Fb%3E" in page
+    r = await http.get("/api/sessions", params={"prefix": "zzz"}, headers=VIEW)
+    assert r.json()["sessions"] == []
+    assert (await http.get("/api/sessions?prefix=", headers=VIEW)).status_code == 400

@@ -236,7 +236,7 @@ async def session_page(c: Console, request: Request) -> Response:
     user = c.user(request)
     raw = request.query_params.get("id")
     if raw is None or raw == "":
-        return c.page(request, user, "find.html")
+        return c.page(request, user, "find.html", dedupe_ttl_s=c.settings.dedupe_ttl_s)
     session_id = _session_id(raw)
     data = await reads.timeline(c.client, session_id, c.redact)
     return c.page(request, user, "session.html", t=data, status=200 if data["found"] else 404)
@@ -335,6 +335,26 @@ async def message_find(c: Console, request: Request) -> Response:
         found=found,
         dedupe_ttl_s=c.settings.dedupe_ttl_s,
         status=200 if found else 404,
+    )
+
+
+async def sessions_prefix(c: Console, request: Request) -> Response:
+    """Sessions whose id starts with `prefix` (those that received a message lately)."""
+    user = c.user(request)
+    prefix = request.query_params.get("prefix") or ""
+    if not prefix.strip() or len(prefix.encode("utf-8")) > 256:
+        raise HTTPException(400, "prefix: 1 to 256 bytes")
+    ids, more = await reads.sessions_by_prefix(c.client, prefix)
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"prefix": prefix, "sessions": ids, "more": more})
+    return c.page(
+        request,
+        user,
+        "find.html",
+        prefix=prefix,
+        prefix_found=ids,
+        prefix_more=more,
+        dedupe_ttl_s=c.settings.dedupe_ttl_s,
     )
 
 
@@ -532,6 +552,8 @@ def create_app(settings: Settings, client: DialogClient | None = None) -> Starle
             Route("/api/letters", bind(letters_json)),
             Route("/api/message", bind(message_json)),
             Route("/message", bind(message_find)),
+            Route("/sessions", bind(sessions_prefix)),
+            Route("/api/sessions", bind(sessions_prefix)),
             Route("/session", bind(session_page)),
             Route("/session/redrive", bind(session_redrive), methods=["POST"]),
             Route("/session/hold", bind(session_hold), methods=["POST"]),

@@ -261,6 +261,34 @@ def original_order(letter: Mapping[str, Any]) -> tuple[int, int, int]:
     return (0, int(seq), 0) if isinstance(seq, int) else (1, ms, n)
 
 
+PREFIX_MATCHES = 50
+
+
+async def sessions_by_prefix(client: DialogClient, prefix: str) -> tuple[list[str], bool]:
+    """Session ids starting with `prefix` (byte-wise) among the sessions that received a
+    message in the current or the previous DIALOG_DEDUPE_TTL_S, sorted, at most
+    PREFIX_MATCHES, and whether there were more: one ZRANGEBYLEX per bucket and shard."""
+    window_ms = client.settings.dedupe_ttl_s * 1000
+    now = int(time.time() * 1000) // window_ms
+    low = b"[" + prefix.encode("utf-8")
+    high = b"[" + prefix.encode("utf-8") + b"\xff"
+    found: set[str] = set()
+    for keys in client.topology.shards:
+        for bucket in (now, now - 1):
+            try:
+                raw = cast(
+                    list[bytes],
+                    await client.raw.zrangebylex(
+                        keys.sessions_seen(bucket), low, high, start=0, num=PREFIX_MATCHES + 1
+                    ),
+                )
+            except ResponseError:
+                continue  # a key of another type, written by hand
+            found.update(_text(v) for v in raw)
+    ids = sorted(found)
+    return ids[:PREFIX_MATCHES], len(ids) > PREFIX_MATCHES
+
+
 async def find_message(client: DialogClient, msg_id: str) -> list[dict[str, Any]]:
     """The sessions (one per shard at most) a message with this msg_id was sequenced for
     within the dedupe window: one GET per shard of the index intake keeps (Keys.msg_index)."""
