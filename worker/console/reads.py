@@ -18,6 +18,7 @@ from dialog_worker.client import DialogClient
 from dialog_worker.codec import check_id
 from dialog_worker.errors import ValidationError
 from dialog_worker.keys import Keys
+from dialog_worker.streams import StreamReader
 from dialog_worker.views import aggregate_stats, entry_age_s, reply_group_lags, session_view
 
 PAGE_DEFAULT = 50
@@ -383,7 +384,7 @@ async def letters_page(
     horizon: tuple[int, int, int] | None = None  # the first place a shard stopped early
     scanned = 0
     for keys in client.topology.shards:
-        rows, stopped_at, count = await _scan(client.raw, keys, start, end, after, flt, limit)
+        rows, stopped_at, count = await _scan(client.entries, keys, start, end, after, flt, limit)
         scanned += count
         found += rows
         if stopped_at is not None and (horizon is None or stopped_at < horizon):
@@ -406,7 +407,7 @@ async def letters_page(
 
 
 async def _scan(
-    raw: Redis,
+    reader: StreamReader,
     keys: Keys,
     start: str,
     end: str,
@@ -421,19 +422,16 @@ async def _scan(
     cursor = start
     while True:
         want = min(1000, LETTER_SCAN_PER_PAGE - scanned)
-        batch = cast(
-            list[tuple[bytes, dict[bytes, bytes]]],
-            await raw.xrange(keys.dlq, min=cursor, max=end, count=want),
-        )
+        batch = await reader.range(keys.dlq, cursor, end, want)
         scanned += len(batch)
         last: tuple[int, int, int] | None = None
-        for raw_id, raw_fields in batch:
-            entry_id = _text(raw_id)
+        for entry in batch:
+            entry_id = entry.id
             ms, n = id_key(entry_id)
             last = (ms, n, keys.shard)
             if after is not None and last <= after:
                 continue
-            fields = {_text(k): _text(v) for k, v in raw_fields.items()}
+            fields = entry.fields
             if flt.matches(fields):
                 row = {"id": entry_id, "handle": handle(keys, entry_id), "shard": keys.shard}
                 out.append((last, row | _summary(fields)))
@@ -443,7 +441,7 @@ async def _scan(
             return out, None, scanned
         if scanned >= LETTER_SCAN_PER_PAGE:
             return out, last, scanned
-        cursor = f"({_text(batch[-1][0])}"
+        cursor = f"({batch[-1].id}"
 
 
 _SUMMARY = (
@@ -467,14 +465,10 @@ def _text(value: bytes | str) -> str:
 
 
 async def letter_fields(client: DialogClient, keys: Keys, entry_id: str) -> dict[str, str] | None:
-    """Every field of one dead letter, or None when it is gone."""
-    rows = cast(
-        list[tuple[bytes, dict[bytes, bytes]]],
-        await client.raw.xrange(keys.dlq, min=entry_id, max=entry_id),
-    )
-    if not rows:
-        return None
-    return {_text(k): _text(v) for k, v in rows[0][1].items()}
+    """Every field of one dead letter (a repeated name's first value), or None when it is
+    gone."""
+    entry = await client.entries.one(keys.dlq, entry_id)
+    return None if entry is None else entry.fields
 
 
 def distinct(values: Iterable[str | None]) -> list[str]:
