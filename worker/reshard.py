@@ -34,6 +34,7 @@ whatever its DIALOG_SHARDS, refuses to start until a run completes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Awaitable, Callable, Iterable
@@ -357,6 +358,7 @@ class _Mover:
                     self.report.already_moved += 1
                 await self.step()
                 await r.xdel(keys.dlq, entry.id)
+                await _unindex_letter(r, keys, entry)
             if len(rows) < LETTER_PAGE:
                 return
             cursor = f"({rows[-1].id}"
@@ -376,8 +378,30 @@ class _Mover:
             start_transaction()
             pipe.execute_command("XADD", target.dlq, "*", *entry.flat())
             pipe.sadd(target.reshard_moved, source)
-            await pipe.execute()
+            added = await pipe.execute()
+        session_id = _letter_session(entry)
+        if session_id is not None:  # its session's letter index (SessionKeys.letters) follows
+            new_id = added[0].decode() if isinstance(added[0], bytes) else str(added[0])
+            with contextlib.suppress(ResponseError):
+                await self.redis.zadd(
+                    target.session(session_id).letters, {new_id: int(new_id.split("-")[0])}
+                )
         return True
+
+
+def _letter_session(entry: Entry) -> str | None:
+    raw = entry.raw("session_id")
+    try:
+        return raw.decode("utf-8") if raw else None
+    except UnicodeDecodeError:
+        return None
+
+
+async def _unindex_letter(redis: Redis, keys: Keys, entry: Entry) -> None:
+    session_id = _letter_session(entry)
+    if session_id is not None:
+        with contextlib.suppress(ResponseError):
+            await redis.zrem(keys.session(session_id).letters, entry.id)
 
 
 def _letter_target(entry: Entry, after: Topology) -> Keys:

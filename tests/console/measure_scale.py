@@ -144,6 +144,8 @@ def main() -> None:
                     "/letters?kind=timeout",
                     "/letters?session=user-0000500",
                     "/letters?older_than=1h",
+                    "/message?msg_id=nothing-like-it",  # 404: one GET
+                    "/api/sessions?prefix=user-00005",
                     "/audit",
                 ]
                 print(f"{'page':40} {'median ms':>10} {'p95 ms':>8}  status")

@@ -119,3 +119,27 @@ async def test_sessions_are_listed_by_id_prefix_without_a_scan(
     r = await http.get("/api/sessions", params={"prefix": "zzz"}, headers=VIEW)
     assert r.json()["sessions"] == []
     assert (await http.get("/api/sessions?prefix=", headers=VIEW)).status_code == 400
+
+
+async def test_reshard_moves_a_sessions_letter_index_with_its_letters(
+    env: dict[str, str], client: DialogClient
+) -> None:
+    from worker_procs import run_cli
+
+    from dialog_worker.config import load_settings
+    from dialog_worker.keys import Topology
+
+    sid = "moved-{1}"
+    old = client.keys_for(sid)
+    letter = str(
+        await client.redis.xadd(old.dlq, {"session_id": sid, "text": "x", "error_kind": "gap"})
+    )
+    await client.redis.zadd(old.session(sid).letters, {letter: int(letter.split("-")[0])})
+    done = run_cli(env, "reshard", "--to", "2", "--yes")
+    assert done.returncode == 0, done.stderr
+    new = Topology.from_settings(load_settings(environ={**env, "DIALOG_SHARDS": "2"}))
+    keys = new.for_session(sid)
+    index = await client.redis.zrange(keys.session(sid).letters, 0, -1)
+    assert len(index) == 1 and index[0] != letter
+    assert await client.redis.xrange(keys.dlq, index[0], index[0])
+    assert await client.redis.exists(old.session(sid).letters) == 0
