@@ -163,6 +163,8 @@ async def reshard(
             await mover.session_key(key, after.for_session(session_id).session(session_id), role)
     for keys in before.shards:
         await mover.dead_letters(keys, after)
+    if not dry_run:
+        await mover.letter_indexes(found, after)
     if report.conflicts:
         raise Refused(
             f"{len(report.conflicts)} key(s) exist in both layouts with different values, "
@@ -334,6 +336,41 @@ class _Mover:
             return bool(await self.redis.hgetall(key) == await self.redis.hgetall(new_key))
         return bool(await self.redis.get(key) == await self.redis.get(new_key))
 
+    async def letter_indexes(
+        self, found: list[tuple[Keys, list[tuple[bytes, str, str]]]], after: Topology
+    ) -> None:
+        """Each session's dead-letter index (SessionKeys.letters) in the new layout: every
+        letter of the new shards added to its session's index (ZADD again of the same id is
+        harmless, so a run stopped here and run again ends the same), then the old layout's
+        index keys removed. Reads every letter once, as moving them did."""
+        reader = StreamReader(self.redis)
+        for keys in after.shards:
+            cursor = "-"
+            while True:
+                rows = await reader.range(keys.dlq, cursor, "+", LETTER_PAGE)
+                for entry in rows:
+                    raw = entry.raw("session_id")
+                    try:
+                        session_id = raw.decode("utf-8") if raw else None
+                    except UnicodeDecodeError:
+                        session_id = None
+                    if session_id is None or after.for_session(session_id).dlq != keys.dlq:
+                        continue
+                    index = keys.session(session_id).letters
+                    if await self.redis.zscore(index, entry.id) is None:
+                        await self.step()
+                        with contextlib.suppress(ResponseError):  # another type, by hand
+                            await self.redis.zadd(index, {entry.id: int(entry.id.split("-")[0])})
+                if len(rows) < LETTER_PAGE:
+                    break
+                cursor = f"({rows[-1].id}"
+        for _, session_keys in found:
+            for key, session_id, role in session_keys:
+                new_key = after.for_session(session_id).session(session_id).letters
+                if role == "letters" and key != new_key.encode():
+                    await self.step()
+                    await self.redis.delete(key)
+
     async def dead_letters(self, keys: Keys, after: Topology) -> None:
         """Re-add each dead letter of the shard to its session's new shard, if that is
         another stream; the letters of a stream that stays in the new layout and belong to
@@ -358,7 +395,6 @@ class _Mover:
                     self.report.already_moved += 1
                 await self.step()
                 await r.xdel(keys.dlq, entry.id)
-                await _unindex_letter(r, keys, entry)
             if len(rows) < LETTER_PAGE:
                 return
             cursor = f"({rows[-1].id}"
@@ -378,30 +414,8 @@ class _Mover:
             start_transaction()
             pipe.execute_command("XADD", target.dlq, "*", *entry.flat())
             pipe.sadd(target.reshard_moved, source)
-            added = await pipe.execute()
-        session_id = _letter_session(entry)
-        if session_id is not None:  # its session's letter index (SessionKeys.letters) follows
-            new_id = added[0].decode() if isinstance(added[0], bytes) else str(added[0])
-            with contextlib.suppress(ResponseError):
-                await self.redis.zadd(
-                    target.session(session_id).letters, {new_id: int(new_id.split("-")[0])}
-                )
+            await pipe.execute()
         return True
-
-
-def _letter_session(entry: Entry) -> str | None:
-    raw = entry.raw("session_id")
-    try:
-        return raw.decode("utf-8") if raw else None
-    except UnicodeDecodeError:
-        return None
-
-
-async def _unindex_letter(redis: Redis, keys: Keys, entry: Entry) -> None:
-    session_id = _letter_session(entry)
-    if session_id is not None:
-        with contextlib.suppress(ResponseError):
-            await redis.zrem(keys.session(session_id).letters, entry.id)
 
 
 def _letter_target(entry: Entry, after: Topology) -> Keys:
