@@ -139,6 +139,26 @@ local function replay_receipt(ready, token_base, sprefix, stream, row)
   return jobs
 end
 
+-- Each session's dead letters, newest LETTERS_KEPT (a zset <session>:letters, entry id ->
+-- its ms), so the console's session page reads them without reading the dead-letter stream.
+-- Written with the letter; removed when it is redriven or purged (worker/dlq.py, hold-3.lua).
+-- <ready set>:letters-since holds the first letter indexed: older ones were written before
+-- the index existed and are found by reading the stream (bounded) instead.
+-- pcall: a key of another type (written by hand) must not fail the call after its writes.
+local LETTERS_KEPT = 1000
+
+local function letters_key(sprefix, sid)
+  return session_key(sprefix, sid, 'letters')
+end
+
+local function index_letter(ready, sprefix, sid, letter_id)
+  redis.pcall('SET', ready .. ':letters-since', letter_id, 'NX')
+  local key = letters_key(sprefix, sid)
+  if type(redis.pcall('ZADD', key, entry_ms(letter_id), letter_id)) == 'number' then
+    redis.pcall('ZREMRANGEBYRANK', key, 0, -(LETTERS_KEPT + 1))
+  end
+end
+
 -- Cancellation (see cancel-2.lua). A message ends without a step, in its turn, when:
 --   its cancel mark exists (key <session>:cancel:<msg_id>, written by a cancel or by an
 --     interrupting message; found by msg_id, so a mark may come before its message), or

@@ -40,6 +40,11 @@
     {"op": "set", "name", "text", "meta": [name, value, ...], "at_ms" | "delay_ms",
     "cancel_on_message"} and {"op": "cancel", "name"}, applied in order with the commit's
     writes; a set replaces a timer of the same name; see set_timer in _common.lua)
+  ARGV[last] (optional, after the groups) "hold": a dead-lettered commit holds its session
+
+  Held sessions (the state's h field, set here under "hold" or by an operator, hold-3.lua):
+  a commit of a held session writes as usual but hands nothing on and leaves the ready set;
+  its waiting messages stay until an operator releases or redrives it.
 
   A commit that already ran (same token and seq, recorded in the state's c field) is answered
   as it was the first time and writes nothing: a client that lost the reply may send it again.
@@ -59,9 +64,11 @@ local stream, ready, sprefix, replies, dlq = KEYS[1], KEYS[2], KEYS[3], KEYS[4],
 local lock_ttl, state_ttl, maxlen, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
   tonumber(ARGV[4])
 local WIDTH = 13
-if not (lock_ttl and state_ttl and maxlen and n) or n < 1 or #ARGV ~= 4 + n * WIDTH then
+if not (lock_ttl and state_ttl and maxlen and n) or n < 1
+    or (#ARGV ~= 4 + n * WIDTH and #ARGV ~= 5 + n * WIDTH) then
   return redis.error_reply('ERR commit: bad arguments')
 end
+local hold_on_letter = #ARGV == 5 + n * WIDTH and ARGV[#ARGV] == 'hold'
 local inbound, ages = inbound_key(ready), ages_key(ready)
 for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {replies, 'stream'}, {dlq, 'stream'},
                         {inbound, 'hash'}, {ages, 'zset'}, {timers_key(ready), 'zset'}}) do
@@ -193,7 +200,7 @@ for _, c in ipairs(commits) do
   local state, lock = session_key(sprefix, c.sid, 'state'), session_key(sprefix, c.sid, 'lock')
   local holder = redis.pcall('GET', lock)
   local h = redis.pcall('HMGET', state, 'v', 'a', 's', 'q' .. ((c.seq or 0) + 1),
-                        'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0), 'xc', 'xs')
+                        'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0), 'xc', 'xs', 'h')
   local done = c.seq and type(h) == 'table' and not h['err'] and h[6] == c.token .. ':' .. c.seq
   if c.problem then
     results[#results + 1] = {-3, c.problem}
@@ -227,6 +234,7 @@ for _, c in ipairs(commits) do
         letter[#letter + 1] = v
       end
       rcall('XADD', dlq, '*', unpack(letter))
+      index_letter(ready, sprefix, c.sid, rcall('XREVRANGE', dlq, '+', '-', 'COUNT', 1)[1][1])
     end
     if c.msg_id ~= '' and ((not id and c.outcome == 'dead_lettered') or c.outcome == 'expired'
         or c.outcome == 'cancelled' or c.outcome == 'superseded') then
@@ -251,7 +259,12 @@ for _, c in ipairs(commits) do
     end
     rcall('HDEL', state, 'q' .. c.seq, 'u' .. c.seq, 'f', 'e', 'g')
 
+    local held = h[10] or (hold_on_letter and c.outcome == 'dead_lettered')
+    if held and not h[10] then
+      rcall('HSET', state, 'h', 'dead letter at ' .. now .. ' (seq ' .. c.seq .. ')')
+    end
     local nxt = last > c.seq and next_message(c, h[4], h[8], h[9])
+    if held then nxt = nil end  -- held: nothing is handed on
     if nxt then
       -- Hand-off: the lock stays ours for the next message; its start is counted now.
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 1, 'c', c.token .. ':' .. c.seq)
@@ -262,7 +275,9 @@ for _, c in ipairs(commits) do
     else
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 0, 'c', c.token .. ':' .. c.seq)
       rcall('DEL', lock)
-      if last > c.seq then
+      if last > c.seq and held then
+        rcall('ZREM', ready, c.sid)  -- held: waits for a release or redrive (hold-3.lua)
+      elseif last > c.seq then
         rcall('ZADD', ready, now, c.sid)  -- the next message is missing: resume decides (gap)
       else
         rcall('ZREM', ready, c.sid)

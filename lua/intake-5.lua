@@ -18,7 +18,11 @@
               made persistent while anything is outstanding. If it is the session's next
               message and the lock is free, the lock is taken (one token per session) and
               the job returned. Otherwise it waits there: the lock holder's commit hands it
-              on, or the ready set brings it back (resume-3.lua).
+              on, or the ready set brings it back (resume-3.lua). Its msg_id (else its entry
+              id) is indexed: <ready set>:msg:<msg_id> -> session_id, kept DIALOG_DEDUPE_TTL_S
+              (the console finds a message by msg_id with one GET). A held session (the state's
+              h field, hold-3.lua) takes no lock and stays out of the ready set: its
+              messages wait until an operator releases or redrives it.
   Double-texting: when the session already has a message outstanding, the entry's multitask
   field (else ARGV[15]) decides: enqueue (sequenced as above), reject (one rejected reply
   event, seq 0, nothing else: its msg_id stays free), interrupt (sequenced; every message
@@ -333,6 +337,9 @@ local function refuse(id, f, problem, sid, msg_id)
                 echoed(f))
   end
   dels[#dels + 1] = id
+  if sid then  -- the letter just added is the stream's last
+    index_letter(ready, sprefix, sid, rcall('XREVRANGE', dlq, '+', '-', 'COUNT', 1)[1][1])
+  end
 end
 
 -- A dedupe key can outlive its session's state (DIALOG_DEDUPE_TTL_S longer than
@@ -373,13 +380,13 @@ local function session(sid)
     local state = session_key(sprefix, sid, 'state')
     -- One read for the common case (the session's next message, lock free): the state
     -- document and attempts come along.
-    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs')
+    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs', 'h')
     if h['err'] then
       return nil, 'session state ' .. state .. ': ' .. h['err']
     end
     s = {state = state, lock = session_key(sprefix, sid, 'lock'), a = tonumber(h[1]) or 0,
          last = tonumber(h[2]) or 0, writes = {}, token = nil, h = h,
-         xc = tonumber(h[8]) or 0, xs = tonumber(h[9]) or 0}
+         xc = tonumber(h[8]) or 0, xs = tonumber(h[9]) or 0, held = h[10]}
     s.last_read, s.msg_ids, s.ids = s.last, {}, {}
     sessions[sid] = s
     order[#order + 1] = sid
@@ -520,12 +527,16 @@ for _, e in ipairs(entries) do
       s.writes[#s.writes + 1] = pack_message(id, f)
       s.ids[seq] = msg_id or id
       dels[#dels + 1] = id
+      -- Which session a msg_id belongs to, for the console's find (kept as long as dedupe).
+      rcall('SET', ready .. ':msg:' .. (msg_id or id), sid, 'EX', dedupe_ttl)
       if seq == s.a + 1 then
         -- The session had nothing outstanding: it may carry its idle TTL, and it joins the
         -- ready set, where it stays while anything is outstanding (and the ages).
         rcall('PERSIST', s.state)
         rcall('ZADD', ages_key(ready), entry_ms(id), sid)
-        if rcall('SET', s.lock, token_base .. ':' .. (tokens + 1), 'NX', 'PX', lock_ttl) then
+        if s.held then
+          contended = contended + 1  -- held: it waits for a release or redrive
+        elseif rcall('SET', s.lock, token_base .. ':' .. (tokens + 1), 'NX', 'PX', lock_ttl) then
           tokens = tokens + 1
           s.token = token_base .. ':' .. tokens
           local h = {s.h[3], s.h[4], s.h[5], s.h[6], s.h[7]}
@@ -547,7 +558,7 @@ for _, e in ipairs(entries) do
         held[#held + 1] = {sid, seq, id, f}
       else
         contended = contended + 1
-        if not s.ensured then
+        if not s.ensured and not s.held then
           -- Outstanding work always has a place in the ready set; NX keeps the holder's lease.
           rcall('ZADD', ready, 'NX', now + lock_ttl, sid)
           s.ensured = true
@@ -563,6 +574,18 @@ for _, sid in ipairs(order) do
     rcall('HSET', s.state, 's', s.last, unpack(s.writes))
   end
 end
+-- Sessions that received a message, by id (score 0: ordered by the id's bytes), in buckets of
+-- DIALOG_DEDUPE_TTL_S each kept two buckets long: the console finds sessions by id prefix in
+-- the current and the previous bucket (ZRANGEBYLEX), never by scanning keys.
+local seen_bucket = ready .. ':sessions:' .. math.floor(now / (dedupe_ttl * 1000))
+local seen_any = false
+for _, sid in ipairs(order) do
+  if #sessions[sid].writes > 0 then
+    rcall('ZADD', seen_bucket, 0, sid)
+    seen_any = true
+  end
+end
+if seen_any then rcall('EXPIRE', seen_bucket, 2 * dedupe_ttl + 60) end
 if #acks > 0 then
   rcall('XACK', stream, group, unpack(acks))
 end

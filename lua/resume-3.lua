@@ -4,6 +4,7 @@
   session, atomically:
     lock held           look again when its lease ends (the holder renews it while alive)
     nothing outstanding leave the ready set
+    held                leave the ready set (an operator's release or redrive puts it back)
     next message there  take the lock, count the attempt, return the job with the message
                         (from the session's keys, where intake put it: custody), and
                         whether it ends without a step (cancelled or superseded: see
@@ -65,7 +66,7 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
   else
     -- pcall: a state key of another type (written by hand) must not fail the call after it
     -- took earlier sessions' locks; that session is looked at again in a minute, alone.
-    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'g', 'xc', 'xs')
+    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'g', 'xc', 'xs', 'h')
     local applied, last = 0, 0
     if h['err'] then
       rcall('ZADD', ready, now + 60000, sid)
@@ -76,6 +77,8 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
       -- skipped
     elseif last <= applied then
       rcall('ZREM', ready, sid)
+    elseif h[11] then
+      rcall('ZREM', ready, sid)  -- held: a release or redrive puts it back (hold-3.lua)
     else
       local seq = applied + 1
       local stored = rcall('HGET', state, 'q' .. seq)

@@ -76,6 +76,9 @@ class Settings:
     echo_fields: str = ""
     # A message whose turn comes this long after it was appended ends expired (0: never).
     message_ttl_s: float = 0.0
+    # After a dead letter: "continue" with the session's next message, or "hold" the session
+    # until an operator releases or redrives it (lua/commit-5.lua, lua/hold-3.lua).
+    on_dead_letter: str = "continue"
     shards: int = 1
     read_block_ms: int = 1000
     promote_interval_ms: int = 100
@@ -343,6 +346,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "multitask": _choice("enqueue", "reject", "interrupt", "coalesce"),
     "echo_fields": _echo_fields,
     "message_ttl_s": _float(0.0),
+    "on_dead_letter": _choice("continue", "hold"),
     "shards": _int(1, 16384),
     # Below redis-py's 5 s socket timeout, or a blocked read times out (redis-py #2807).
     "read_block_ms": _int(1, 3999),

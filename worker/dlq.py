@@ -27,6 +27,7 @@ configured stream when the field is absent) through `send` with the msg_id
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import re
 import sys
@@ -35,6 +36,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
+from redis.exceptions import ResponseError
 
 from dialog_worker.client import DialogClient
 from dialog_worker.codec import RESERVED_FIELDS
@@ -253,6 +255,7 @@ async def _redrive_pages(
                 print(f"dialog-worker: dlq {handle} not redriven: {exc}", file=sys.stderr)
                 continue
             await client.redis.xdel(keys.dlq, entry.id)
+            await unindex(client, keys, [entry])
             done += 1
             if time.monotonic() - last_progress >= 1:
                 last_progress = time.monotonic()
@@ -265,6 +268,12 @@ async def _redrive_pages(
 async def resend(client: DialogClient, keys: Keys, handle: str, entry: Entry) -> None:
     """Send one dead letter back to its source stream. Raises ValidationError when it cannot
     be re-sent as it is."""
+    await client.send(**resend_fields(client, keys, handle, entry))
+
+
+def resend_fields(client: DialogClient, keys: Keys, handle: str, entry: Entry) -> dict[str, Any]:
+    """What re-sending a dead letter sends: `DialogClient.send`'s arguments (session_id,
+    text, msg_id, meta). Raises ValidationError when it cannot be re-sent as it is."""
     fields = entry.fields
     source = fields.get("source_stream") or keys.stream
     own = {k.stream for k in client.topology.shards}
@@ -280,12 +289,34 @@ async def resend(client: DialogClient, keys: Keys, handle: str, entry: Entry) ->
     if entry.names_repeat:
         raise ValidationError("a field name appears more than once in it")
     meta = {k: v for k, v in fields.items() if k not in RESERVED_FIELDS | LETTER_FIELDS}
-    await client.send(
-        fields.get("session_id", ""),
-        fields.get("text", ""),
+    return dict(
+        session_id=fields.get("session_id", ""),
+        text=fields.get("text", ""),
         msg_id=f"redrive:{handle}",
         meta=meta,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# the sessions' letter indexes
+
+
+async def unindex(client: DialogClient, keys: Keys, entries: Sequence[Entry]) -> None:
+    """Remove deleted letters from their sessions' letter indexes (SessionKeys.letters,
+    written with each letter by the scripts). A letter without a UTF-8 session_id was never
+    indexed."""
+    by_session: dict[str, list[str]] = {}
+    for entry in entries:
+        raw = entry.raw("session_id")
+        try:
+            session_id = raw.decode("utf-8") if raw is not None else None
+        except UnicodeDecodeError:
+            continue
+        if session_id:
+            by_session.setdefault(session_id, []).append(entry.id)
+    for session_id, ids in by_session.items():
+        with contextlib.suppress(ResponseError):  # a key of another type, written by hand
+            await client.redis.zrem(keys.session(session_id).letters, *ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +335,9 @@ async def purge(
     more than `older_than_s` ago, or, with none of these, every letter."""
     if only_id is not None:
         keys, entry = await find(shards, client, only_id)
-        return int(await client.redis.xdel(keys.dlq, entry.id))
+        removed = int(await client.redis.xdel(keys.dlq, entry.id))
+        await unindex(client, keys, [entry])
+        return removed
     if session_id is None and older_than_s is None:
         count = 0
         for keys in shards:
@@ -326,9 +359,10 @@ async def purge(
         cursor = "-"
         while True:
             page = await client.entries.range(keys.dlq, cursor, end, PAGE)
-            ids = [e.id for e in page if keep is None or keep(e)]
-            if ids:
-                count += int(await client.redis.xdel(keys.dlq, *ids))
+            gone = [e for e in page if keep is None or keep(e)]
+            if gone:
+                count += int(await client.redis.xdel(keys.dlq, *[e.id for e in gone]))
+                await unindex(client, keys, gone)
             if len(page) < PAGE:
                 break
             cursor = f"({page[-1].id}"

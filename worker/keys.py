@@ -105,6 +105,13 @@ class SessionKeys:
         exist (a sorted set; index_msg_id in lua/_common.lua): what delete removes."""
         return self.state.removesuffix(":state") + ":ids"
 
+    @property
+    def letters(self) -> str:
+        """A sorted set: the session's dead letters (entry id -> its ms), newest 1,000, written
+        with each letter and cleaned when it is redriven or purged (LETTERS_KEPT in
+        lua/_common.lua); the console's session page reads them through it."""
+        return self.state.removesuffix(":state") + ":letters"
+
     def partial(self, msg_id: str) -> str:
         """The stream of a message's partial reply (worker/streaming.py)."""
         return self.state.removesuffix(":state") + ":partial:" + msg_id
@@ -159,6 +166,24 @@ class Keys:
         last id while it is far ahead of the clock; ``added``/``length`` are intake's own
         baseline. Derived from the ready set's name in the scripts (inbound_key)."""
         return f"{self.ready}:inbound"
+
+    def msg_index(self, msg_id: str) -> str:
+        """A string: the session a msg_id (or, without one, an entry id) was last sequenced
+        for, kept DIALOG_DEDUPE_TTL_S (lua/intake-5.lua); how the console finds a message by
+        its msg_id without a scan."""
+        return f"{self.ready}:msg:{msg_id}"
+
+    def sessions_seen(self, bucket: int) -> str:
+        """A sorted set (score 0, so ordered by id): the sessions that received a message in
+        one bucket of DIALOG_DEDUPE_TTL_S (bucket = ms // (ttl * 1000)), kept two buckets long
+        (lua/intake-5.lua); the console's search by session id prefix reads it."""
+        return f"{self.ready}:sessions:{bucket}"
+
+    @property
+    def letters_since(self) -> str:
+        """A string: the first dead letter written into a session's letter index
+        (SessionKeys.letters); letters older than it are not indexed."""
+        return f"{self.ready}:letters-since"
 
     @property
     def ages(self) -> str:

@@ -167,6 +167,7 @@ class Committer:
         args: list[Any] = [s.lock_ttl_ms, s.state_ttl_s, s.reply_maxlen, len(batch)]
         for commit_args, _ in batch:
             args += commit_args
+        args.append(s.on_dead_letter)  # "hold": a dead letter holds its session
         try:
             with anyio.CancelScope(shield=True):
                 results = await oom.call(  # out of memory: wait for room, lease kept

@@ -36,6 +36,7 @@ whatever its DIALOG_SHARDS, refuses to start until a run completes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Awaitable, Callable, Iterable
@@ -164,6 +165,8 @@ async def reshard(
             await mover.session_key(key, after.for_session(session_id).session(session_id), role)
     for keys in before.shards:
         await mover.dead_letters(keys, after)
+    if not dry_run:
+        await mover.letter_indexes(found, after)
     if report.conflicts:
         raise Refused(
             f"{len(report.conflicts)} key(s) exist in both layouts with different values, "
@@ -343,6 +346,41 @@ class _Mover:
             old = await r.zrange(key, 0, -1, withscores=True)
             return bool(old == await r.zrange(new_key, 0, -1, withscores=True))
         return bool(await r.get(key) == await r.get(new_key))
+
+    async def letter_indexes(
+        self, found: list[tuple[Keys, list[tuple[bytes, str, str]]]], after: Topology
+    ) -> None:
+        """Each session's dead-letter index (SessionKeys.letters) in the new layout: every
+        letter of the new shards added to its session's index (ZADD again of the same id is
+        harmless, so a run stopped here and run again ends the same), then the old layout's
+        index keys removed. Reads every letter once, as moving them did."""
+        reader = StreamReader(self.redis)
+        for keys in after.shards:
+            cursor = "-"
+            while True:
+                rows = await reader.range(keys.dlq, cursor, "+", LETTER_PAGE)
+                for entry in rows:
+                    raw = entry.raw("session_id")
+                    try:
+                        session_id = raw.decode("utf-8") if raw else None
+                    except UnicodeDecodeError:
+                        session_id = None
+                    if session_id is None or after.for_session(session_id).dlq != keys.dlq:
+                        continue
+                    index = keys.session(session_id).letters
+                    if await self.redis.zscore(index, entry.id) is None:
+                        await self.step()
+                        with contextlib.suppress(ResponseError):  # another type, by hand
+                            await self.redis.zadd(index, {entry.id: int(entry.id.split("-")[0])})
+                if len(rows) < LETTER_PAGE:
+                    break
+                cursor = f"({rows[-1].id}"
+        for _, session_keys in found:
+            for key, session_id, role in session_keys:
+                new_key = after.for_session(session_id).session(session_id).letters
+                if role == "letters" and key != new_key.encode():
+                    await self.step()
+                    await self.redis.delete(key)
 
     async def dead_letters(self, keys: Keys, after: Topology) -> None:
         """Re-add each dead letter of the shard to its session's new shard, if that is

@@ -4,7 +4,8 @@
         [--history 10]
 
 Starts its own redis-server, writes N session state hashes (as the worker leaves them: state
-JSON with a ten-turn history, version, seqs) and M dead letters spread over 1,000 sessions,
+JSON with a ten-turn history, version, seqs) and M dead letters spread over 1,000 sessions
+(each indexed in its session's letter index, as the scripts do),
 starts `dialog-worker console` on it, and times each page over real HTTP: the median and the
 95th percentile of 30 requests after 3 warm-up ones. Not part of the suite (it takes a
 minute to fill Redis)."""
@@ -51,8 +52,10 @@ def fill(url: str, sessions: int, letters: int, turns: int) -> Keys:
         if i % 1000 == 999:
             pipe.execute()
     pipe.execute()
+    owners: list[str] = []
     for i in range(letters):
         sid = f"user-{i % 1000:07d}"
+        owners.append(sid)
         pipe.xadd(
             keys.dlq,
             {
@@ -67,9 +70,22 @@ def fill(url: str, sessions: int, letters: int, turns: int) -> Keys:
             },
         )
         if i % 1000 == 999:
-            pipe.execute()
-    pipe.execute()
+            _index(r, keys, owners, pipe.execute())
+            owners = []
+    _index(r, keys, owners, pipe.execute())
     return keys
+
+
+def _index(r: redis.Redis, keys: Keys, owners: list[str], ids: list[bytes]) -> None:
+    """What the scripts write with each letter: its session's letter index (newest 1,000)
+    and the first indexed letter."""
+    pipe = r.pipeline(transaction=False)
+    for sid, raw in zip(owners, ids, strict=True):
+        entry_id = raw.decode()
+        pipe.set(keys.letters_since, entry_id, nx=True)
+        pipe.zadd(keys.session(sid).letters, {entry_id: int(entry_id.split("-")[0])})
+        pipe.zremrangebyrank(keys.session(sid).letters, 0, -1001)
+    pipe.execute()
 
 
 def timed(url: str, runs: int = 30) -> tuple[float, float, int]:
@@ -128,6 +144,8 @@ def main() -> None:
                     "/letters?kind=timeout",
                     "/letters?session=user-0000500",
                     "/letters?older_than=1h",
+                    "/message?msg_id=nothing-like-it",  # 404: one GET
+                    "/api/sessions?prefix=user-00005",
                     "/audit",
                 ]
                 print(f"{'page':40} {'median ms':>10} {'p95 ms':>8}  status")

@@ -240,3 +240,47 @@ async def test_a_viewer_sees_no_actions_and_a_forged_post_is_refused(
     viewer.get(console.url + "/audit")
     assert "No actions yet" in text_of(viewer, "#audit")
     assert "pwned" not in viewer.title
+
+
+async def test_an_operator_holds_a_session_sees_its_messages_wait_and_releases_it(
+    console: Console,
+    browser: Callable[[tuple[str, str]], Browser],
+    client: DialogClient,
+    workers: WorkerPool,
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    workers.start(1)
+    await client.ask("hana", "halo", timeout=30)
+    op = browser(OPERATOR)
+    op.get(console.url + "/session?id=hana")
+    op.find_element(By.ID, "hold-reason").send_keys("checking her complaint")
+    op.find_element(By.ID, "hold-go").click()
+    wait_for(op, lambda d: "Done" in text_of(d, "#outcome"))
+
+    for text in ("satu", "dua"):
+        await client.send("hana", text)
+
+    def two_waiting(d: Browser) -> bool:
+        d.get(console.url + "/session?id=hana")
+        return len(d.find_elements(By.CSS_SELECTOR, "#waiting .cancel-go")) == 2
+
+    wait_for(op, two_waiting, timeout_s=15)
+    assert "held by olga" in text_of(op, "#held")
+    assert text_of(op, "#applied-seq") == "1"  # they wait
+    shot(op, "session-held")
+
+    op.find_element(By.ID, "hold-reason").send_keys("complaint checked")
+    op.find_element(By.ID, "hold-go").click()
+    wait_for(op, lambda d: "Done" in text_of(d, "#outcome"))
+
+    def applied(d: Browser) -> bool:
+        d.get(console.url + "/session?id=hana")
+        return text_of(d, "#applied-seq") == "3" and not d.find_elements(By.ID, "held")
+
+    wait_for(op, applied, timeout_s=15)
+    history = (await client.state("hana") or {}).get("history", [])
+    assert [t["user"] for t in history] == ["halo", "satu", "dua"]
+    op.get(console.url + "/audit")
+    audit = text_of(op, "#audit")
+    assert "hold_session" in audit and "release_session" in audit

@@ -10,14 +10,19 @@ letter of another session, for a session's redrive)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from dialog_worker import dlq
 from dialog_worker.client import DialogClient
+from dialog_worker.codec import check_meta, check_text
 from dialog_worker.console.reads import letter_fields, original_order, parse_handle
 from dialog_worker.errors import ValidationError
 from dialog_worker.keys import Keys
+from dialog_worker.scripts import Script, source
 
 
 @dataclasses.dataclass(slots=True)
@@ -61,10 +66,15 @@ async def redrive(
 ) -> Outcome:
     """Re-send the listed letters one by one, each after the previous was accepted: for one
     session in the order its messages were sequenced (seq), otherwise oldest letter first.
-    With `session_id`, a listed letter of another session is refused."""
+    With `session_id`, a listed letter of another session is refused; when that session is
+    held, the letters go back in front of its waiting messages and it is released
+    (`redrive_held`)."""
     outcome = Outcome()
     listed = await _load(client, handles, outcome, session_id)
     listed.sort(key=lambda item: original_order({"id": item.entry_id, "seq": _seq(item.fields)}))
+    if session_id is not None and listed:
+        if await redrive_held(client, session_id, listed, outcome):
+            return outcome
     for item in listed:
         try:
             result = await dlq.redrive([item.keys], client, None, None, item.entry_id)
@@ -97,3 +107,97 @@ async def purge(client: DialogClient, handles: Sequence[str]) -> Outcome:
 def _seq(fields: dict[str, str]) -> int | None:
     raw = fields.get("seq")
     return int(raw) if raw is not None and raw.isascii() and raw.isdigit() else None
+
+
+# ---------------------------------------------------------------------------------------------
+# hold / release (lua/hold-3.lua)
+
+_HOLD_SCRIPTS: weakref.WeakKeyDictionary[DialogClient, Script] = weakref.WeakKeyDictionary()
+
+
+def _hold_script(client: DialogClient) -> Script:
+    script = _HOLD_SCRIPTS.get(client)
+    if script is None:
+        script = _HOLD_SCRIPTS[client] = Script(client.redis, source("hold"))
+    return script
+
+
+async def _hold_call(client: DialogClient, session_id: str, args: list[Any]) -> list[str]:
+    keys = client.keys_for(session_id)
+    result = await _hold_script(client)(
+        keys=[keys.ready, keys.session_prefix, keys.dlq], args=[args[0], session_id, *args[1:]]
+    )
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in result]
+
+
+async def hold(client: DialogClient, session_id: str, who: str) -> Outcome:
+    """Hold a session: its next messages wait (sequenced) until a release or a redrive."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    await _hold_call(client, session_id, ["hold", f"held by {who} at {when} UTC"])
+    return Outcome(done=1)
+
+
+async def release(client: DialogClient, session_id: str) -> Outcome:
+    """Release a held session: its waiting messages go on in order. Not held: skipped."""
+    result = await _hold_call(client, session_id, ["release"])
+    return Outcome(done=1) if result[0] == "released" else Outcome(skipped=1)
+
+
+async def redrive_held(
+    client: DialogClient, session_id: str, listed: Sequence[_Listed], outcome: Outcome
+) -> bool:
+    """Put the listed letters of a held session back in front of its waiting messages, in
+    the order given, and release it, in one script call. False (nothing done) when the
+    session is not held: the caller re-sends them as new messages instead. A letter that
+    cannot be re-sent as it is counts as skipped and stays."""
+    args: list[Any] = ["redrive", client.settings.dedupe_ttl_s, 0]
+    sent: list[_Listed] = []
+    skipped = 0
+    for item in listed:
+        entry = await client.entries.one(item.keys.dlq, item.entry_id)
+        if entry is None:
+            outcome.missing += 1
+            continue
+        try:
+            send = dlq.resend_fields(
+                client, item.keys, dlq.handle_of(client, item.keys, entry.id), entry
+            )
+            sid, text, msg_id = send["session_id"], send["text"], send["msg_id"]
+            meta: dict[str, str] = send["meta"]
+            check_text(text, client.settings.max_message_bytes)
+            for name, value in meta.items():
+                check_meta(name, value)
+        except ValidationError:
+            skipped += 1
+            continue
+        flat = ["session_id", sid, "text", text, "msg_id", msg_id]
+        for name, value in meta.items():
+            flat += [name, value]
+        args += [entry.id, msg_id, json.dumps(flat, ensure_ascii=False)]
+        sent.append(item)
+    if not sent:
+        # Nothing can go back (gone or refused): the session stays as it is, held or not.
+        outcome.skipped += skipped
+        return True
+    args[2] = len(sent)
+    result = await _hold_call(client, session_id, args)
+    if result[0] == "not_held":
+        return False
+    outcome.skipped += skipped
+    if result[0] == "busy":
+        outcome.skipped += len(sent)
+        return True
+    inserted, gone, dups = (int(v) for v in result[1:4])
+    outcome.done += inserted + dups
+    outcome.missing += gone
+    if not gone:
+        outcome.handles_done += [item.handle for item in sent]
+    return True
+
+
+async def cancel(client: DialogClient, session_id: str, msg_id: str) -> Outcome:
+    """Cancel one message by its msg_id (DialogClient.cancel): done when it was waiting or
+    running, skipped when it had already ended or is not there (the mark is kept anyway: a
+    message with that msg_id arriving later ends cancelled)."""
+    result = await client.cancel(session_id, msg_id)
+    return Outcome(done=1) if result.status == "cancelled" else Outcome(skipped=1)

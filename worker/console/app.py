@@ -22,13 +22,14 @@ import jinja2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dialog_worker import __version__
 from dialog_worker.client import DialogClient
+from dialog_worker.codec import check_id
 from dialog_worker.config import Settings
 from dialog_worker.console import actions, reads
 from dialog_worker.console.audit import AuditLog
@@ -235,7 +236,7 @@ async def session_page(c: Console, request: Request) -> Response:
     user = c.user(request)
     raw = request.query_params.get("id")
     if raw is None or raw == "":
-        return c.page(request, user, "find.html")
+        return c.page(request, user, "find.html", dedupe_ttl_s=c.settings.dedupe_ttl_s)
     session_id = _session_id(raw)
     data = await reads.timeline(c.client, session_id, c.redact)
     return c.page(request, user, "session.html", t=data, status=200 if data["found"] else 404)
@@ -258,6 +259,110 @@ async def session_redrive(c: Console, request: Request) -> Response:
         lambda: actions.redrive(c.client, handles, session_id=session_id),
         back=f"/session?id={urllib.parse.quote(session_id, safe='')}",
     )
+
+
+async def session_hold(c: Console, request: Request) -> Response:
+    """Hold or release a session (the form's `action`)."""
+    user = c.user(request)
+    fields = await c.form(request, user)
+    session_id = _session_id(_one(fields, "session_id"))
+    action = _one(fields, "action")
+    if action not in ("hold", "release"):
+        raise HTTPException(400, "action must be hold or release")
+    reason = _reason(fields)
+    run = (
+        (lambda: actions.hold(c.client, session_id, user.name))
+        if action == "hold"
+        else (lambda: actions.release(c.client, session_id))
+    )
+    return await _act(
+        c,
+        request,
+        user,
+        f"{action}_session",
+        f"session {session_id}",
+        reason,
+        [],
+        run,
+        back=f"/session?id={urllib.parse.quote(session_id, safe='')}",
+    )
+
+
+async def session_cancel(c: Console, request: Request) -> Response:
+    """Cancel one waiting message of a session, by its msg_id (the client's cancel)."""
+    user = c.user(request)
+    fields = await c.form(request, user)
+    session_id = _session_id(_one(fields, "session_id"))
+    try:
+        msg_id = check_id("msg_id", _one(fields, "msg_id"))
+    except ValidationError as exc:
+        raise HTTPException(400, str(exc)) from None
+    reason = _reason(fields)
+    return await _act(
+        c,
+        request,
+        user,
+        "cancel_message",
+        f"session {session_id} message {msg_id}",
+        reason,
+        [],
+        lambda: actions.cancel(c.client, session_id, msg_id),
+        back=f"/session?id={urllib.parse.quote(session_id, safe='')}",
+    )
+
+
+def _msg_id(raw: str | None) -> str:
+    try:
+        return check_id("msg_id", raw if raw is not None else "")
+    except ValidationError as exc:
+        raise HTTPException(400, str(exc)) from None
+
+
+async def message_find(c: Console, request: Request) -> Response:
+    """Find a message by its exact msg_id: straight to its session's page when one session
+    has it, a list when several shards do, 404 when none does."""
+    user = c.user(request)
+    msg_id = _msg_id(request.query_params.get("msg_id"))
+    found = await reads.find_message(c.client, msg_id)
+    if len(found) == 1:
+        sid = urllib.parse.quote(found[0]["session_id"], safe="")
+        return RedirectResponse(f"/session?id={sid}", status_code=303)
+    return c.page(
+        request,
+        user,
+        "find.html",
+        msg_id=msg_id,
+        found=found,
+        dedupe_ttl_s=c.settings.dedupe_ttl_s,
+        status=200 if found else 404,
+    )
+
+
+async def sessions_prefix(c: Console, request: Request) -> Response:
+    """Sessions whose id starts with `prefix` (those that received a message lately)."""
+    user = c.user(request)
+    prefix = request.query_params.get("prefix") or ""
+    if not prefix.strip() or len(prefix.encode("utf-8")) > 256:
+        raise HTTPException(400, "prefix: 1 to 256 bytes")
+    ids, more = await reads.sessions_by_prefix(c.client, prefix)
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"prefix": prefix, "sessions": ids, "more": more})
+    return c.page(
+        request,
+        user,
+        "find.html",
+        prefix=prefix,
+        prefix_found=ids,
+        prefix_more=more,
+        dedupe_ttl_s=c.settings.dedupe_ttl_s,
+    )
+
+
+async def message_json(c: Console, request: Request) -> Response:
+    c.user(request)
+    msg_id = _msg_id(request.query_params.get("msg_id"))
+    found = await reads.find_message(c.client, msg_id)
+    return JSONResponse({"msg_id": msg_id, "sessions": found}, status_code=200 if found else 404)
 
 
 async def letters_list(c: Console, request: Request) -> Response:
@@ -348,9 +453,8 @@ async def _act(
     run: Callable[[], Awaitable[actions.Outcome]],
     back: str,
 ) -> Response:
-    ref = await c.audit.append(
-        user, action, target, reason, "requested", {"handles": handles, "count": len(handles)}
-    )
+    asked: dict[str, Any] = {"handles": handles, "count": len(handles)} if handles else {}
+    ref = await c.audit.append(user, action, target, reason, "requested", asked)
     try:
         outcome = await run()
     except ValidationError as exc:
@@ -446,8 +550,14 @@ def create_app(settings: Settings, client: DialogClient | None = None) -> Starle
             Route("/api/overview", bind(overview_json)),
             Route("/api/session", bind(session_json)),
             Route("/api/letters", bind(letters_json)),
+            Route("/api/message", bind(message_json)),
+            Route("/message", bind(message_find)),
+            Route("/sessions", bind(sessions_prefix)),
+            Route("/api/sessions", bind(sessions_prefix)),
             Route("/session", bind(session_page)),
             Route("/session/redrive", bind(session_redrive), methods=["POST"]),
+            Route("/session/hold", bind(session_hold), methods=["POST"]),
+            Route("/session/cancel", bind(session_cancel), methods=["POST"]),
             Route("/letters", bind(letters_list)),
             Route("/letters/action", bind(letters_action), methods=["POST"]),
             Route("/audit", bind(audit_page)),

@@ -18,6 +18,7 @@ from dialog_worker.client import DialogClient
 from dialog_worker.codec import check_id
 from dialog_worker.errors import ValidationError
 from dialog_worker.keys import Keys
+from dialog_worker.streams import StreamReader
 from dialog_worker.views import aggregate_stats, entry_age_s, reply_group_lags, session_view
 
 PAGE_DEFAULT = 50
@@ -29,6 +30,8 @@ REDACTED = "[redacted]"
 # The newest dead letters of a shard the session page reads for the session's own (about
 # 100 ms for 10,000 on a laptop-class core).
 SESSION_LETTER_SCAN = 10_000
+# A session's indexed dead letters the session page shows, newest first.
+SESSION_LETTERS_SHOWN = 200
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,8 +139,11 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
         # Bookkeeping that does not parse must not hide the rest (state, dead letters).
         view_error = f"{type(exc).__name__}: {exc}"
     state = await client.state(session_id)
+    held_raw = await client.raw.hget(keys.session(session_id).state, "h")
+    held = None if held_raw is None else _text(held_raw)
     history = state.get("history") if isinstance(state, dict) else None
     found_letters, scanned, complete = await session_letters(client, keys, session_id)
+    indexed = scanned == 0
     now = int(time.time() * 1000)
     letters = []
     for entry_id, fields in found_letters:
@@ -149,7 +155,8 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
     return {
         "session_id": session_id,
         "shard": keys.shard,
-        "found": found or view_error is not None,
+        "found": found or view_error is not None or held is not None,
+        "held": held,
         "view_error": view_error,
         "view": {k: v for k, v in view.items() if k not in ("dead_letters", "waiting")},
         "lock": view.get("lock") or {},
@@ -158,6 +165,7 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
         "dead_letters": letters,
         "letters_scanned": scanned,
         "letters_complete": complete,
+        "letters_indexed": indexed,
         "history": redact.value(history) if isinstance(history, list) else [],
         "state_json": (
             None
@@ -170,14 +178,54 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
 async def session_letters(
     client: DialogClient, keys: Keys, session_id: str, scan: int | None = None
 ) -> tuple[list[tuple[str, dict[str, str]]], int, bool]:
-    """The session's dead letters among the newest `scan` (SESSION_LETTER_SCAN) of its
-    shard, how many were read, and whether that was all of them. Without an index of each
-    session's letters this is a scan; the bound keeps the page fast on a large stream, and
-    the dead-letter list (filtered by session) pages through the rest."""
-    bound = SESSION_LETTER_SCAN if scan is None else scan
+    """The session's dead letters, how many letters of the stream were read for them
+    (0: the index alone answered) and whether they are all there.
+
+    The scripts index each session's letters as they write them (SessionKeys.letters; the
+    newest SESSION_LETTERS_SHOWN are read, one XRANGE each). Letters older than the first
+    indexed one (Keys.letters_since; all of them when nothing was ever indexed) were written
+    before the index existed: they are looked for among the newest `scan`
+    (SESSION_LETTER_SCAN) of that older part of the stream, and the dead-letter list
+    (filtered by session) pages through the rest."""
+    found, complete = await _indexed_letters(client, keys, session_id)
+    since = await client.raw.get(keys.letters_since)
+    high = "+" if since is None else f"({_text(since)}"
+    older, scanned, older_complete = await _scan_session_letters(
+        client, keys, session_id, high, SESSION_LETTER_SCAN if scan is None else scan
+    )
+    seen = {entry_id for entry_id, _ in found}
+    found += [(i, f) for i, f in older if i not in seen]
+    return found, scanned, complete and older_complete
+
+
+async def _indexed_letters(
+    client: DialogClient, keys: Keys, session_id: str
+) -> tuple[list[tuple[str, dict[str, str]]], bool]:
+    index = keys.session(session_id).letters
+    try:
+        raw_ids = cast(list[bytes], await client.raw.zrevrange(index, 0, SESSION_LETTERS_SHOWN))
+        ids = [_text(i) for i in raw_ids]
+    except ResponseError:
+        return [], True  # a key of another type, written by hand: the stream is read instead
+    pipe = client.raw.pipeline(transaction=False)
+    for entry_id in ids[:SESSION_LETTERS_SHOWN]:
+        if _is_entry_id(entry_id):
+            pipe.xrange(keys.dlq, min=entry_id, max=entry_id)
+    rows = cast(list[list[tuple[bytes, dict[bytes, bytes]]]], await pipe.execute())
+    want = session_id.encode("utf-8")
+    found = [
+        (_text(row[0][0]), {_text(k): _text(v) for k, v in row[0][1].items()})
+        for row in rows
+        if row and row[0][1].get(b"session_id") == want  # gone: purged by hand
+    ]
+    return found, len(ids) <= SESSION_LETTERS_SHOWN
+
+
+async def _scan_session_letters(
+    client: DialogClient, keys: Keys, session_id: str, high: str, bound: int
+) -> tuple[list[tuple[str, dict[str, str]]], int, bool]:
     want = session_id.encode("utf-8")
     found: list[tuple[str, dict[str, str]]] = []
-    high = "+"
     scanned = 0
     while scanned < bound:
         count = min(1000, bound - scanned)
@@ -212,6 +260,45 @@ def original_order(letter: Mapping[str, Any]) -> tuple[int, int, int]:
     seq = letter.get("seq")
     ms, n = id_key(str(letter.get("id", "0-0")))
     return (0, int(seq), 0) if isinstance(seq, int) else (1, ms, n)
+
+
+PREFIX_MATCHES = 50
+
+
+async def sessions_by_prefix(client: DialogClient, prefix: str) -> tuple[list[str], bool]:
+    """Session ids starting with `prefix` (byte-wise) among the sessions that received a
+    message in the current or the previous DIALOG_DEDUPE_TTL_S, sorted, at most
+    PREFIX_MATCHES, and whether there were more: one ZRANGEBYLEX per bucket and shard."""
+    window_ms = client.settings.dedupe_ttl_s * 1000
+    now = int(time.time() * 1000) // window_ms
+    low = b"[" + prefix.encode("utf-8")
+    high = b"[" + prefix.encode("utf-8") + b"\xff"
+    found: set[str] = set()
+    for keys in client.topology.shards:
+        for bucket in (now, now - 1):
+            try:
+                raw = cast(
+                    list[bytes],
+                    await client.raw.zrangebylex(
+                        keys.sessions_seen(bucket), low, high, start=0, num=PREFIX_MATCHES + 1
+                    ),
+                )
+            except ResponseError:
+                continue  # a key of another type, written by hand
+            found.update(_text(v) for v in raw)
+    ids = sorted(found)
+    return ids[:PREFIX_MATCHES], len(ids) > PREFIX_MATCHES
+
+
+async def find_message(client: DialogClient, msg_id: str) -> list[dict[str, Any]]:
+    """The sessions (one per shard at most) a message with this msg_id was sequenced for
+    within the dedupe window: one GET per shard of the index intake keeps (Keys.msg_index)."""
+    found = []
+    for keys in client.topology.shards:
+        raw = await client.raw.get(keys.msg_index(msg_id))
+        if raw is not None:
+            found.append({"session_id": _text(raw), "shard": keys.shard})
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +384,7 @@ async def letters_page(
     horizon: tuple[int, int, int] | None = None  # the first place a shard stopped early
     scanned = 0
     for keys in client.topology.shards:
-        rows, stopped_at, count = await _scan(client.raw, keys, start, end, after, flt, limit)
+        rows, stopped_at, count = await _scan(client.entries, keys, start, end, after, flt, limit)
         scanned += count
         found += rows
         if stopped_at is not None and (horizon is None or stopped_at < horizon):
@@ -320,7 +407,7 @@ async def letters_page(
 
 
 async def _scan(
-    raw: Redis,
+    reader: StreamReader,
     keys: Keys,
     start: str,
     end: str,
@@ -335,19 +422,16 @@ async def _scan(
     cursor = start
     while True:
         want = min(1000, LETTER_SCAN_PER_PAGE - scanned)
-        batch = cast(
-            list[tuple[bytes, dict[bytes, bytes]]],
-            await raw.xrange(keys.dlq, min=cursor, max=end, count=want),
-        )
+        batch = await reader.range(keys.dlq, cursor, end, want)
         scanned += len(batch)
         last: tuple[int, int, int] | None = None
-        for raw_id, raw_fields in batch:
-            entry_id = _text(raw_id)
+        for entry in batch:
+            entry_id = entry.id
             ms, n = id_key(entry_id)
             last = (ms, n, keys.shard)
             if after is not None and last <= after:
                 continue
-            fields = {_text(k): _text(v) for k, v in raw_fields.items()}
+            fields = entry.fields
             if flt.matches(fields):
                 row = {"id": entry_id, "handle": handle(keys, entry_id), "shard": keys.shard}
                 out.append((last, row | _summary(fields)))
@@ -357,7 +441,7 @@ async def _scan(
             return out, None, scanned
         if scanned >= LETTER_SCAN_PER_PAGE:
             return out, last, scanned
-        cursor = f"({_text(batch[-1][0])}"
+        cursor = f"({batch[-1].id}"
 
 
 _SUMMARY = (
@@ -381,14 +465,10 @@ def _text(value: bytes | str) -> str:
 
 
 async def letter_fields(client: DialogClient, keys: Keys, entry_id: str) -> dict[str, str] | None:
-    """Every field of one dead letter, or None when it is gone."""
-    rows = cast(
-        list[tuple[bytes, dict[bytes, bytes]]],
-        await client.raw.xrange(keys.dlq, min=entry_id, max=entry_id),
-    )
-    if not rows:
-        return None
-    return {_text(k): _text(v) for k, v in rows[0][1].items()}
+    """Every field of one dead letter (a repeated name's first value), or None when it is
+    gone."""
+    entry = await client.entries.one(keys.dlq, entry_id)
+    return None if entry is None else entry.fields
 
 
 def distinct(values: Iterable[str | None]) -> list[str]:

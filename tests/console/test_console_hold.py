@@ -1,0 +1,230 @@
+"""Holding a session from the console, against real workers: a held session's messages wait,
+sequenced; a release lets them go on in order; under DIALOG_ON_DEAD_LETTER=hold a dead
+letter holds its session, and redriving it puts the letter back before the waiting ones.
+Cancelling a waiting message from the console. Every action is audited; a viewer cannot act."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from console_support import OPERATOR, VIEWER, basic, form_token
+from redis_server import wait_until_async
+from worker_procs import WorkerPool
+
+from dialog_worker.client import DialogClient
+
+pytestmark = pytest.mark.integration
+
+OP = basic(OPERATOR)
+VIEW = basic(VIEWER)
+
+
+async def session_page(http: httpx.AsyncClient, sid: str) -> str:
+    r = await http.get(f"/session?id={sid}", headers=OP)
+    return r.text
+
+
+async def hold_action(http: httpx.AsyncClient, sid: str, action: str, reason: str) -> str:
+    page = await session_page(http, sid)
+    r = await http.post(
+        "/session/hold",
+        headers=OP,
+        data={
+            "session_id": sid,
+            "action": action,
+            "reason": reason,
+            "form_token": form_token(page),
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.text
+
+
+async def turns(client: DialogClient, sid: str) -> list[dict[str, Any]]:
+    state = await client.state(sid)
+    return list((state or {}).get("history", []))
+
+
+async def test_a_held_session_waits_until_released_then_goes_on_in_order(
+    http: httpx.AsyncClient, client: DialogClient, workers: WorkerPool
+) -> None:
+    workers.start(1)
+    await client.ask("alice", "halo", timeout=20)
+    done = await hold_action(http, "alice", "hold", "checking a complaint")
+    assert "Done" in done
+    for text in ("satu", "dua", "tiga"):
+        await client.send("alice", text)
+
+    async def three_waiting() -> bool:
+        page = await session_page(http, "alice")
+        return page.count('class="cancel-go"') == 3
+
+    await wait_until_async(three_waiting, 10, what="three waiting messages")
+    await asyncio.sleep(1.0)  # a worker that ignored the hold would have applied them by now
+    assert [t["user"] for t in await turns(client, "alice")] == ["halo"]
+    page = await session_page(http, "alice")
+    assert 'id="held"' in page and "held by olga" in page and "Release this session" in page
+
+    await hold_action(http, "alice", "release", "complaint checked")
+
+    async def applied() -> list[str] | None:
+        users = [t["user"] for t in await turns(client, "alice")]
+        return users if len(users) == 4 else None
+
+    assert await wait_until_async(applied, 20, what="the waiting messages applied") == [
+        "halo",
+        "satu",
+        "dua",
+        "tiga",
+    ]
+    audit = (await http.get("/audit", headers=VIEW)).text
+    assert "hold_session" in audit and "release_session" in audit
+    assert "checking a complaint" in audit and "complaint checked" in audit
+
+
+async def test_under_on_dead_letter_hold_a_redrive_puts_the_letter_back_before_the_waiting_ones(
+    http: httpx.AsyncClient, client: DialogClient, workers: WorkerPool, tmp_path: Path
+) -> None:
+    flag = tmp_path / "flag"
+    flag.write_text("on")
+    workers.start(
+        1,
+        DIALOG_ENGINE="fault_engine:make",
+        DIALOG_MAX_ATTEMPTS="1",
+        DIALOG_ON_DEAD_LETTER="hold",
+        FAULT_FLAG_FILE=str(flag),
+    )
+    # All three waiting before the first fails: its commit must hand nothing on.
+    for text in ("flaky one", "two", "three"):
+        await client.send("bob", text)
+
+    async def held_with_two_waiting() -> str | None:
+        page = await session_page(http, "bob")
+        ok = 'id="held"' in page and page.count('class="cancel-go"') == 2
+        return page if ok else None
+
+    page = await wait_until_async(held_with_two_waiting, 10, what="bob held, two waiting")
+    await asyncio.sleep(1.0)
+    assert [t["user"] for t in await turns(client, "bob")] == ["flaky one"]  # the fallback turn
+    handles = [h for h in page.split('data-handle="')[1:]]
+    assert len(handles) == 1
+    handle = handles[0].split('"')[0]
+    flag.unlink()
+    r = await http.post(
+        "/session/redrive",
+        headers=OP,
+        data={
+            "session_id": "bob",
+            "handle": [handle],
+            "count": "1",
+            "reason": "engine fixed",
+            "form_token": form_token(page),
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert "1 of 1 listed letters done" in r.text
+
+    async def applied() -> list[tuple[int, str]] | None:
+        rows = [(t["seq"], t["user"]) for t in await turns(client, "bob")]
+        return rows if len(rows) == 4 else None
+
+    rows = await wait_until_async(applied, 20, what="the redriven and waiting messages applied")
+    assert rows == [(1, "flaky one"), (2, "flaky one"), (3, "two"), (4, "three")]
+    assert await client.redis.xlen(client.keys.dlq) == 0
+    page = await session_page(http, "bob")
+    assert 'id="held"' not in page
+
+
+async def test_holding_a_session_stops_the_retries_of_its_failing_message(
+    http: httpx.AsyncClient, client: DialogClient, workers: WorkerPool, tmp_path: Path
+) -> None:
+    flag = tmp_path / "flag"
+    flag.write_text("on")
+    workers.start(
+        1,
+        DIALOG_ENGINE="fault_engine:make",
+        DIALOG_MAX_ATTEMPTS="50",
+        DIALOG_BACKOFF_BASE_MS="100",
+        DIALOG_BACKOFF_MAX_MS="200",
+        FAULT_FLAG_FILE=str(flag),
+    )
+    await client.send("erin", "flaky please")
+    state_key = client.keys_for("erin").session("erin").state
+
+    async def attempts() -> int:
+        return int(await client.redis.hget(state_key, "n") or 0)
+
+    async def retried() -> bool:
+        return await attempts() >= 2
+
+    await wait_until_async(retried, 10, what="a retry")
+    await hold_action(http, "erin", "hold", "stop the retries")
+    await asyncio.sleep(1.0)  # an attempt running at the hold ends and goes back
+    before = await attempts()
+    await asyncio.sleep(1.5)  # ~10 retries would run if the hold were ignored
+    assert await attempts() == before
+    assert await turns(client, "erin") == []
+    flag.unlink()
+    await hold_action(http, "erin", "release", "upstream fixed")
+
+    async def applied() -> bool:
+        return [t["user"] for t in await turns(client, "erin")] == ["flaky please"]
+
+    await wait_until_async(applied, 10, what="the message applied after the release")
+
+
+async def test_a_waiting_message_is_cancelled_from_the_console(
+    http: httpx.AsyncClient, client: DialogClient, workers: WorkerPool
+) -> None:
+    workers.start(1)
+    await hold_action(http, "carol", "hold", "look first")
+    await client.send("carol", "keep me", msg_id="k1")
+    await client.send("carol", "drop me", msg_id="d1")
+
+    async def two_waiting() -> str | None:
+        page = await session_page(http, "carol")
+        return page if page.count('class="cancel-go"') == 2 else None
+
+    page = await wait_until_async(two_waiting, 10, what="two waiting")
+    r = await http.post(
+        "/session/cancel",
+        headers=OP,
+        data={
+            "session_id": "carol",
+            "msg_id": "d1",
+            "reason": "sent by mistake",
+            "form_token": form_token(page),
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert "Done" in r.text
+    await hold_action(http, "carol", "release", "go on")
+
+    async def ended() -> list[dict[str, Any]] | None:
+        rows = await turns(client, "carol")
+        return rows if len(rows) == 2 else None
+
+    rows = await wait_until_async(ended, 20, what="both ended")
+    assert rows[0]["msg_id"] == "k1" and not rows[0].get("cancelled")
+    assert rows[1]["msg_id"] == "d1" and rows[1].get("cancelled") is True
+    audit = (await http.get("/audit", headers=VIEW)).text
+    assert "cancel_message" in audit and "sent by mistake" in audit
+
+
+async def test_a_viewer_cannot_hold_release_or_cancel(
+    http: httpx.AsyncClient, client: DialogClient
+) -> None:
+    await client.send("dave", "halo")
+    page = (await http.get("/session?id=dave", headers=VIEW)).text
+    assert 'id="hold-go"' not in page and "cancel-go" not in page
+    for path, data in (
+        ("/session/hold", {"session_id": "dave", "action": "hold", "reason": "x"}),
+        ("/session/cancel", {"session_id": "dave", "msg_id": "m", "reason": "x"}),
+    ):
+        r = await http.post(path, headers=VIEW, data=data)
+        assert r.status_code == 403
+    assert await client.redis.hget(client.keys_for("dave").session("dave").state, "h") is None
