@@ -16,8 +16,13 @@
           (about the messages of one dedupe window), no scan. The session's dead letters
           and reply events are in shard-wide streams: the client removes the letters.
 
+          With the session go the console's indexes of it: its dead-letter index, the
+          shard's msg_id -> session keys of its msg_ids (when they still name it) and its
+          place in the recent sessions' buckets (the current and the previous one).
+
   KEYS[1] ready set   KEYS[2] session key prefix
   ARGV[1] 'reset' | 'delete'   ARGV[2] session_id   ARGV[3] initial state JSON (reset)
+  ARGV[4] DIALOG_DEDUPE_TTL_S (delete; optional): the length of a recent-sessions bucket
 
   Returns {found (1 when the session had a state or a lock, else 0), keys deleted, waiting
   messages (reset: kept; delete: removed), timers removed, was a step running (1/0)}
@@ -67,8 +72,18 @@ for _, msg_id in ipairs(ids) do
   deleted = deleted + rcall('DEL', session_key(sprefix, sid, 'msg:' .. msg_id),
                             cancel_key(sprefix, sid, msg_id),
                             session_key(sprefix, sid, 'partial:' .. msg_id))
+  local found_by = ready .. ':msg:' .. msg_id  -- the console's find (intake-5.lua)
+  if redis.pcall('GET', found_by) == sid then deleted = deleted + rcall('DEL', found_by) end
 end
-deleted = deleted + rcall('DEL', state, tkey, ikey) + running
+deleted = deleted + rcall('DEL', state, tkey, ikey, session_key(sprefix, sid, 'letters'))
+  + running
+local bucket_ms = (tonumber(ARGV[4]) or 0) * 1000
+if bucket_ms > 0 then
+  local current = math.floor(now / bucket_ms)
+  for _, b in ipairs({current, current - 1}) do
+    redis.pcall('ZREM', ready .. ':sessions:' .. b, sid)
+  end
+end
 rcall('ZREM', ready, sid)
 rcall('ZREM', ages_key(ready), sid)
 return {found, deleted, waiting, timers, running}

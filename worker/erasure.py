@@ -55,7 +55,8 @@ async def erase(
     keys = client.keys_for(session_id)
     doc = json.dumps(initial_state(session_id), separators=(",", ":"))
     found, deleted, waiting, timers, running = await client._erase_script(
-        keys=[keys.ready, keys.session_prefix], args=[action, session_id, doc]
+        keys=[keys.ready, keys.session_prefix],
+        args=[action, session_id, doc, client.settings.dedupe_ttl_s],
     )
     letters = events = 0
     if action == "delete":

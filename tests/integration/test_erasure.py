@@ -44,12 +44,18 @@ async def wait_for(check: Callable[[], Any], timeout_s: float = 15) -> Any:
 
 
 def keys_of(url: str, sid: str) -> list[str]:
-    """Every key naming the session, and every timer of it in the shard's timer set."""
+    """Every key naming the session, every timer of it in the shard's timer set, and the
+    console's indexes that still point at it."""
     r = redis.Redis.from_url(url, decode_responses=True)
     found = sorted(r.scan_iter(match=f"*{{{sid}}}*"))
     for key in r.scan_iter(match="*:timers"):
         if r.type(key) == "zset":
             found += [f"{key} {m!r}" for m in r.zrange(key, 0, -1) if m.startswith(sid + "\n")]
+    # The console's indexes name the session in a value or a member, not in the key.
+    found += [k for k in r.scan_iter(match="*:ready:msg:*") if r.get(k) == sid]
+    for key in r.scan_iter(match="*:ready:sessions:*"):
+        if r.zscore(key, sid) is not None:
+            found.append(f"{key} {sid!r}")
     return found
 
 
