@@ -96,6 +96,63 @@ async def test_step_that_always_raises_is_dead_lettered_after_max_attempts(clien
     await assert_nothing_left(client, dead=1)
 
 
+async def test_a_dead_letter_keeps_the_time_of_the_first_failure_across_attempts(client, workers):
+    """Three attempts, each retried after 1 to 2 s: first_failed_at is the first attempt's
+    failure (right after the append), last_failed_at the third's (two retry waits later)."""
+    workers.start(1, **{**FAST, "DIALOG_BACKOFF_BASE_MS": "2000", "DIALOG_BACKOFF_MAX_MS": "2000"})
+    sent = await client.send("ff", "boom again and again")
+    appended_ms = int(sent.entry_id.split("-")[0])  # Redis' clock, as the scripts' times
+    letter = await wait_for(lambda: _first_letter(client), 30, "the dead letter")
+    assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "3")
+    first, last = int(letter["first_failed_at"]), int(letter["last_failed_at"])
+    assert 0 <= first - appended_ms < 1000, (appended_ms, first)
+    assert last - first >= 2 * 1000, (first, last)  # two waits of at least half of 2 s
+
+
+async def _first_letter(client) -> dict[str, str] | None:
+    letters = await dead_letters(client)
+    return letters[0] if letters else None
+
+
+async def test_a_message_of_exactly_max_message_bytes_is_sent_and_applied_one_more_is_refused(
+    client, workers, env
+):
+    """DIALOG_MAX_MESSAGE_BYTES counts every field name and value of the entry: send refuses
+    one byte more, the worker accepts exactly the limit (and dead-letters one more, appended
+    by a producer that skips the check)."""
+    from dialog_worker.client import DialogClient
+    from dialog_worker.config import load_settings
+    from dialog_worker.errors import ValidationError
+
+    limit = 1000
+    workers.start(1, **FAST, DIALOG_MAX_MESSAGE_BYTES=str(limit))
+    settings = load_settings(environ={**env, "DIALOG_MAX_MESSAGE_BYTES": str(limit)})
+    fixed = len("session_id") + len("mb") + len("msg_id") + len("m1") + len("text")
+    text = "nama saya " + "B" * (limit - fixed - len("nama saya "))
+    async with DialogClient(settings=settings) as small:
+        with pytest.raises(ValidationError, match=f"at most {limit}"):
+            await small.send("mb", text + "x", msg_id="m0")
+        await small.send("mb", text, msg_id="m1")
+    fields = {"session_id": "mb", "msg_id": "m2", "text": text + "x"}
+    assert sum(len(k) + len(v) for k, v in fields.items()) == limit + 1
+    await client.redis.xadd(client.keys.stream, fields)
+    events = await wait_for(lambda: _two_events(client, "mb"), 20, "both messages answered")
+    assert sorted((e["msg_id"], e["seq"], e["outcome"]) for e in events) == [
+        ("m1", "1", "applied"),
+        ("m2", "0", "dead_lettered"),
+    ]
+    [letter] = await dead_letters(client)
+    assert letter["error"] == f"entry is {limit + 1} bytes; at most {limit} are allowed"
+    state = await client.state("mb")
+    assert [t["user"] for t in state["history"]] == [text]
+    await assert_nothing_left(client, dead=1)
+
+
+async def _two_events(client, session_id: str) -> list[dict[str, str]] | None:
+    events = await reply_events(client, session_id)
+    return events if len(events) >= 2 else None
+
+
 async def test_permanent_error_is_dead_lettered_at_once(client, workers):
     workers.start(1, **FAST)
     sent = await send_bursts(client, ["p2"], ["fatal input", "nama saya Ani"])

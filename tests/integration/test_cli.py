@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 import anyio
 import pytest
@@ -183,6 +185,21 @@ def test_supervisor_gives_up_on_a_child_that_cannot_start_with_growing_backoff(e
         # Each restart waits longer than the one before: a child that cannot start never spins.
         assert len(delays) >= 2 and delays == sorted(set(delays)), (slot, delays)
         assert delays[-1] <= RESTART_MAX_S
+        # And it really waits that long: from each death to the next start of that slot, at
+        # least the delay the death announced (not only the logged figure).
+        times = [
+            (e["event"], datetime.fromisoformat(e["timestamp"]).timestamp())
+            for e in events
+            if e["event"] in ("worker_process_died", "worker_process_started") and e["slot"] == slot
+        ]
+        waited = [
+            started - died
+            for (was, died), (now, started) in itertools.pairwise(times)
+            if (was, now) == ("worker_process_died", "worker_process_started")
+        ]
+        assert len(waited) == len(delays), (slot, times)
+        for delay, wait in zip(delays, waited, strict=True):
+            assert wait >= delay - 0.05, (slot, delays, waited)
     assert list(tmp_path.iterdir()) == []  # the metrics directory is gone
     assert took < 60, took
 
