@@ -17,6 +17,9 @@ import the mutated package and read the mutated lua/ too. The first mutation of 
 breaks every worker process at start; it is killed only if that holds. No bytecode is written
 (PYTHONDONTWRITEBYTECODE), so a mutated and a restored file can never share a stale .pyc.
 
+Only behaviour tests may kill a mutation: a mutation naming the list's own consistency check,
+the docs' reference check or the linters and type checkers (NOT_BEHAVIOUR) is an error.
+
 A run whose tests time out counts as killed (a mutation that makes a test hang is detected),
 and is reported as such. A mutation whose text is not found exactly once, or whose tests are
 not collected, is an error: the list has drifted from the code, and the check fails too.
@@ -42,6 +45,15 @@ REPO = Path(__file__).resolve().parents[2]
 LIST = Path(__file__).resolve().parent / "mutations.toml"
 # A mutation's tests get this long; a run past it counts as killed (reported as a timeout).
 TIMEOUT_S = 240
+# Tests that fail on a mutation without checking any behaviour: the list's own consistency
+# check (any edit of a mutated line fails it, right or wrong), the docs' reference check, and
+# the linters and type checkers. A mutation counts as killed only by a test of the behaviour
+# it breaks, so naming one of these (or a folder holding one) is an error of the list.
+NOT_BEHAVIOUR = {
+    "tests/unit/test_mutation_list.py": "the mutation list's own consistency check",
+    "tests/unit/test_docs_reference.py": "the docs' consistency check",
+    "tests/unit/test_static_checks.py": "the linters and type checkers",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +114,13 @@ def problems(mutations: list[Mutation], root: Path = REPO) -> list[str]:
             found.append(f"{m.id}: names no test")
         for test in m.tests:
             path, _, name = test.partition("::")
+            norm = Path(path).as_posix().rstrip("/")
+            for refused, what in NOT_BEHAVIOUR.items():
+                if refused == norm or refused.startswith(norm + "/"):
+                    found.append(
+                        f"{m.id}: names {path}, which runs {what}: only a behaviour test "
+                        "may kill a mutation"
+                    )
             if not (root / path).is_file():
                 found.append(f"{m.id}: no test file {path}")
             elif name:
