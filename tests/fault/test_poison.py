@@ -384,6 +384,32 @@ async def test_a_state_larger_than_max_state_bytes_is_dead_lettered_at_once(clie
     await assert_nothing_left(client, dead=1)
 
 
+async def test_a_state_of_exactly_max_state_bytes_is_stored_and_one_byte_more_is_refused(
+    client, workers
+):
+    """The limit is the stored document's size: measured once with room to spare, then set
+    to exactly that size; the same step in a session of the same id length is applied, one
+    byte more is dead-lettered."""
+    k = client.keys
+    workers.start(1, **FAST)
+    await client.send("sz-a", "big 5000", msg_id="m1")
+    await wait_for(lambda: _state_at(client, "sz-a", 1), 20, "the measuring step")
+    size = len(await client.raw.hget(k.session("sz-a").state, "d"))
+    workers.stop_all()
+    workers.start(1, **FAST, DIALOG_MAX_STATE_BYTES=str(size))
+    await client.send("sz-b", "big 5000", msg_id="m1")
+    await client.send("sz-c", "big 5001", msg_id="m1")
+    state = await wait_for(lambda: _state_at(client, "sz-b", 1), 20, "the step at the limit")
+    assert len(state["memory"]["blob"]) == 5000
+    assert len(await client.raw.hget(k.session("sz-b").state, "d")) == size
+    letter = await wait_for(lambda: _first_letter(client), 20, "the step one byte over")
+    assert (letter["session_id"], letter["error_kind"], letter["attempts"]) == (
+        "sz-c", "permanent", "1")  # fmt: skip
+    assert letter["error"] == (
+        f"engine state is {size + 1} bytes; at most {size} (DIALOG_MAX_STATE_BYTES) are allowed"
+    )
+
+
 async def test_a_step_running_past_the_step_timeout_is_a_failed_attempt(client, workers):
     workers.start(1, **FAST, DIALOG_STEP_TIMEOUT_S="0.3")
     # 8 s: without the timeout the step would finish and be applied, well within the wait.
