@@ -13,6 +13,7 @@ import redis.asyncio
 from queue_checks import assert_drained
 from redis_server import wait_until_async as wait_for
 
+from dialog_worker import __version__
 from dialog_worker.dlq import redrive, resend
 from dialog_worker.verify import Sent, check, send_bursts, wait_applied
 
@@ -97,16 +98,30 @@ async def test_step_that_always_raises_is_dead_lettered_after_max_attempts(clien
 
 
 async def test_a_dead_letter_keeps_the_time_of_the_first_failure_across_attempts(client, workers):
-    """Three attempts, each retried after 1 to 2 s: first_failed_at is the first attempt's
+    """Three attempts, each retried after 2 to 4 s: first_failed_at is the first attempt's
     failure (right after the append), last_failed_at the third's (two retry waits later)."""
-    workers.start(1, **{**FAST, "DIALOG_BACKOFF_BASE_MS": "2000", "DIALOG_BACKOFF_MAX_MS": "2000"})
+    [worker] = workers.start(
+        1, **{**FAST, "DIALOG_BACKOFF_BASE_MS": "4000", "DIALOG_BACKOFF_MAX_MS": "4000"}
+    )
+    # Idle (it holds the waiter lease): the append is read at once, not after its start.
+    await wait_for(lambda: client.redis.exists(client.keys.waiter), 20, "the worker to be idle")
     sent = await client.send("ff", "boom again and again")
     appended_ms = int(sent.entry_id.split("-")[0])  # Redis' clock, as the scripts' times
     letter = await wait_for(lambda: _first_letter(client), 30, "the dead letter")
     assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "3")
     first, last = int(letter["first_failed_at"]), int(letter["last_failed_at"])
-    assert 0 <= first - appended_ms < 1000, (appended_ms, first)
-    assert last - first >= 2 * 1000, (first, last)  # two waits of at least half of 2 s
+    # Before the first retry wait could have ended (at least 2 s after the first failure).
+    assert 0 <= first - appended_ms < 2000, (appended_ms, first)
+    assert last - first >= 2 * 2000, (first, last)  # two waits of at least half of 4 s
+    # The rest of the worker's bookkeeping, each with its value.
+    assert letter["consumer"] == worker.name
+    assert letter["worker_version"] == __version__
+    assert (letter["source_stream"], letter["source_entry_id"]) == (
+        client.keys.stream,
+        sent.entry_id,
+    )
+    assert (letter["seq"], letter["msg_id"], letter["session_id"]) == ("1", sent.msg_id, "ff")
+    assert letter["error"].startswith("RuntimeError: boom on seq 1"), letter["error"]
 
 
 async def _first_letter(client) -> dict[str, str] | None:
