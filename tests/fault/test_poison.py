@@ -124,6 +124,50 @@ async def test_a_dead_letter_keeps_the_time_of_the_first_failure_across_attempts
     assert letter["error"].startswith("RuntimeError: boom on seq 1"), letter["error"]
 
 
+async def test_session_shows_the_message_being_retried_with_its_attempts_and_error(
+    client, workers, env
+):
+    """`dialog-worker session` between two attempts: the message in flight with its attempt
+    count and last error, when the session is looked at next, and what waits behind it."""
+    workers.start(1, **{**FAST, "DIALOG_BACKOFF_BASE_MS": "8000", "DIALOG_BACKOFF_MAX_MS": "8000"})
+    await wait_for(lambda: client.redis.exists(client.keys.waiter), 20, "the worker to be idle")
+    first = await client.send("rv", "boom now", msg_id="m1")
+    second = await client.send("rv", "nama saya Budi", msg_id="m2")
+    sk = client.keys.session("rv")
+
+    async def failed_once() -> bool:
+        return await client.redis.hget(sk.state, "e") is not None
+
+    await wait_for(failed_once, 20, "the first failed attempt")
+    shown = await anyio.to_thread.run_sync(
+        lambda: subprocess.run(
+            [sys.executable, "-m", "dialog_worker", "session", "rv"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    view = json.loads(shown.stdout)
+    assert 0 < view.pop("next_look_in_s") <= 8
+    waiting = view.pop("waiting")
+    assert [(w["seq"], w["msg_id"], w["entry_id"], w["present"]) for w in waiting] == [
+        (1, "m1", first.entry_id, True),
+        (2, "m2", second.entry_id, True),
+    ]
+    assert all(0 <= w["age_s"] < 60 for w in waiting)
+    in_flight = view.pop("in_flight")
+    assert in_flight.pop("last_error").startswith("RuntimeError: boom on seq 1")
+    assert in_flight == {"seq": 1, "attempts": 1}
+    assert view == {
+        "session_id": "rv",
+        "lock": {"token": None, "ttl_ms": None},
+        "applied_seq": 0,
+        "last_seq": 2,
+        "version": 0,
+        "step": None,
+        "dead_letters": [],
+    }
+
+
 async def _first_letter(client) -> dict[str, str] | None:
     letters = await dead_letters(client)
     return letters[0] if letters else None
