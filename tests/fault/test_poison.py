@@ -13,6 +13,7 @@ import redis.asyncio
 from queue_checks import assert_drained
 from redis_server import wait_until_async as wait_for
 
+from dialog_worker import __version__
 from dialog_worker.dlq import redrive, resend
 from dialog_worker.verify import Sent, check, send_bursts, wait_applied
 
@@ -94,6 +95,121 @@ async def test_step_that_always_raises_is_dead_lettered_after_max_attempts(clien
     assert events[1]["reply"] == client.settings.fallback_reply
     assert await check(client, [s for s in sent if s is not poison]) == []
     await assert_nothing_left(client, dead=1)
+
+
+async def test_a_dead_letter_keeps_the_time_of_the_first_failure_across_attempts(client, workers):
+    """Three attempts, each retried after 2 to 4 s: first_failed_at is the first attempt's
+    failure (right after the append), last_failed_at the third's (two retry waits later)."""
+    [worker] = workers.start(
+        1, **{**FAST, "DIALOG_BACKOFF_BASE_MS": "4000", "DIALOG_BACKOFF_MAX_MS": "4000"}
+    )
+    # Idle (it holds the waiter lease): the append is read at once, not after its start.
+    await wait_for(lambda: client.redis.exists(client.keys.waiter), 20, "the worker to be idle")
+    sent = await client.send("ff", "boom again and again")
+    appended_ms = int(sent.entry_id.split("-")[0])  # Redis' clock, as the scripts' times
+    letter = await wait_for(lambda: _first_letter(client), 30, "the dead letter")
+    assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "3")
+    first, last = int(letter["first_failed_at"]), int(letter["last_failed_at"])
+    # Before the first retry wait could have ended (at least 2 s after the first failure).
+    assert 0 <= first - appended_ms < 2000, (appended_ms, first)
+    assert last - first >= 2 * 2000, (first, last)  # two waits of at least half of 4 s
+    # The rest of the worker's bookkeeping, each with its value.
+    assert letter["consumer"] == worker.name
+    assert letter["worker_version"] == __version__
+    assert (letter["source_stream"], letter["source_entry_id"]) == (
+        client.keys.stream,
+        sent.entry_id,
+    )
+    assert (letter["seq"], letter["msg_id"], letter["session_id"]) == ("1", sent.msg_id, "ff")
+    assert letter["error"].startswith("RuntimeError: boom on seq 1"), letter["error"]
+
+
+async def test_session_shows_the_message_being_retried_with_its_attempts_and_error(
+    client, workers, env
+):
+    """`dialog-worker session` between two attempts: the message in flight with its attempt
+    count and last error, when the session is looked at next, and what waits behind it."""
+    workers.start(1, **{**FAST, "DIALOG_BACKOFF_BASE_MS": "8000", "DIALOG_BACKOFF_MAX_MS": "8000"})
+    await wait_for(lambda: client.redis.exists(client.keys.waiter), 20, "the worker to be idle")
+    first = await client.send("rv", "boom now", msg_id="m1")
+    second = await client.send("rv", "nama saya Budi", msg_id="m2")
+    sk = client.keys.session("rv")
+
+    async def failed_once() -> bool:
+        return await client.redis.hget(sk.state, "e") is not None
+
+    await wait_for(failed_once, 20, "the first failed attempt")
+    shown = await anyio.to_thread.run_sync(
+        lambda: subprocess.run(
+            [sys.executable, "-m", "dialog_worker", "session", "rv"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    view = json.loads(shown.stdout)
+    assert 0 < view.pop("next_look_in_s") <= 8
+    waiting = view.pop("waiting")
+    assert [(w["seq"], w["msg_id"], w["entry_id"], w["present"]) for w in waiting] == [
+        (1, "m1", first.entry_id, True),
+        (2, "m2", second.entry_id, True),
+    ]
+    assert all(0 <= w["age_s"] < 60 for w in waiting)
+    in_flight = view.pop("in_flight")
+    assert in_flight.pop("last_error").startswith("RuntimeError: boom on seq 1")
+    assert in_flight == {"seq": 1, "attempts": 1}
+    assert view == {
+        "session_id": "rv",
+        "lock": {"token": None, "ttl_ms": None},
+        "applied_seq": 0,
+        "last_seq": 2,
+        "version": 0,
+        "step": None,
+        "dead_letters": [],
+    }
+
+
+async def _first_letter(client) -> dict[str, str] | None:
+    letters = await dead_letters(client)
+    return letters[0] if letters else None
+
+
+async def test_a_message_of_exactly_max_message_bytes_is_sent_and_applied_one_more_is_refused(
+    client, workers, env
+):
+    """DIALOG_MAX_MESSAGE_BYTES counts every field name and value of the entry: send refuses
+    one byte more, the worker accepts exactly the limit (and dead-letters one more, appended
+    by a producer that skips the check)."""
+    from dialog_worker.client import DialogClient
+    from dialog_worker.config import load_settings
+    from dialog_worker.errors import ValidationError
+
+    limit = 1000
+    workers.start(1, **FAST, DIALOG_MAX_MESSAGE_BYTES=str(limit))
+    settings = load_settings(environ={**env, "DIALOG_MAX_MESSAGE_BYTES": str(limit)})
+    fixed = len("session_id") + len("mb") + len("msg_id") + len("m1") + len("text")
+    text = "nama saya " + "B" * (limit - fixed - len("nama saya "))
+    async with DialogClient(settings=settings) as small:
+        with pytest.raises(ValidationError, match=f"at most {limit}"):
+            await small.send("mb", text + "x", msg_id="m0")
+        await small.send("mb", text, msg_id="m1")
+    fields = {"session_id": "mb", "msg_id": "m2", "text": text + "x"}
+    assert sum(len(k) + len(v) for k, v in fields.items()) == limit + 1
+    await client.redis.xadd(client.keys.stream, fields)
+    events = await wait_for(lambda: _two_events(client, "mb"), 20, "both messages answered")
+    assert sorted((e["msg_id"], e["seq"], e["outcome"]) for e in events) == [
+        ("m1", "1", "applied"),
+        ("m2", "0", "dead_lettered"),
+    ]
+    [letter] = await dead_letters(client)
+    assert letter["error"] == f"entry is {limit + 1} bytes; at most {limit} are allowed"
+    state = await client.state("mb")
+    assert [t["user"] for t in state["history"]] == [text]
+    await assert_nothing_left(client, dead=1)
+
+
+async def _two_events(client, session_id: str) -> list[dict[str, str]] | None:
+    events = await reply_events(client, session_id)
+    return events if len(events) >= 2 else None
 
 
 async def test_permanent_error_is_dead_lettered_at_once(client, workers):
@@ -325,6 +441,32 @@ async def test_a_state_larger_than_max_state_bytes_is_dead_lettered_at_once(clie
     events = [(e["seq"], e["outcome"]) for e in await reply_events(client, "huge")]
     assert events == [("1", "applied"), ("2", "dead_lettered"), ("3", "applied")]
     await assert_nothing_left(client, dead=1)
+
+
+async def test_a_state_of_exactly_max_state_bytes_is_stored_and_one_byte_more_is_refused(
+    client, workers
+):
+    """The limit is the stored document's size: measured once with room to spare, then set
+    to exactly that size; the same step in a session of the same id length is applied, one
+    byte more is dead-lettered."""
+    k = client.keys
+    workers.start(1, **FAST)
+    await client.send("sz-a", "big 5000", msg_id="m1")
+    await wait_for(lambda: _state_at(client, "sz-a", 1), 20, "the measuring step")
+    size = len(await client.raw.hget(k.session("sz-a").state, "d"))
+    workers.stop_all()
+    workers.start(1, **FAST, DIALOG_MAX_STATE_BYTES=str(size))
+    await client.send("sz-b", "big 5000", msg_id="m1")
+    await client.send("sz-c", "big 5001", msg_id="m1")
+    state = await wait_for(lambda: _state_at(client, "sz-b", 1), 20, "the step at the limit")
+    assert len(state["memory"]["blob"]) == 5000
+    assert len(await client.raw.hget(k.session("sz-b").state, "d")) == size
+    letter = await wait_for(lambda: _first_letter(client), 20, "the step one byte over")
+    assert (letter["session_id"], letter["error_kind"], letter["attempts"]) == (
+        "sz-c", "permanent", "1")  # fmt: skip
+    assert letter["error"] == (
+        f"engine state is {size + 1} bytes; at most {size} (DIALOG_MAX_STATE_BYTES) are allowed"
+    )
 
 
 async def test_a_step_running_past_the_step_timeout_is_a_failed_attempt(client, workers):

@@ -159,34 +159,44 @@ def run_cli(env: dict[str, str], *args: str, **extra: str) -> subprocess.Complet
 async def test_a_worker_configured_with_another_shard_count_refuses_and_writes_nothing(
     client, workers, env
 ):
-    workers.start(1)
+    [running] = workers.start(1)
     await poll(lambda: client.redis.exists("dialog:shards"), 10, "the shard count recorded")
     assert await client.redis.get("dialog:shards") == "1"
 
-    async def group_created() -> bool:
-        # The running worker records the count first, creates its stream and group after, and
-        # its first intake call then writes the inbound stream's bookkeeping: a snapshot taken
-        # in between would see those keys appear later.
-        if await client.redis.exists("dialog", client.keys.inbound) < 2:
-            return False
-        groups = await client.redis.xinfo_groups("dialog")
-        return any(g["name"] == "dialog-workers" for g in groups)
+    k = client.keys
+    # Every key an idle worker of one shard keeps: the recorded count, the inbound stream with
+    # its group, the wake stream, the inbound bookkeeping its first intake call writes and the
+    # waiter lease its first idle wait takes. Each appears at its own moment after the count;
+    # a snapshot taken before the last of them would see it appear later.
+    expected = sorted(["dialog:shards", k.stream, k.wake, k.inbound, k.waiter])
 
-    await poll(group_created, 10, "the running worker's stream and group")
-    before = sorted(await client.redis.keys("*"))
+    async def idle_worker_keys() -> bool:
+        if sorted(await client.redis.keys("*")) != expected:
+            return False
+        groups = await client.redis.xinfo_groups(k.stream)
+        return any(g["name"] == k.group for g in groups)
+
+    async def keys_but_the_lease() -> list[str]:
+        # The lease is the running worker's and renewed by it: a worker starved past it
+        # (a loaded machine) lets it lapse and takes it again. It must stay the running one's.
+        assert await client.redis.get(k.waiter) in (None, running.name)
+        return sorted(key for key in await client.redis.keys("*") if key != k.waiter)
+
+    await poll(idle_worker_keys, 10, f"the running worker's keys {expected}")
+    before = await keys_but_the_lease()
     run = await anyio.to_thread.run_sync(
         lambda: run_cli(env, "run", DIALOG_SHARDS="3", DIALOG_METRICS_PORT="0")
     )
     assert run.returncode == 2
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert "DIALOG_SHARDS" in run.stderr and "reshard" in run.stderr
-    assert sorted(await client.redis.keys("*")) == before
+    assert await keys_but_the_lease() == before
     sent = await anyio.to_thread.run_sync(
         lambda: run_cli(env, "send", "s1", "halo", DIALOG_SHARDS="3")
     )
     assert sent.returncode == 2 and "DIALOG_SHARDS" in sent.stderr
-    assert sorted(await client.redis.keys("*")) == before
-    assert not [k for k in await client.redis.keys("dialog:{*") if "0." in k]
+    assert await keys_but_the_lease() == before
+    assert not [key for key in await client.redis.keys("dialog:{*") if "0." in key]
 
 
 async def test_kill_9_between_intake_and_commit_keeps_the_seq(client, workers, env, tmp_path):

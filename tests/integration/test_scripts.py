@@ -878,3 +878,29 @@ async def test_the_ages_say_when_each_sessions_next_message_was_appended(h):
     assert int(r[0]) == Code.HANDOFF and await h.r.zscore(h.k.ages, "a") == ms(a2)
     await h.commit(commit_args([b"a", ja[1], 2, a2, [], b"", int(r[1])]), commit_args(jb))
     assert await h.r.zcard(h.k.ages) == 0  # nothing outstanding
+
+
+# ---------------------------------------------------------------------------------------------
+# batch sizes: 1..1000 entries an intake reads, sessions a resume takes
+
+
+async def test_an_intake_reads_at_most_1000_entries_and_refuses_to_be_asked_for_more(h):
+    async with h.r.pipeline(transaction=False) as pipe:
+        for i in range(1001):
+            pipe.xadd(h.k.stream, {"session_id": f"b{i}", "text": "hi"})
+        await pipe.execute()
+    for count in (0, 1001):
+        with pytest.raises(ResponseError, match="intake: bad arguments"):
+            await h.intake(count=count)
+    assert await h.r.xlen(h.k.stream) == 1001  # a refused call wrote nothing
+    reply = await h.intake(count=1000)
+    assert int(reply[1]) == 1000 and len(reply[2]) == 1000
+    assert await h.r.xlen(h.k.stream) == 1
+
+
+async def test_a_resume_takes_at_most_1000_sessions_and_refuses_to_be_asked_for_more(h):
+    for count in (0, 1001):
+        with pytest.raises(ResponseError, match="resume: bad arguments"):
+            await h.resume(count=count)
+    assert await h.resume(count=1000) is not None
+    assert await h.resume(count=1) is not None

@@ -65,3 +65,30 @@ async def test_a_killed_waiter_is_replaced_within_its_lease(client: DialogClient
     # The lease (3 s) runs out, the other worker asks for the role (at most 3 s later).
     assert time.monotonic() - started < 10
     assert r.get(WAITER).decode() != name
+
+
+async def test_an_idle_reader_waits_from_the_last_id_its_intake_read(env):
+    """The race of an idle wait: an entry appended after the intake call that found nothing
+    and before the blocking read. The waiter blocks from the last id the intake read, so
+    that entry ends the wait at once; a read from "$" (only what comes later) would sit out
+    the whole blocking read."""
+    import anyio
+
+    from dialog_worker.config import load_settings
+    from dialog_worker.daemon import Worker
+    from dialog_worker.engine import load_engine
+
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    seen = r.xadd("dialog", {"session_id": "w0", "text": "read by the last intake"})
+    r.xadd("dialog", {"session_id": "w1", "text": "appended in between"})
+    worker = Worker(
+        load_settings(environ={**env, "DIALOG_READ_BLOCK_MS": "3000"}), load_engine(None)
+    )
+    try:
+        started = time.monotonic()
+        with anyio.fail_after(2):
+            await worker._idle_wait(worker.shards[0], seen)
+        assert time.monotonic() - started < 1
+    finally:
+        await worker.raw.aclose()
+        await worker.redis.aclose()

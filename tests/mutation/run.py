@@ -8,7 +8,14 @@ check fails: some claim is no longer checked by any test.
 
     .venv/bin/python tests/mutation/run.py                 # all of them (what .ci/run runs)
     .venv/bin/python tests/mutation/run.py --only ID ...   # some of them
+    .venv/bin/python tests/mutation/run.py --changed-since origin/main  # what a change touched
     .venv/bin/python tests/mutation/run.py --list          # ids, files, claims
+
+Mutations run in parallel, `--jobs N` at a time (default: the CPU count), each job on its
+own copy of the repository with its own temporary folder; `--jobs 1` runs them one by one.
+`--changed-since REF` keeps only the mutations whose file or named test files differ from
+REF (from its merge base with HEAD, plus uncommitted and new files): quick on a branch; the
+full list is what CI runs.
 
 The copy is what runs: pytest starts in it with PYTHONPATH pointing at it (ahead of the
 editable install, which points at the checkout), and the worker processes the integration
@@ -16,6 +23,9 @@ tests spawn take their PYTHONPATH and working directory from the copy's tests/su
 import the mutated package and read the mutated lua/ too. The first mutation of the list
 breaks every worker process at start; it is killed only if that holds. No bytecode is written
 (PYTHONDONTWRITEBYTECODE), so a mutated and a restored file can never share a stale .pyc.
+
+Only behaviour tests may kill a mutation: a mutation naming the list's own consistency check,
+the docs' reference check or the linters and type checkers (NOT_BEHAVIOUR) is an error.
 
 A run whose tests time out counts as killed (a mutation that makes a test hang is detected),
 and is reported as such. A mutation whose text is not found exactly once, or whose tests are
@@ -28,12 +38,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -42,6 +54,15 @@ REPO = Path(__file__).resolve().parents[2]
 LIST = Path(__file__).resolve().parent / "mutations.toml"
 # A mutation's tests get this long; a run past it counts as killed (reported as a timeout).
 TIMEOUT_S = 240
+# Tests that fail on a mutation without checking any behaviour: the list's own consistency
+# check (any edit of a mutated line fails it, right or wrong), the docs' reference check, and
+# the linters and type checkers. A mutation counts as killed only by a test of the behaviour
+# it breaks, so naming one of these (or a folder holding one) is an error of the list.
+NOT_BEHAVIOUR = {
+    "tests/unit/test_mutation_list.py": "the mutation list's own consistency check",
+    "tests/unit/test_docs_reference.py": "the docs' consistency check",
+    "tests/unit/test_static_checks.py": "the linters and type checkers",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +123,13 @@ def problems(mutations: list[Mutation], root: Path = REPO) -> list[str]:
             found.append(f"{m.id}: names no test")
         for test in m.tests:
             path, _, name = test.partition("::")
+            norm = Path(path).as_posix().rstrip("/")
+            for refused, what in NOT_BEHAVIOUR.items():
+                if refused == norm or refused.startswith(norm + "/"):
+                    found.append(
+                        f"{m.id}: names {path}, which runs {what}: only a behaviour test "
+                        "may kill a mutation"
+                    )
             if not (root / path).is_file():
                 found.append(f"{m.id}: no test file {path}")
             elif name:
@@ -143,6 +171,11 @@ def environment(copy: Path) -> dict[str, str]:
     env.pop("REDIS_URL", None)
     env["PYTHONPATH"] = os.pathsep.join([str(import_folder(copy)), str(copy)])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # A temporary folder per copy: pytest's numbered folders (and anything the tests make
+    # with tempfile) of two jobs never meet, and none cleans up another's.
+    tmp = copy.parent / f"{copy.name}-tmp"
+    tmp.mkdir(exist_ok=True)
+    env["TMPDIR"] = str(tmp)
     return env
 
 
@@ -210,6 +243,79 @@ def run_one(m: Mutation, copy: Path, timeout_s: float) -> Outcome:
     return Outcome(m, "killed", seconds, first_failure(output), output)
 
 
+def default_jobs() -> int:
+    """One job per CPU this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def changed_files(ref: str) -> set[str]:
+    """Files that differ between `ref` (its merge base with HEAD) and the work tree, plus new
+    files not ignored."""
+
+    def git(*args: str) -> list[str]:
+        out = subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout
+        return [line for line in out.splitlines() if line]
+
+    base = git("merge-base", ref, "HEAD")[0]
+    return set(git("diff", "--name-only", base)) | set(
+        git("ls-files", "--others", "--exclude-standard")
+    )
+
+
+def touched_by(m: Mutation, changed: set[str]) -> bool:
+    """The mutated file or one of its named test files changed."""
+    return m.file in changed or any(t.partition("::")[0] in changed for t in m.tests)
+
+
+def run_all(mutations: list[Mutation], jobs: int, timeout_s: float, show: bool) -> list[Outcome]:
+    """Each job has its own copy of the repository and takes the next mutation when its last
+    one is done; results are printed as they come, the list comes back in the list's order."""
+    todo: queue.Queue[tuple[int, Mutation]] = queue.Queue()
+    for i, m in enumerate(mutations):
+        todo.put((i, m))
+    results: dict[int, Outcome] = {}
+    lock = threading.Lock()
+    with tempfile.TemporaryDirectory(prefix="dialog-mutation-") as tmp:
+        copies = [Path(tmp) / f"repo{j + 1}" for j in range(jobs)]
+        for copy in copies:
+            copy_repo(copy)
+            check_isolation(copy)
+        print(
+            f"mutation: {len(mutations)} mutations, {jobs} at a time, each job on its own copy"
+            f" in {tmp}",
+            flush=True,
+        )
+
+        def work(copy: Path) -> None:
+            while True:
+                try:
+                    i, m = todo.get_nowait()
+                except queue.Empty:
+                    return
+                outcome = run_one(m, copy, timeout_s)
+                with lock:
+                    results[i] = outcome
+                    print(
+                        f"[{len(results)}/{len(mutations)}] {outcome.status:8} {m.id}"
+                        f" ({outcome.seconds:.1f} s)  {outcome.detail}",
+                        flush=True,
+                    )
+                    if show:
+                        print("\n".join(outcome.output.splitlines()[-40:]), flush=True)
+
+        threads = [threading.Thread(target=work, args=(c,), daemon=True) for c in copies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return [results[i] for i in range(len(mutations))]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", metavar="ID", help="run only these mutations")
@@ -218,7 +324,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--show", action="store_true", help="print the end of each run's pytest output"
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=default_jobs(),
+        help="mutations run at once, each on its own copy (default: the CPU count)",
+    )
+    parser.add_argument(
+        "--changed-since",
+        metavar="REF",
+        help="only mutations whose file or named test files differ from REF (merge base)",
+    )
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
 
     mutations = load()
     if args.list:
@@ -230,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown mutation ids: {sorted(unknown)}")
         mutations = [m for m in mutations if m.id in args.only]
+    if args.changed_since:
+        changed = changed_files(args.changed_since)
+        mutations = [m for m in mutations if touched_by(m, changed)]
+        print(f"mutation: {len(mutations)} mutations touch what changed since {args.changed_since}")
+        if not mutations:
+            print("mutation: 0 killed, 0 survived; 0 s")
+            return 0
     wrong = problems(mutations)
     if wrong:
         print("\n".join(wrong), file=sys.stderr)
@@ -237,22 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     started = time.monotonic()
-    outcomes = []
-    with tempfile.TemporaryDirectory(prefix="dialog-mutation-") as tmp:
-        copy = Path(tmp) / "repo"
-        copy_repo(copy)
-        check_isolation(copy)
-        print(f"mutation: {len(mutations)} mutations, each on a copy in {copy}", flush=True)
-        for i, m in enumerate(mutations, start=1):
-            outcome = run_one(m, copy, args.timeout)
-            outcomes.append(outcome)
-            print(
-                f"[{i}/{len(mutations)}] {outcome.status:8} {m.id} ({outcome.seconds:.1f} s)"
-                f"  {outcome.detail}",
-                flush=True,
-            )
-            if args.show:
-                print("\n".join(outcome.output.splitlines()[-40:]), flush=True)
+    outcomes = run_all(mutations, min(args.jobs, len(mutations)), args.timeout, args.show)
     killed = [o for o in outcomes if o.status == "killed"]
     survived = [o for o in outcomes if o.status == "survived"]
     errors = [o for o in outcomes if o.status == "error"]

@@ -233,3 +233,21 @@ def test_invalid_keyword_override_on_given_settings_raises_config_error() -> Non
     settings = load_settings(environ={})
     with pytest.raises(ConfigError):
         DialogClient(DEAD_URL, settings=settings, max_message_bytes=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Extra fields: 32 meta fields pass (a multitask field is not one of them), 33 are refused
+
+
+@pytest.mark.parametrize("multitask", [None, "reject"])
+async def test_32_meta_fields_pass_and_33_are_refused(multitask: str | None) -> None:
+    from dialog_worker.codec import MAX_EXTRA_FIELDS
+
+    assert MAX_EXTRA_FIELDS == 32
+    async with DialogClient(DEAD_URL) as c:
+        at_limit = {f"f{i}": "v" for i in range(MAX_EXTRA_FIELDS)}
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await c.send("s1", "hello", msg_id="m1", meta=at_limit, multitask=multitask)
+        over = {**at_limit, "one_more": "v"}
+        with pytest.raises(ValidationError, match="at most 32 meta fields"):
+            await c.send("s1", "hello", msg_id="m1", meta=over, multitask=multitask)

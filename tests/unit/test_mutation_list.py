@@ -5,6 +5,7 @@ than as a confusing error of the mutation check in CI."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -70,3 +71,18 @@ def test_every_test_the_page_names_exists() -> None:
             path, name = test.split("::")
             source = (REPO / path).read_text(encoding="utf-8")
             assert re.search(rf"def {re.escape(name)}\b", source), f"{claim}: {test}"
+
+
+def test_a_mutation_killed_only_by_a_consistency_check_or_a_linter_is_refused() -> None:
+    """The mutation check counts a mutation as killed only by a behaviour test it names."""
+    [m] = [m for m in MUTATIONS if m.id == "intake-size-limit-doubled"]
+    for refused in (
+        "tests/unit/test_mutation_list.py",
+        "tests/unit/test_static_checks.py::test_ruff_lint_passes",
+        "tests/unit/test_docs_reference.py",
+    ):
+        listed = dataclasses.replace(m, tests=(*m.tests, refused))
+        [problem] = run.problems([listed])
+        assert problem.startswith(f"{m.id}: names {refused.split('::')[0]}, which runs "), problem
+        assert "only a behaviour test may kill a mutation" in problem
+    assert run.problems([m]) == []
