@@ -51,7 +51,8 @@ no lock left.
 One rule draws each step's action (see ACTIONS for why). CI runs the same examples every
 time (`derandomize=True`, no example database): a red run is reproduced by running the test
 again, anywhere, and Hypothesis prints the shrunk steps with a note of what each did.
-`MODEL_EXPLORE=1` draws fresh random examples instead; `MODEL_EXAMPLES=N` sets how many.
+`MODEL_EXPLORE=1` draws fresh random examples instead; `MODEL_EXAMPLES=N` sets how many;
+`MODEL_NO_SHRINK=1` reports the first failing example as found (the mutation check's setting).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import redis
-from hypothesis import HealthCheck, note, settings
+from hypothesis import HealthCheck, Phase, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -115,6 +116,13 @@ SETTINGS = settings(
     # Shrink one failure well rather than several badly (Hypothesis stops after 500 shrinks).
     report_multiple_bugs=False,
     suppress_health_check=[HealthCheck.too_slow],
+    # The mutation check needs a failure, not its smallest form: MODEL_NO_SHRINK=1 (set by
+    # tests/mutation/run.py) stops at the first failing example.
+    **(
+        {"phases": [Phase.explicit, Phase.reuse, Phase.generate]}
+        if os.environ.get("MODEL_NO_SHRINK")
+        else {}
+    ),
 )
 
 

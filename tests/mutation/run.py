@@ -171,6 +171,9 @@ def environment(copy: Path) -> dict[str, str]:
     env.pop("REDIS_URL", None)
     env["PYTHONPATH"] = os.pathsep.join([str(import_folder(copy)), str(copy)])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # A mutation needs one failing example, not the smallest: the model test skips shrinking
+    # (which took minutes per killed mutation).
+    env["MODEL_NO_SHRINK"] = "1"
     # A temporary folder per copy: pytest's numbered folders (and anything the tests make
     # with tempfile) of two jobs never meet, and none cleans up another's.
     tmp = copy.parent / f"{copy.name}-tmp"
