@@ -380,6 +380,8 @@ async def letters_page(
         if cutoff <= 0:
             return LetterPage([], None, 0)
         end = f"({cutoff}-0"
+    if flt.session_id is not None:
+        return await _session_page(client, flt, start, end, after, limit, redact, now)
     found: list[tuple[tuple[int, int, int], dict[str, Any]]] = []
     horizon: tuple[int, int, int] | None = None  # the first place a shard stopped early
     scanned = 0
@@ -404,6 +406,132 @@ async def letters_page(
         row["age_s"] = round(entry_age_s(row["id"], now), 1)
         rows_out.append(redact.fields(row) | {"handle": row["handle"], "id": row["id"]})
     return LetterPage(rows_out, next_cursor, scanned)
+
+
+# The session index keeps this many of a session's newest letters (lua/_common.lua).
+LETTERS_KEPT = 1000
+
+
+async def _session_page(
+    client: DialogClient,
+    flt: LetterFilter,
+    start: str,
+    end: str,
+    after: tuple[int, int, int] | None,
+    limit: int,
+    redact: Redactor,
+    now: int,
+) -> LetterPage:
+    """One page of one session's dead letters, oldest first: those the session's index
+    (SessionKeys.letters) covers are read by entry id from it, and only the part of its
+    shard's stream the index does not cover is read as the unfiltered list reads it, bounded
+    by LETTER_SCAN_PER_PAGE. The index covers letters from Keys.letters_since on (nothing
+    when it was never written), and from its own oldest entry on once it is full (older ones
+    of the session were trimmed from it)."""
+    assert flt.session_id is not None
+    keys = client.keys_for(flt.session_id)
+    index = keys.session(flt.session_id).letters
+    since = await client.raw.get(keys.letters_since)
+    boundary: tuple[int, int] | None = None  # letters from here on are in the index
+    if since is not None and _is_entry_id(_text(since)):
+        boundary = id_key(_text(since))
+        try:
+            if int(await client.raw.zcard(index)) >= LETTERS_KEPT:
+                oldest = cast(list[bytes], await client.raw.zrange(index, 0, 0))
+                if oldest and _is_entry_id(_text(oldest[0])):
+                    boundary = max(boundary, id_key(_text(oldest[0])))
+        except ResponseError:
+            boundary = None  # a key of another type, written by hand: the stream is read
+    after_id = None if after is None else (after[0], after[1])
+    end_id = _end_id(end)
+    found: list[tuple[tuple[int, int, int], dict[str, Any]]] = []
+    scanned = 0
+    if boundary is None or after_id is None or after_id < boundary:
+        scan_end = end
+        if boundary is not None and (end_id is None or boundary <= end_id):
+            scan_end = f"({boundary[0]}-{boundary[1]}"
+        rows, stopped_at, scanned = await _scan(
+            client.entries, keys, start, scan_end, after, flt, limit
+        )
+        found += rows
+        if stopped_at is not None:  # read its bound, or found more than a page
+            page = found[:limit]
+            cursor = page[-1][1]["handle"] if len(found) > limit else handle(keys, _id(stopped_at))
+            return LetterPage(_rows(page, now, redact), cursor, scanned)
+    if boundary is not None:
+        # from the boundary's own letter on, or after the cursor's
+        first = (boundary[0], boundary[1] - 1)
+        low = first if after_id is None or after_id < boundary else after_id
+        more, read = await _indexed_page(client, keys, index, low, end_id, flt, limit - len(found))
+        found += more
+        scanned += read
+    page = found[:limit]
+    next_cursor = page[-1][1]["handle"] if len(found) > limit else None
+    return LetterPage(_rows(page, now, redact), next_cursor, scanned)
+
+
+async def _indexed_page(
+    client: DialogClient,
+    keys: Keys,
+    index: str,
+    low: tuple[int, int],
+    end: tuple[int, int] | None,
+    flt: LetterFilter,
+    want: int,
+) -> tuple[list[tuple[tuple[int, int, int], dict[str, Any]]], int]:
+    """Up to want + 1 matching letters the index names after `low` (and before `end`), each
+    read by its entry id, and how many were read. Ids the stream no longer holds, or whose
+    letter is another session's (written by hand), are passed over."""
+    try:
+        raw = cast(
+            list[bytes],
+            await client.raw.zrangebyscore(index, low[0], "+inf" if end is None else end[0]),
+        )
+    except ResponseError:
+        return [], 0
+    ids = sorted(
+        (i for i in (_text(m) for m in raw) if _is_entry_id(i)),
+        key=id_key,
+    )
+    ids = [i for i in ids if id_key(i) > low and (end is None or id_key(i) < end)]
+    out: list[tuple[tuple[int, int, int], dict[str, Any]]] = []
+    read = 0
+    while ids and len(out) <= want:
+        chunk, ids = ids[: want + 1 - len(out)], ids[want + 1 - len(out) :]
+        pipe = client.raw.pipeline(transaction=False)
+        for entry_id in chunk:
+            pipe.xrange(keys.dlq, min=entry_id, max=entry_id)
+        rows = cast(list[list[tuple[bytes, dict[bytes, bytes]]]], await pipe.execute())
+        read += len(chunk)
+        for row in rows:
+            if not row:
+                continue  # redriven or purged since
+            entry_id = _text(row[0][0])
+            fields = {_text(k): _text(v) for k, v in row[0][1].items()}
+            if flt.matches(fields):
+                ms, n = id_key(entry_id)
+                summary = {"id": entry_id, "handle": handle(keys, entry_id), "shard": keys.shard}
+                out.append(((ms, n, keys.shard), summary | _summary(fields)))
+    return out, read
+
+
+def _end_id(end: str) -> tuple[int, int] | None:
+    """The exclusive upper bound "(<ms>-0" letters_page reads to, or None for "+"."""
+    return None if end == "+" else id_key(end.removeprefix("("))
+
+
+def _id(at: tuple[int, int, int]) -> str:
+    return f"{at[0]}-{at[1]}"
+
+
+def _rows(
+    page: list[tuple[tuple[int, int, int], dict[str, Any]]], now: int, redact: Redactor
+) -> list[dict[str, Any]]:
+    out = []
+    for _, row in page:
+        row["age_s"] = round(entry_age_s(row["id"], now), 1)
+        out.append(redact.fields(row) | {"handle": row["handle"], "id": row["id"]})
+    return out
 
 
 async def _scan(
