@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 from console_support import VIEWER, basic
+from worker_procs import WorkerPool
 
 from dialog_worker.client import DialogClient
 from dialog_worker.console import reads
@@ -103,3 +104,42 @@ async def test_a_session_page_of_letters_keeps_the_age_filter(
     assert listed(older)[0] == [f"{keys.shard}:{hour_old}"]
     every = (await http.get("/letters?session=bob", headers=VIEW)).text
     assert listed(every)[0] == [f"{keys.shard}:{hour_old}", fresh]
+
+
+async def test_the_session_page_shows_its_timers_escaped(
+    http: httpx.AsyncClient, client: DialogClient, workers: WorkerPool
+) -> None:
+    from markupsafe import escape
+    from redis_server import wait_until_async
+
+    workers.start(1)
+    sid = "<script>alert(1)</script>"
+    due = time.time() + 3600
+    await client.send(
+        sid,
+        "<img src=x onerror=alert(2)> wake up",
+        msg_id="<b>nudge</b>",
+        meta={"card_number": "4111111111111111", "channel": "<i>web</i>"},
+        deliver_at=due,
+    )
+    timers = client.keys_for(sid).session(sid).timers
+    await wait_until_async(lambda: client.redis.hexists(timers, "t:msg:<b>nudge</b>"), 20)
+    # One timer written by hand, not in the scripts' format: listed, not breaking the page.
+    await client.redis.hset(timers, "t:<u>odd</u>", "not msgpack")
+
+    r = await http.get("/session", params={"id": sid}, headers=VIEW)
+    assert r.status_code == 200
+    page = r.text
+    assert "<script>alert" not in page and "<img src=x" not in page and "<b>" not in page
+    rows = re.findall(r'<tr data-timer="([^"]+)">(.*?)</tr>', page, re.S)
+    assert [html.unescape(name) for name, _ in rows] == ["msg:<b>nudge</b>", "<u>odd</u>"]
+    nudge, odd = rows[0][1], rows[1][1]
+    assert str(escape("<img src=x onerror=alert(2)> wake up")) in nudge
+    assert time.strftime("%Y-%m-%d %H:%M", time.gmtime(due)) in nudge
+    assert str(escape("channel=<i>web</i>")) in nudge
+    assert "4111111111111111" not in page and "card_number=[redacted]" in nudge
+    assert "unreadable" in odd
+
+    data = (await http.get("/api/session", params={"id": sid}, headers=VIEW)).json()
+    assert [t["name"] for t in data["timers"]] == ["msg:<b>nudge</b>", "<u>odd</u>"]
+    assert abs(data["timers"][0]["due_ms"] - due * 1000) <= 1 and data["timers_complete"]

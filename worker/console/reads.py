@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from dialog_worker.client import DialogClient
-from dialog_worker.codec import check_id
+from dialog_worker.codec import check_id, unpack_timer
 from dialog_worker.errors import ValidationError
 from dialog_worker.keys import Keys
 from dialog_worker.streams import StreamReader
@@ -32,6 +32,9 @@ REDACTED = "[redacted]"
 SESSION_LETTER_SCAN = 10_000
 # A session's indexed dead letters the session page shows, newest first.
 SESSION_LETTERS_SHOWN = 200
+# A session's timers the session page shows (the scripts keep at most 64; more were written
+# by hand).
+TIMERS_SHOWN = 100
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +154,10 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
         row["age_s"] = round(entry_age_s(entry_id, now), 1)
         letters.append(redact.fields(row) | {"handle": handle(keys, entry_id), "id": entry_id})
     letters.sort(key=original_order)
-    found = bool(state is not None or view.get("last_seq") or view.get("waiting") or letters)
+    timers, timers_complete = await session_timers(client, keys, session_id, redact, now)
+    found = bool(
+        state is not None or view.get("last_seq") or view.get("waiting") or letters or timers
+    )
     return {
         "session_id": session_id,
         "shard": keys.shard,
@@ -166,6 +172,8 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
         "letters_scanned": scanned,
         "letters_complete": complete,
         "letters_indexed": indexed,
+        "timers": timers,
+        "timers_complete": timers_complete,
         "history": redact.value(history) if isinstance(history, list) else [],
         "state_json": (
             None
@@ -173,6 +181,64 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
             else json.dumps(redact.value(state), indent=2, ensure_ascii=False, sort_keys=True)
         ),
     }
+
+
+async def session_timers(
+    client: DialogClient, keys: Keys, session_id: str, redact: Redactor, now_ms: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """The session's timers (its timers hash, see lua/_common.lua set_timer), soonest first,
+    at most TIMERS_SHOWN, and whether that is all of them. A payload that does not parse is
+    listed by name with `unreadable` set, never hiding the others."""
+    key = keys.session(session_id).timers
+    raw: dict[bytes, bytes] = {}
+    complete = True
+    try:
+        cursor = 0
+        while True:
+            cursor, batch = await client.raw.hscan(key, cursor, match="t:*", count=100)
+            raw.update(cast(dict[bytes, bytes], batch))
+            if len(raw) > TIMERS_SHOWN:
+                complete = False
+                break
+            if not cursor:
+                break
+    except ResponseError:
+        return [], True  # a key of another type, written by hand
+    timers: list[dict[str, Any]] = []
+    for field, value in raw.items():
+        name = _text(field)[2:]
+        unpacked = unpack_timer(value)
+        if unpacked is None:
+            timers.append({"name": name, "unreadable": True, "due_ms": None})
+            continue
+        due_ms, on_message, fields = unpacked
+        text_fields = {_text(k): _text(v) for k, v in fields.items()}
+        meta = {
+            k: v
+            for k, v in text_fields.items()
+            if k not in ("session_id", "text", "msg_id", "timer")
+        }
+        timers.append(
+            {
+                "name": name,
+                "unreadable": False,
+                "due_ms": due_ms,
+                "due": _utc(due_ms),
+                "in_s": round((due_ms - now_ms) / 1000, 1),
+                "text": redact.fields({"text": text_fields.get("text")})["text"],
+                "cancel_on_message": on_message,
+                "meta": redact.fields(meta),
+            }
+        )
+    timers.sort(key=lambda t: (t["due_ms"] is None, t["due_ms"] or 0, t["name"]))
+    return timers[:TIMERS_SHOWN], complete
+
+
+def _utc(ms: int) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ms / 1000))
+    except (OverflowError, OSError, ValueError):
+        return f"{ms} ms"  # out of the calendar's range: written by hand
 
 
 async def session_letters(
