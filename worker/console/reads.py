@@ -551,7 +551,8 @@ async def _indexed_page(
     try:
         raw = cast(
             list[bytes],
-            await client.raw.zrangebyscore(index, low[0], "+inf" if end is None else end[0]),
+            # ZRANGE ... BYSCORE: the command the operator's ACL grants (not ZRANGEBYSCORE)
+            await client.raw.zrange(index, low[0], "+inf" if end is None else end[0], byscore=True),
         )
     except ResponseError:
         return [], 0
