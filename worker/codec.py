@@ -241,6 +241,42 @@ def unpack_custody(raw: bytes) -> tuple[str, dict[bytes, bytes]] | None:
     return entry_id.decode("utf-8", "replace"), fields_dict(flat)
 
 
+def unpack_timer(raw: bytes) -> tuple[int, bool, dict[bytes, bytes]] | None:
+    """A timer as the scripts store it (a t:<name> field of its session's timers hash:
+    cmsgpack of the due time in ms, 1 when a user's message cancels it, and the flat field
+    list of the message it appends, see lua/_common.lua set_timer), or None when the value
+    is not in that format."""
+    try:
+        due, pos = _unpack_int(raw, 0)
+        on_message, pos = _unpack_int(raw, pos)
+        count, pos = _unpack_array_header(raw, pos)
+        flat = []
+        for _ in range(count):
+            value, pos = _unpack_str(raw, pos)
+            flat.append(value)
+    except (IndexError, ValueError, struct.error):
+        return None
+    if pos != len(raw) or count % 2:
+        return None
+    return due, on_message == 1, fields_dict(flat)
+
+
+def _unpack_int(raw: bytes, pos: int) -> tuple[int, int]:
+    tag = raw[pos]
+    if tag <= 0x7F:
+        return tag, pos + 1
+    if tag >= 0xE0:
+        return tag - 0x100, pos + 1
+    formats = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: ">b", 0xD1: ">h"}
+    formats |= {0xD2: ">i", 0xD3: ">q", 0xCB: ">d"}
+    if tag not in formats:
+        raise ValueError(f"not a number: 0x{tag:02x}")
+    value = struct.unpack_from(formats[tag], raw, pos + 1)[0]
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError("not a whole number")
+    return int(value), pos + 1 + struct.calcsize(formats[tag])
+
+
 def _unpack_str(raw: bytes, pos: int) -> tuple[bytes, int]:
     tag = raw[pos]
     if 0xA0 <= tag <= 0xBF:

@@ -1,5 +1,5 @@
-"""`SyncDialogClient`: `send`, `ask` and `state` for code without an event loop (Flask, Django,
-a script, a Celery task).
+"""`SyncDialogClient`: `send`, `ask`, `state`, `reset` and `delete` for code without an event
+loop (Flask, Django, a script, a Celery task, an admin tool).
 
 How: it runs a `DialogClient` on an event loop of its own, in a private thread (an anyio
 blocking portal), and each call waits for its result there. Chosen over a second
@@ -35,6 +35,7 @@ import anyio.from_thread
 
 from dialog_worker.client import DialogClient, SendResult
 from dialog_worker.config import Settings, client_settings
+from dialog_worker.erasure import EraseResult
 from dialog_worker.replies import Reply
 
 T = TypeVar("T")
@@ -51,7 +52,7 @@ def _close_all() -> None:
 
 
 class SyncDialogClient:
-    """`DialogClient`'s `send`, `ask` and `state`, as plain blocking calls.
+    """`DialogClient`'s `send`, `ask`, `state`, `reset` and `delete`, as plain blocking calls.
 
     ``SyncDialogClient(url=None, *, settings=None, max_connections=64, **overrides)`` takes
     what `DialogClient` takes and reads the same settings (``REDIS_URL``, ``DIALOG_*``) when
@@ -115,6 +116,21 @@ class SyncDialogClient:
     def state(self, session_id: str) -> dict[str, Any] | None:
         """The session's dialog state, or None (`DialogClient.state`)."""
         return self._call(lambda c: c.state(session_id))
+
+    def reset(self, session_id: str, *, who: str = "client", reason: str = "") -> EraseResult:
+        """Start the session over (`DialogClient.reset`): its state becomes the initial one
+        (history cleared); its waiting messages and timers are kept. Fenced against a running
+        step; one ``session_reset`` event in the audit stream (``who``, ``reason``)."""
+        return self._call(lambda c: c.reset(session_id, who=who, reason=reason))
+
+    def delete(
+        self, session_id: str, *, who: str = "client", reason: str = "", replies: bool = False
+    ) -> EraseResult:
+        """Erase everything the workers keep about the session (`DialogClient.delete`):
+        state, history, waiting messages, timers, dedupe keys and its dead letters; with
+        ``replies=True`` its reply events too. Fenced against a running step; one
+        ``session_delete`` event in the audit stream (``who``, ``reason``)."""
+        return self._call(lambda c: c.delete(session_id, who=who, reason=reason, replies=replies))
 
     def close(self) -> None:
         """Close the connections and stop the loop thread; a later call starts them again."""

@@ -482,6 +482,34 @@ def test_operator_can_reset_and_delete_a_session_with_nothing_denied(acl: AclRed
     assert acl.acl_log() == [], "the operator was denied a command reset or delete needs"
 
 
+def test_operator_reads_a_sessions_letters_and_timers_for_the_console_with_nothing_denied(
+    acl: AclRedis,
+) -> None:
+    """The console's session page and its dead-letter list filtered by session, as
+    `operator`: the letter index (ZRANGE ... BYSCORE, ZCARD), the stream for older letters and
+    the timers hash (HSCAN) are all readable; ACL LOG empty."""
+    from dialog_worker.console import reads
+
+    acl.admin.flushall()
+    acl.admin.execute_command("ACL", "LOG", "RESET")
+    plain = Keys.from_settings(Settings())
+    old = acl.admin.xadd(plain.dlq, {"session_id": "s1", "text": "old", "error_kind": "e"})
+    new = acl.admin.xadd(plain.dlq, {"session_id": "s1", "text": "new", "error_kind": "e"})
+    acl.admin.set(plain.letters_since, new)
+    acl.admin.zadd(plain.session("s1").letters, {new: int(new.split("-")[0])})
+    acl.admin.hset(plain.session("s1").timers, "t:odd", "not msgpack")
+
+    async def read() -> tuple[list[str], list[str]]:
+        async with DialogClient(settings=settings_for(acl.url("operator"))) as c:
+            flt = reads.LetterFilter(session_id="s1")
+            page = await reads.letters_page(c, flt, None, 50, reads.Redactor(frozenset()))
+            t = await reads.timeline(c, "s1", reads.Redactor(frozenset()))
+            return [r["id"] for r in page.rows], [tm["name"] for tm in t["timers"]]
+
+    assert asyncio.run(read()) == ([old, new], ["odd"])
+    assert acl.acl_log() == [], "the operator was denied a command the console needs"
+
+
 def test_worker_user_gets_noperm_outside_its_job(acl: AclRedis) -> None:
     acl.admin.execute_command("ACL", "LOG", "RESET")
     r = redis.Redis.from_url(acl.url("worker"), decode_responses=True)

@@ -111,3 +111,58 @@ def test_inside_an_event_loop_it_refuses_instead_of_blocking_the_loop(env: dict[
 
     anyio.run(view)
     client.close()
+
+
+def test_reset_and_delete_without_an_event_loop(env: dict[str, str], workers: WorkerPool):
+    import time
+
+    import redis
+
+    from dialog_worker.errors import ValidationError
+    from dialog_worker.keys import Keys, audit_key
+
+    workers.start(1)
+    settings = load_settings(environ=env)
+    keys = Keys.from_settings(settings)
+    r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
+    with SyncDialogClient(settings=settings) as client:
+        client.ask("sync-e", "nama saya Budi", timeout=20)
+        assert client.ask("sync-e", "saya ada kendala billing", timeout=20).seq == 2
+        reset = client.reset("sync-e", who="admin", reason="start over")
+        assert (reset.action, reset.found, reset.waiting, reset.running) == (
+            "reset",
+            True,
+            0,
+            False,
+        )
+        state = client.state("sync-e")
+        assert state is not None and (state["memory"], state["history"]) == ({}, [])
+
+        # A timer (a message sent to be delivered in an hour) and a dead letter.
+        r.xadd(
+            keys.stream,
+            {"session_id": "sync-e", "text": "later", "deliver_at": f"{time.time() + 3600:.3f}"},
+        )
+        r.xadd(keys.dlq, {"session_id": "sync-e", "text": "failed", "error_kind": "engine_error"})
+        timers = keys.session("sync-e").timers
+        deadline = time.monotonic() + 20
+        while not r.exists(timers):
+            assert time.monotonic() < deadline, "the timer was never scheduled"
+            time.sleep(0.05)
+        deleted = client.delete("sync-e", who="admin", reason="user asked")
+        assert (deleted.action, deleted.found, deleted.timers, deleted.dead_letters) == (
+            "delete",
+            True,
+            1,
+            1,
+        )
+        assert client.state("sync-e") is None
+        assert [k for k in r.scan_iter(match="*sync-e*")] == []
+        assert r.zcard(keys.timers) == 0
+        with pytest.raises(ValidationError):
+            client.reset("")
+    events = [f for _, f in r.xrange(audit_key(settings))]
+    assert [(e["action"], e["target"], e["who"], e["reason"]) for e in events] == [
+        ("session_reset", "sync-e", "admin", "start over"),
+        ("session_delete", "sync-e", "admin", "user asked"),
+    ]

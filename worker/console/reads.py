@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from dialog_worker.client import DialogClient
-from dialog_worker.codec import check_id
+from dialog_worker.codec import check_id, unpack_timer
 from dialog_worker.errors import ValidationError
 from dialog_worker.keys import Keys
 from dialog_worker.streams import StreamReader
@@ -32,6 +32,9 @@ REDACTED = "[redacted]"
 SESSION_LETTER_SCAN = 10_000
 # A session's indexed dead letters the session page shows, newest first.
 SESSION_LETTERS_SHOWN = 200
+# A session's timers the session page shows (the scripts keep at most 64; more were written
+# by hand).
+TIMERS_SHOWN = 100
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +154,10 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
         row["age_s"] = round(entry_age_s(entry_id, now), 1)
         letters.append(redact.fields(row) | {"handle": handle(keys, entry_id), "id": entry_id})
     letters.sort(key=original_order)
-    found = bool(state is not None or view.get("last_seq") or view.get("waiting") or letters)
+    timers, timers_complete = await session_timers(client, keys, session_id, redact, now)
+    found = bool(
+        state is not None or view.get("last_seq") or view.get("waiting") or letters or timers
+    )
     return {
         "session_id": session_id,
         "shard": keys.shard,
@@ -166,6 +172,8 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
         "letters_scanned": scanned,
         "letters_complete": complete,
         "letters_indexed": indexed,
+        "timers": timers,
+        "timers_complete": timers_complete,
         "history": redact.value(history) if isinstance(history, list) else [],
         "state_json": (
             None
@@ -173,6 +181,64 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
             else json.dumps(redact.value(state), indent=2, ensure_ascii=False, sort_keys=True)
         ),
     }
+
+
+async def session_timers(
+    client: DialogClient, keys: Keys, session_id: str, redact: Redactor, now_ms: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """The session's timers (its timers hash, see lua/_common.lua set_timer), soonest first,
+    at most TIMERS_SHOWN, and whether that is all of them. A payload that does not parse is
+    listed by name with `unreadable` set, never hiding the others."""
+    key = keys.session(session_id).timers
+    raw: dict[bytes, bytes] = {}
+    complete = True
+    try:
+        cursor = 0
+        while True:
+            cursor, batch = await client.raw.hscan(key, cursor, match="t:*", count=100)
+            raw.update(cast(dict[bytes, bytes], batch))
+            if len(raw) > TIMERS_SHOWN:
+                complete = False
+                break
+            if not cursor:
+                break
+    except ResponseError:
+        return [], True  # a key of another type, written by hand
+    timers: list[dict[str, Any]] = []
+    for field, value in raw.items():
+        name = _text(field)[2:]
+        unpacked = unpack_timer(value)
+        if unpacked is None:
+            timers.append({"name": name, "unreadable": True, "due_ms": None})
+            continue
+        due_ms, on_message, fields = unpacked
+        text_fields = {_text(k): _text(v) for k, v in fields.items()}
+        meta = {
+            k: v
+            for k, v in text_fields.items()
+            if k not in ("session_id", "text", "msg_id", "timer")
+        }
+        timers.append(
+            {
+                "name": name,
+                "unreadable": False,
+                "due_ms": due_ms,
+                "due": _utc(due_ms),
+                "in_s": round((due_ms - now_ms) / 1000, 1),
+                "text": redact.fields({"text": text_fields.get("text")})["text"],
+                "cancel_on_message": on_message,
+                "meta": redact.fields(meta),
+            }
+        )
+    timers.sort(key=lambda t: (t["due_ms"] is None, t["due_ms"] or 0, t["name"]))
+    return timers[:TIMERS_SHOWN], complete
+
+
+def _utc(ms: int) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ms / 1000))
+    except (OverflowError, OSError, ValueError):
+        return f"{ms} ms"  # out of the calendar's range: written by hand
 
 
 async def session_letters(
@@ -380,6 +446,8 @@ async def letters_page(
         if cutoff <= 0:
             return LetterPage([], None, 0)
         end = f"({cutoff}-0"
+    if flt.session_id is not None:
+        return await _session_page(client, flt, start, end, after, limit, redact, now)
     found: list[tuple[tuple[int, int, int], dict[str, Any]]] = []
     horizon: tuple[int, int, int] | None = None  # the first place a shard stopped early
     scanned = 0
@@ -404,6 +472,133 @@ async def letters_page(
         row["age_s"] = round(entry_age_s(row["id"], now), 1)
         rows_out.append(redact.fields(row) | {"handle": row["handle"], "id": row["id"]})
     return LetterPage(rows_out, next_cursor, scanned)
+
+
+# The session index keeps this many of a session's newest letters (lua/_common.lua).
+LETTERS_KEPT = 1000
+
+
+async def _session_page(
+    client: DialogClient,
+    flt: LetterFilter,
+    start: str,
+    end: str,
+    after: tuple[int, int, int] | None,
+    limit: int,
+    redact: Redactor,
+    now: int,
+) -> LetterPage:
+    """One page of one session's dead letters, oldest first: those the session's index
+    (SessionKeys.letters) covers are read by entry id from it, and only the part of its
+    shard's stream the index does not cover is read as the unfiltered list reads it, bounded
+    by LETTER_SCAN_PER_PAGE. The index covers letters from Keys.letters_since on (nothing
+    when it was never written), and from its own oldest entry on once it is full (older ones
+    of the session were trimmed from it)."""
+    assert flt.session_id is not None
+    keys = client.keys_for(flt.session_id)
+    index = keys.session(flt.session_id).letters
+    since = await client.raw.get(keys.letters_since)
+    boundary: tuple[int, int] | None = None  # letters from here on are in the index
+    if since is not None and _is_entry_id(_text(since)):
+        boundary = id_key(_text(since))
+        try:
+            if int(await client.raw.zcard(index)) >= LETTERS_KEPT:
+                oldest = cast(list[bytes], await client.raw.zrange(index, 0, 0))
+                if oldest and _is_entry_id(_text(oldest[0])):
+                    boundary = max(boundary, id_key(_text(oldest[0])))
+        except ResponseError:
+            boundary = None  # a key of another type, written by hand: the stream is read
+    after_id = None if after is None else (after[0], after[1])
+    end_id = _end_id(end)
+    found: list[tuple[tuple[int, int, int], dict[str, Any]]] = []
+    scanned = 0
+    if boundary is None or after_id is None or after_id < boundary:
+        scan_end = end
+        if boundary is not None and (end_id is None or boundary <= end_id):
+            scan_end = f"({boundary[0]}-{boundary[1]}"
+        rows, stopped_at, scanned = await _scan(
+            client.entries, keys, start, scan_end, after, flt, limit
+        )
+        found += rows
+        if stopped_at is not None:  # read its bound, or found more than a page
+            page = found[:limit]
+            cursor = page[-1][1]["handle"] if len(found) > limit else handle(keys, _id(stopped_at))
+            return LetterPage(_rows(page, now, redact), cursor, scanned)
+    if boundary is not None:
+        # from the boundary's own letter on, or after the cursor's
+        first = (boundary[0], boundary[1] - 1)
+        low = first if after_id is None or after_id < boundary else after_id
+        more, read = await _indexed_page(client, keys, index, low, end_id, flt, limit - len(found))
+        found += more
+        scanned += read
+    page = found[:limit]
+    next_cursor = page[-1][1]["handle"] if len(found) > limit else None
+    return LetterPage(_rows(page, now, redact), next_cursor, scanned)
+
+
+async def _indexed_page(
+    client: DialogClient,
+    keys: Keys,
+    index: str,
+    low: tuple[int, int],
+    end: tuple[int, int] | None,
+    flt: LetterFilter,
+    want: int,
+) -> tuple[list[tuple[tuple[int, int, int], dict[str, Any]]], int]:
+    """Up to want + 1 matching letters the index names after `low` (and before `end`), each
+    read by its entry id, and how many were read. Ids the stream no longer holds, or whose
+    letter is another session's (written by hand), are passed over."""
+    try:
+        raw = cast(
+            list[bytes],
+            # ZRANGE ... BYSCORE: the command the operator's ACL grants (not ZRANGEBYSCORE)
+            await client.raw.zrange(index, low[0], "+inf" if end is None else end[0], byscore=True),
+        )
+    except ResponseError:
+        return [], 0
+    ids = sorted(
+        (i for i in (_text(m) for m in raw) if _is_entry_id(i)),
+        key=id_key,
+    )
+    ids = [i for i in ids if id_key(i) > low and (end is None or id_key(i) < end)]
+    out: list[tuple[tuple[int, int, int], dict[str, Any]]] = []
+    read = 0
+    while ids and len(out) <= want:
+        chunk, ids = ids[: want + 1 - len(out)], ids[want + 1 - len(out) :]
+        pipe = client.raw.pipeline(transaction=False)
+        for entry_id in chunk:
+            pipe.xrange(keys.dlq, min=entry_id, max=entry_id)
+        rows = cast(list[list[tuple[bytes, dict[bytes, bytes]]]], await pipe.execute())
+        read += len(chunk)
+        for row in rows:
+            if not row:
+                continue  # redriven or purged since
+            entry_id = _text(row[0][0])
+            fields = {_text(k): _text(v) for k, v in row[0][1].items()}
+            if flt.matches(fields):
+                ms, n = id_key(entry_id)
+                summary = {"id": entry_id, "handle": handle(keys, entry_id), "shard": keys.shard}
+                out.append(((ms, n, keys.shard), summary | _summary(fields)))
+    return out, read
+
+
+def _end_id(end: str) -> tuple[int, int] | None:
+    """The exclusive upper bound "(<ms>-0" letters_page reads to, or None for "+"."""
+    return None if end == "+" else id_key(end.removeprefix("("))
+
+
+def _id(at: tuple[int, int, int]) -> str:
+    return f"{at[0]}-{at[1]}"
+
+
+def _rows(
+    page: list[tuple[tuple[int, int, int], dict[str, Any]]], now: int, redact: Redactor
+) -> list[dict[str, Any]]:
+    out = []
+    for _, row in page:
+        row["age_s"] = round(entry_age_s(row["id"], now), 1)
+        out.append(redact.fields(row) | {"handle": row["handle"], "id": row["id"]})
+    return out
 
 
 async def _scan(
