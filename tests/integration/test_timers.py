@@ -146,7 +146,7 @@ async def test_too_many_timers_dead_letter_the_step_that_asks_for_them(
     workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
 ) -> None:
     """At most 64 timers per session: the 65th is refused with its commit (one dead letter,
-    the 64 others stay)."""
+    the 64 others stay); replacing one of them is no 65th."""
     start(workers, tmp_path)
     url = env["REDIS_URL"]
     for i in range(65):
@@ -156,6 +156,11 @@ async def test_too_many_timers_dead_letter_the_step_that_asks_for_them(
     assert outcomes == ["applied"] * 64 + ["dead_lettered"]
     settings = load_settings(environ=env)
     r = redis.Redis.from_url(url)
+    assert r.zcard(Keys.from_settings(settings).timers) == 64
+    # At the limit, a timer of a name the session has replaces it: still 64, not refused.
+    await client.send("t6", "remind 7200 r0")
+    await wait_for(lambda: len(session_events(url, "t6")) >= 66)
+    assert session_events(url, "t6")[-1][2] == "applied"
     assert r.zcard(Keys.from_settings(settings).timers) == 64
 
 
