@@ -112,7 +112,15 @@ async def test_reset_keeps_waiting_messages_and_fences_the_running_step(
     workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
 ) -> None:
     log = tmp_path / "engine.jsonl"
-    workers.start(1, DIALOG_ENGINE="timer_engines:Timers", TIMER_ENGINE_LOG=str(log))
+    # A lease far longer than the test waits: the waiting ones go on at once after the
+    # reset, not when the fenced step's lease would have run out.
+    workers.start(
+        1,
+        DIALOG_ENGINE="timer_engines:Timers",
+        TIMER_ENGINE_LOG=str(log),
+        DIALOG_LOCK_TTL_MS="30000",
+        DIALOG_VISIBILITY_TIMEOUT_MS="60000",
+    )
     url = env["REDIS_URL"]
     await client.send("e2", "remind 3600 r1", msg_id="m1")
     await client.send("e2", "sleep 1", msg_id="m2")
