@@ -228,3 +228,16 @@ async def test_a_viewer_cannot_hold_release_or_cancel(
         r = await http.post(path, headers=VIEW, data=data)
         assert r.status_code == 403
     assert await client.redis.hget(client.keys_for("dave").session("dave").state, "h") is None
+
+
+async def test_releasing_a_session_that_is_not_held_says_so(
+    http: httpx.AsyncClient, client: DialogClient
+) -> None:
+    page = await hold_action(http, "carol", "release", "just in case")
+    assert 'id="outcome">Nothing changed: the session was not held' in page
+    assert 'id="outcome">Done' in await hold_action(http, "carol", "hold", "checking")
+    assert 'id="outcome">Done' in await hold_action(http, "carol", "release", "checked")
+    page = await hold_action(http, "carol", "release", "again")
+    assert "the session was not held" in page
+    audit = (await http.get("/audit", headers=VIEW)).text
+    assert audit.count("release_session") >= 3

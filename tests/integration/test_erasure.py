@@ -112,7 +112,15 @@ async def test_reset_keeps_waiting_messages_and_fences_the_running_step(
     workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
 ) -> None:
     log = tmp_path / "engine.jsonl"
-    workers.start(1, DIALOG_ENGINE="timer_engines:Timers", TIMER_ENGINE_LOG=str(log))
+    # A lease far longer than the test waits: the waiting ones go on at once after the
+    # reset, not when the fenced step's lease would have run out.
+    workers.start(
+        1,
+        DIALOG_ENGINE="timer_engines:Timers",
+        TIMER_ENGINE_LOG=str(log),
+        DIALOG_LOCK_TTL_MS="30000",
+        DIALOG_VISIBILITY_TIMEOUT_MS="60000",
+    )
     url = env["REDIS_URL"]
     await client.send("e2", "remind 3600 r1", msg_id="m1")
     await client.send("e2", "sleep 1", msg_id="m2")
@@ -183,3 +191,28 @@ def test_the_end_of_a_streamed_reply_does_not_bring_a_deleted_session_back(
     assert not r.exists(session.partial("m1"))
     r.hset(session.state, "v", 1)  # committed, not deleted: the end is appended
     assert emit(keys=[session.lock, session.partial("m1")], args=args) == [1]
+
+
+async def test_delete_removes_the_sessions_entries_past_the_first_chunk_and_no_other(
+    client: DialogClient, env: dict[str, str]
+) -> None:
+    """The dead-letter and reply streams are read in chunks: a session's entries anywhere in
+    them go (here the last ones come after more than a chunk of others'), nobody else's."""
+    from dialog_worker.erasure import CHUNK
+
+    r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
+    keys = Keys.from_settings(load_settings(environ=env))
+    for stream in (keys.dlq, keys.replies):
+        r.xadd(stream, {"session_id": "gone", "n": "first"})
+        for i in range(CHUNK + 20):
+            r.xadd(stream, {"session_id": f"other{i % 3}", "n": str(i)})
+        r.xadd(stream, {"session_id": "gone", "n": "middle"})
+        for i in range(CHUNK):
+            r.xadd(stream, {"session_id": "other0", "n": str(i)})
+        r.xadd(stream, {"session_id": "gone", "n": "last"})
+    result = await client.delete("gone", who="test", reason="asked", replies=True)
+    assert (result.dead_letters, result.reply_events) == (3, 3)
+    for stream in (keys.dlq, keys.replies):
+        left = [f["session_id"] for _, f in r.xrange(stream)]
+        assert "gone" not in left
+        assert len(left) == 2 * CHUNK + 20

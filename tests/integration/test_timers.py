@@ -146,7 +146,7 @@ async def test_too_many_timers_dead_letter_the_step_that_asks_for_them(
     workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
 ) -> None:
     """At most 64 timers per session: the 65th is refused with its commit (one dead letter,
-    the 64 others stay)."""
+    the 64 others stay); replacing one of them is no 65th."""
     start(workers, tmp_path)
     url = env["REDIS_URL"]
     for i in range(65):
@@ -156,6 +156,11 @@ async def test_too_many_timers_dead_letter_the_step_that_asks_for_them(
     assert outcomes == ["applied"] * 64 + ["dead_lettered"]
     settings = load_settings(environ=env)
     r = redis.Redis.from_url(url)
+    assert r.zcard(Keys.from_settings(settings).timers) == 64
+    # At the limit, a timer of a name the session has replaces it: still 64, not refused.
+    await client.send("t6", "remind 7200 r0")
+    await wait_for(lambda: len(session_events(url, "t6")) >= 66)
+    assert session_events(url, "t6")[-1][2] == "applied"
     assert r.zcard(Keys.from_settings(settings).timers) == 64
 
 
@@ -202,3 +207,23 @@ async def test_a_session_key_of_timers_or_msg_ids_written_by_hand_hurts_no_messa
     await client.send("h1", "after")
     got = await wait_for(lambda: len(session_events(url, "h1")) >= 3 and session_events(url, "h1"))
     assert [o for _, _, o, _ in got] == ["applied", "dead_lettered", "applied"]
+
+
+async def test_a_due_timer_fires_alone_and_a_later_one_waits_for_its_time(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    start(workers, tmp_path)
+    url = env["REDIS_URL"]
+    await client.send("t9", "remind 3600 later", msg_id="m1")
+    await client.send("t9", "remind 0.3 soon", msg_id="m2")
+    got = await wait_for(lambda: len(session_events(url, "t9")) >= 3 and session_events(url, "t9"))
+    await anyio.sleep(0.8)  # a few more looks for due timers
+    got = session_events(url, "t9")
+    assert [r for *_, r in got] == [
+        "ok remind 3600 later",
+        "ok remind 0.3 soon",
+        "fired soon: reminder",
+    ]
+    r = redis.Redis.from_url(url, decode_responses=True)
+    [later] = r.zrange(Keys.from_settings(load_settings(environ=env)).timers, 0, -1)
+    assert later.startswith("t9\n")

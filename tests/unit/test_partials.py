@@ -181,3 +181,29 @@ async def test_a_stopped_step_keeps_the_text_of_a_batch_still_on_its_way() -> No
     assert await asyncio.wait_for(kept, 2) == "shown "
     await asyncio.sleep(0.05)
     assert replies.sent == ["shown "]  # the text gathered after it was dropped, not written
+
+
+def test_every_half_maxlen_entry_carries_the_whole_text_so_far() -> None:
+    """A reader behind a trimmed start resyncs from a snapshot: with DIALOG_PARTIAL_MAXLEN=10,
+    every 5th entry carries all the text written before it plus its own piece, and a huge
+    emit is split into entries of at most MAX_ENTRY_CHARS."""
+    from dialog_worker.streaming import MAX_ENTRY_CHARS, PartialWriter
+
+    replies = SimpleNamespace(settings=SimpleNamespace(partial_maxlen=10))
+    job = SimpleNamespace(keys=SimpleNamespace(shard=0), token="t", seq=1, session_id="s")
+    writer = PartialWriter(replies, job, "m", 1)  # type: ignore[arg-type]
+    fulls = []
+    for word in ("a ", "b ", "c ", "d ", "e ", "f "):
+        [(pos, piece, full)] = writer.batches(word)
+        assert (pos, piece) == (writer.pos, word)
+        writer.written([piece], [1])
+        fulls.append(full)
+    assert fulls == ["", "", "", "", "", "a b c d e f "]
+    huge = "x" * (2 * MAX_ENTRY_CHARS) + "y"
+    entries = writer.batches(huge)
+    assert [(pos, len(piece)) for pos, piece, _ in entries] == [
+        (6, MAX_ENTRY_CHARS),
+        (7, MAX_ENTRY_CHARS),
+        (8, 1),
+    ]
+    assert "".join(piece for _, piece, _ in entries) == huge

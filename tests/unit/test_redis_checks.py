@@ -91,3 +91,32 @@ def test_a_cluster_answers_info_per_node_and_any_evicting_node_counts() -> None:
     assert per_node(one) == [one]
     nodes = {"127.0.0.1:7000": one, "127.0.0.1:7001": {**one, "maxmemory": 9}}
     assert per_node(nodes) == list(nodes.values())
+
+
+async def test_a_call_refused_for_memory_waits_longer_each_time_up_to_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of memory is backpressure: the call is tried again, after a pause that doubles
+    (with jitter) up to OOM_BACKOFF_MAX_S, and its result is returned once Redis has room."""
+    from dialog_worker import redis_checks
+
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    monkeypatch.setattr(redis_checks.anyio, "sleep", sleep)
+    refusals = 12
+
+    async def call() -> str:
+        if len(waits) < refusals:
+            raise redis.exceptions.ResponseError("OOM command not allowed when used memory")
+        return "done"
+
+    assert await redis_checks.OomBackoff().call("commit", call) == "done"
+    assert len(waits) == refusals
+    base, cap = redis_checks.OOM_BACKOFF_BASE_S, redis_checks.OOM_BACKOFF_MAX_S
+    for failures, wait in enumerate(waits, start=1):
+        ceiling = min(cap, base * 2**failures)
+        assert ceiling / 2 <= wait <= ceiling
+    assert waits[-1] >= cap / 2  # it grew to the cap and stays there

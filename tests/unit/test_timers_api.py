@@ -4,12 +4,19 @@ recorded, recorded for the running step only, and refused outside one."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 import dialog_worker
 from dialog_worker.errors import ValidationError
-from dialog_worker.timers import MAX_TIMER_NAME_BYTES, TimerOps, deliver_at_ms, recording
+from dialog_worker.timers import (
+    MAX_TIMER_META,
+    MAX_TIMER_NAME_BYTES,
+    TimerOps,
+    deliver_at_ms,
+    recording,
+)
 
 
 def test_schedule_outside_a_step_raises_instead_of_dropping_the_timer() -> None:
@@ -70,3 +77,20 @@ def test_deliver_at_is_seconds_since_the_epoch_within_a_year() -> None:
     for bad in (-1, float("inf"), 10**12, True):
         with pytest.raises(ValidationError):
             deliver_at_ms(bad)  # type: ignore[arg-type]
+
+
+def test_deliver_at_is_refused_one_day_past_its_limit() -> None:
+    """The limit is 366 days ahead, in seconds: a day inside it is taken, a day past refused."""
+    day = 86400
+    assert deliver_at_ms(time.time() + 365 * day) > 0
+    with pytest.raises(ValidationError):
+        deliver_at_ms(time.time() + 367 * day)
+
+
+def test_a_timer_carries_30_meta_fields_and_not_31() -> None:
+    at_limit = {f"k{i}": "v" for i in range(MAX_TIMER_META)}
+    with recording() as ops:
+        dialog_worker.schedule("n", "t", delay_s=1, meta=at_limit)
+        with pytest.raises(ValidationError):
+            dialog_worker.schedule("n", "t", delay_s=1, meta=at_limit | {"one_more": "v"})
+    assert [len(op["meta"]) for op in ops] == [2 * MAX_TIMER_META]
