@@ -229,14 +229,10 @@ def unpack_custody(raw: bytes) -> tuple[str, dict[bytes, bytes]] | None:
     custody)."""
     try:
         entry_id, pos = _unpack_str(raw, 0)
-        count, pos = _unpack_array_header(raw, pos)
-        flat = []
-        for _ in range(count):
-            value, pos = _unpack_str(raw, pos)
-            flat.append(value)
+        flat, pos = _unpack_flat(raw, pos)
     except (IndexError, ValueError, struct.error):
         return None
-    if pos != len(raw) or count % 2:
+    if pos != len(raw) or len(flat) % 2:
         return None
     return entry_id.decode("utf-8", "replace"), fields_dict(flat)
 
@@ -249,16 +245,22 @@ def unpack_timer(raw: bytes) -> tuple[int, bool, dict[bytes, bytes]] | None:
     try:
         due, pos = _unpack_int(raw, 0)
         on_message, pos = _unpack_int(raw, pos)
-        count, pos = _unpack_array_header(raw, pos)
-        flat = []
-        for _ in range(count):
-            value, pos = _unpack_str(raw, pos)
-            flat.append(value)
+        flat, pos = _unpack_flat(raw, pos)
     except (IndexError, ValueError, struct.error):
         return None
-    if pos != len(raw) or count % 2:
+    if pos != len(raw) or len(flat) % 2:
         return None
     return due, on_message == 1, fields_dict(flat)
+
+
+def _unpack_flat(raw: bytes, pos: int) -> tuple[list[bytes], int]:
+    """A msgpack array of strings (a flat name/value list) at `pos`, and the position after."""
+    count, pos = _unpack_array_header(raw, pos)
+    flat = []
+    for _ in range(count):
+        value, pos = _unpack_str(raw, pos)
+        flat.append(value)
+    return flat, pos
 
 
 def _unpack_int(raw: bytes, pos: int) -> tuple[int, int]:
