@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 import redis
+from redis_server import wait_for
 from worker_procs import run_cli
 
 from dialog_worker.client import DialogClient
@@ -28,16 +28,6 @@ ASYNC_BOUND_S = 1.0  # asserted; the documented bound is 0.2 s (measured below)
 def events(url: str, stream: str = "dialog-replies") -> list[dict[str, str]]:
     r = redis.Redis.from_url(url, decode_responses=True)
     return [fields for _, fields in r.xrange(stream)]
-
-
-async def wait_for(check: Callable[[], Any], timeout_s: float = 15) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        await anyio.sleep(0.01)
-    raise AssertionError(f"not within {timeout_s} s")
 
 
 def engine_log(path: Path) -> list[dict[str, Any]]:

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 import redis
+from redis_server import wait_for
 
 from dialog_worker.client import DialogClient
 
@@ -47,16 +46,6 @@ def payloads(bubbles: list[dict[str, Any]] | None) -> list[str]:
 def user_turns(state: dict[str, Any] | None) -> list[str]:
     history = (state or {}).get("history", [])
     return [t["user"] for t in history if not t["msg_id"].startswith("timer:")]
-
-
-async def wait_for(check: Callable[[], Any], timeout_s: float = 15) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        await anyio.sleep(0.02)
-    raise AssertionError(f"not within {timeout_s} s")
 
 
 async def test_the_guides_complete_bot_answers_with_buttons_and_nudges_once_after_a_silence(

@@ -5,14 +5,13 @@ session (checked with SCAN, here only), reset keeps the waiting messages, both a
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 import redis
+from redis_server import wait_for
 from worker_procs import run_cli
 
 from dialog_worker.client import DialogClient
@@ -31,16 +30,6 @@ def engine_log(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-async def wait_for(check: Callable[[], Any], timeout_s: float = 15) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        await anyio.sleep(0.02)
-    raise AssertionError(f"not within {timeout_s} s")
 
 
 def keys_of(url: str, sid: str) -> list[str]:

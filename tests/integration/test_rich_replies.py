@@ -10,14 +10,13 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import redis
 import redis.asyncio
+from redis_server import wait_for
 from reply_engines import BUTTONS
 from worker_procs import run_cli
 
@@ -40,16 +39,6 @@ def events(url: str, stream: str = "dialog-replies") -> list[dict[str, str]]:
 def dead_letters(url: str) -> list[dict[str, str]]:
     r = redis.Redis.from_url(url, decode_responses=True)
     return [fields for _, fields in r.xrange("dialog-dlq")]
-
-
-async def wait_for(check: Callable[[], Any], timeout_s: float = 15) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        await anyio.sleep(0.02)
-    raise AssertionError(f"not within {timeout_s} s")
 
 
 def start(workers: Any, tmp_path: Path, **env: str) -> Path:

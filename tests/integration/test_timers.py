@@ -8,13 +8,13 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 import redis
+from redis_server import wait_for
 
 from dialog_worker.client import DialogClient
 from dialog_worker.config import load_settings
@@ -34,16 +34,6 @@ def session_events(url: str, sid: str) -> list[tuple[str, str, str, str]]:
         for e in events(url)
         if e["session_id"] == sid
     ]
-
-
-async def wait_for(check: Callable[[], Any], timeout_s: float = 15) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        await anyio.sleep(0.02)
-    raise AssertionError(f"not within {timeout_s} s")
 
 
 def start(workers: Any, tmp_path: Path, n: int = 1) -> Path:

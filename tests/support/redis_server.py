@@ -52,6 +52,18 @@ async def wait_until_async(
         await anyio.sleep(interval_s)
 
 
+async def wait_for(check: Callable[[], Any], timeout_s: float = 15) -> Any:
+    """In an async test: poll the plain (non-async) `check` until it returns something truthy
+    (returned), or fail at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        await anyio.sleep(0.01)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
 class RedisServer:
     def __init__(
         self,
