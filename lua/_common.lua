@@ -256,12 +256,29 @@ end
 
 -- Every msg_id a session's messages had (explicit or their entry id) -> until when (ms) keys
 -- named by it (msg:, cancel:, partial:) may exist: how delete (erase-2.lua) finds them
--- without a scan. One ZADD and one PEXPIRE per sequenced message; expired members are pruned
--- every 32nd message, so it holds about one dedupe window of msg_ids. With pcall: a key of
--- another type (written by hand) must not fail the call after its first writes.
-local function index_msg_id(sprefix, sid, msg_id, seq, until_ms, ttl_ms)
+-- without a scan. index_msg_ids adds the msg_ids one call sequenced for a session, seqs
+-- first_seq..last_seq, with one ZADD and one PEXPIRE (a burst's messages share them);
+-- expired members are pruned whenever those seqs pass a multiple of 32, so the index holds
+-- about one dedupe window of msg_ids. With pcall: a key of another type (written by hand)
+-- must not fail the call after its first writes.
+local MAX_INDEXED_PER_ZADD = 500  -- members per ZADD: Lua's unpack fails on a few thousand
+
+local function index_msg_ids(sprefix, sid, msg_ids, first_seq, last_seq, until_ms, ttl_ms)
   local ikey = session_key(sprefix, sid, 'ids')
-  redis.pcall('ZADD', ikey, until_ms, msg_id)
-  if seq % 32 == 0 then redis.pcall('ZREMRANGEBYSCORE', ikey, '-inf', '(' .. (until_ms - ttl_ms)) end
+  for i = 1, #msg_ids, MAX_INDEXED_PER_ZADD do
+    local args = {}
+    for k = i, math.min(i + MAX_INDEXED_PER_ZADD - 1, #msg_ids) do
+      args[#args + 1] = until_ms
+      args[#args + 1] = msg_ids[k]
+    end
+    redis.pcall('ZADD', ikey, unpack(args))
+  end
+  if math.floor(last_seq / 32) > math.floor((first_seq - 1) / 32) then
+    redis.pcall('ZREMRANGEBYSCORE', ikey, '-inf', '(' .. (until_ms - ttl_ms))
+  end
   redis.pcall('PEXPIRE', ikey, ttl_ms)
+end
+
+local function index_msg_id(sprefix, sid, msg_id, seq, until_ms, ttl_ms)
+  index_msg_ids(sprefix, sid, {msg_id}, seq, seq, until_ms, ttl_ms)
 end

@@ -34,7 +34,7 @@
   sequenced now: it becomes a timer of its session (see defer below and fire-3.lua). A
   sequenced entry without a timer field (a user's message) cancels its session's timers that
   were set with cancel_on_message. Each sequenced message's msg_id goes into its session's
-  msg_id index (index_msg_id in _common.lua), which delete uses instead of a scan.
+  msg_id index (index_msg_ids in _common.lua), which delete uses instead of a scan.
   Every delivered entry is acked and deleted from the stream in this call (custody): the
   stream holds only unread entries, so no producer command (XADD MAXLEN/MINID, XTRIM, XDEL)
   can touch a sequenced message, and nothing ever waits in a pending list: a crashed
@@ -385,7 +385,7 @@ local function session(sid)
       return nil, 'session state ' .. state .. ': ' .. h['err']
     end
     s = {state = state, lock = session_key(sprefix, sid, 'lock'), a = tonumber(h[1]) or 0,
-         last = tonumber(h[2]) or 0, writes = {}, token = nil, h = h,
+         last = tonumber(h[2]) or 0, writes = {}, indexed = {}, token = nil, h = h,
          xc = tonumber(h[8]) or 0, xs = tonumber(h[9]) or 0, held = h[10]}
     s.last_read, s.msg_ids, s.ids = s.last, {}, {}
     sessions[sid] = s
@@ -517,8 +517,13 @@ for _, e in ipairs(entries) do
         interrupt_or_coalesce(s, sid, seq, policy)
       end
       s.last = seq
-      index_msg_id(sprefix, sid, msg_id or id, seq, now + dedupe_ttl * 1000, dedupe_ttl * 1000)
-      if not timer then cancel_message_timers(ready, sprefix, sid) end
+      s.indexed[#s.indexed + 1] = msg_id or id  -- its msg_id index, written after the loop
+      if not timer and not s.timers_checked then
+        -- Only a user message cancels timers, and none that cancel_on_message can be set
+        -- later in this call (deferred entries' timers are not), so one look per call will do.
+        cancel_message_timers(ready, sprefix, sid)
+        s.timers_checked = true
+      end
       if dkey then
         rcall('SET', dkey, seq, 'EX', dedupe_ttl)
         s.msg_ids[seq] = msg_id
@@ -573,19 +578,26 @@ for _, sid in ipairs(order) do
   if #s.writes > 0 then
     rcall('HSET', s.state, 's', s.last, unpack(s.writes))
   end
+  if #s.indexed > 0 then
+    index_msg_ids(sprefix, sid, s.indexed, s.last - #s.indexed + 1, s.last,
+                  now + dedupe_ttl * 1000, dedupe_ttl * 1000)
+  end
 end
 -- Sessions that received a message, by id (score 0: ordered by the id's bytes), in buckets of
 -- DIALOG_DEDUPE_TTL_S each kept two buckets long: the console finds sessions by id prefix in
 -- the current and the previous bucket (ZRANGEBYLEX), never by scanning keys.
 local seen_bucket = ready .. ':sessions:' .. math.floor(now / (dedupe_ttl * 1000))
-local seen_any = false
+local seen = {}
 for _, sid in ipairs(order) do
   if #sessions[sid].writes > 0 then
-    rcall('ZADD', seen_bucket, 0, sid)
-    seen_any = true
+    seen[#seen + 1] = 0
+    seen[#seen + 1] = sid
   end
 end
-if seen_any then rcall('EXPIRE', seen_bucket, 2 * dedupe_ttl + 60) end
+for i = 1, #seen, 1000 do  -- one ZADD per 500 sessions (unpack's limit)
+  rcall('ZADD', seen_bucket, unpack(seen, i, math.min(i + 999, #seen)))
+end
+if #seen > 0 then rcall('EXPIRE', seen_bucket, 2 * dedupe_ttl + 60) end
 if #acks > 0 then
   rcall('XACK', stream, group, unpack(acks))
 end

@@ -904,3 +904,44 @@ async def test_a_resume_takes_at_most_1000_sessions_and_refuses_to_be_asked_for_
             await h.resume(count=count)
     assert await h.resume(count=1000) is not None
     assert await h.resume(count=1) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# cost: what a session's messages share when one call reads several of them
+
+
+async def commands_run(h: Harness) -> dict[str, int]:
+    stats = await h.r.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+
+async def test_a_burst_read_in_one_call_writes_its_sessions_indexes_once_not_per_message(h):
+    """40 messages of one session in one intake call: its msg_id index gets one ZADD and one
+    PEXPIRE (and one prune, as the seqs pass 32), the timers it may cancel are looked at once,
+    and the recent-sessions bucket gets one ZADD for both sessions."""
+    for i in range(1, 41):
+        await xadd(h, "a", msg_id=f"m{i}")
+    await xadd(h, "b")
+    await h.r.config_resetstat()
+    _, read, jobs, held, _ = await h.intake()
+    ran = await commands_run(h)
+    assert (int(read), len(jobs), len(held)) == (41, 2, 39)
+    assert ran["pexpire"] == 2  # one per session's index, not one per message
+    assert ran["zremrangebyscore"] == 1  # session a's seqs passed 32
+    assert ran["hget"] == 2  # one look at each session's timers
+    # ready set and ages (one each per session), one index ZADD per session, one bucket ZADD
+    assert ran["zadd"] == 2 + 2 + 2 + 1
+    ids = await h.r.zrange(h.k.session("a").ids, 0, -1)
+    assert sorted(ids) == sorted(f"m{i}".encode() for i in range(1, 41))
+    assert await h.r.zrange(h.k.session("b").ids, 0, -1) == [jobs[1][3]]  # its entry id
+
+
+async def test_a_session_with_1000_messages_in_one_call_has_all_of_them_indexed(h):
+    async with h.r.pipeline(transaction=False) as pipe:
+        for i in range(1000):
+            pipe.xadd(h.k.stream, {"session_id": "a", "text": "hi", "msg_id": f"m{i}"})
+        await pipe.execute()
+    reply = await h.intake(count=1000)
+    assert int(reply[1]) == 1000 and len(reply[3]) == 999
+    assert await h.r.zcard(h.k.session("a").ids) == 1000
+    assert 0 < await h.r.pttl(h.k.session("a").ids) <= 3600 * 1000
