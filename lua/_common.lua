@@ -254,6 +254,16 @@ local function cancel_message_timers(ready, sprefix, sid)
   end
 end
 
+-- The console finds a message by its msg_id (else entry id) in hashes msg_id -> session id,
+-- one per quarter of DIALOG_DEDUPE_TTL_S (<ready>:msgs:<quarter>), written by intake and each
+-- kept five quarters: a message is found for at least one dedupe window, and the hashes hold
+-- at most a quarter window more. Keys.msg_sessions and the console compute the same names.
+local FIND_PERIODS = 4
+
+local function find_quarter(now, dedupe_ttl_s)
+  return math.floor(now / (dedupe_ttl_s * 1000 / FIND_PERIODS))
+end
+
 -- Every msg_id a session's messages had (explicit or their entry id) -> until when (ms) keys
 -- named by it (msg:, cancel:, partial:) may exist: how delete (erase-2.lua) finds them
 -- without a scan. index_msg_ids adds the msg_ids one call sequenced for a session, seqs

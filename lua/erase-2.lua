@@ -16,9 +16,9 @@
           (about the messages of one dedupe window), no scan. The session's dead letters
           and reply events are in shard-wide streams: the client removes the letters.
 
-          With the session go the console's indexes of it: its dead-letter index, the
-          shard's msg_id -> session keys of its msg_ids (when they still name it) and its
-          place in the recent sessions' buckets (the current and the previous one).
+          With the session go the console's indexes of it: its dead-letter index, its msg_ids
+          in the shard's msg_id -> session hashes (when they still name it) and its place in
+          the recent sessions' buckets (the current and the previous one).
 
   KEYS[1] ready set   KEYS[2] session key prefix
   ARGV[1] 'reset' | 'delete'   ARGV[2] session_id   ARGV[3] initial state JSON (reset)
@@ -72,7 +72,9 @@ for _, msg_id in ipairs(ids) do
   deleted = deleted + rcall('DEL', session_key(sprefix, sid, 'msg:' .. msg_id),
                             cancel_key(sprefix, sid, msg_id),
                             session_key(sprefix, sid, 'partial:' .. msg_id))
-  local found_by = ready .. ':msg:' .. msg_id  -- the console's find (intake-5.lua)
+  -- The console's find as versions before the quarter hashes kept it: a key per msg_id
+  -- (it lives one dedupe window).
+  local found_by = ready .. ':msg:' .. msg_id
   if redis.pcall('GET', found_by) == sid then deleted = deleted + rcall('DEL', found_by) end
 end
 deleted = deleted + rcall('DEL', state, tkey, ikey, session_key(sprefix, sid, 'letters'))
@@ -82,6 +84,13 @@ if bucket_ms > 0 then
   local current = math.floor(now / bucket_ms)
   for _, b in ipairs({current, current - 1}) do
     redis.pcall('ZREM', ready .. ':sessions:' .. b, sid)
+  end
+  local quarter = find_quarter(now, bucket_ms / 1000)  -- the console's find (intake-5.lua)
+  for q = quarter - FIND_PERIODS, quarter do
+    local found_in = ready .. ':msgs:' .. q
+    for _, msg_id in ipairs(ids) do
+      if redis.pcall('HGET', found_in, msg_id) == sid then redis.pcall('HDEL', found_in, msg_id) end
+    end
   end
 end
 rcall('ZREM', ready, sid)

@@ -19,8 +19,8 @@
               message and the lock is free, the lock is taken (one token per session) and
               the job returned. Otherwise it waits there: the lock holder's commit hands it
               on, or the ready set brings it back (resume-3.lua). Its msg_id (else its entry
-              id) is indexed: <ready set>:msg:<msg_id> -> session_id, kept DIALOG_DEDUPE_TTL_S
-              (the console finds a message by msg_id with one GET). A held session (the state's
+              id) is indexed for the console: msg_id -> session_id in a hash of the quarter
+              (find_quarter in _common.lua), one HSET per call. A held session (the state's
               h field, hold-3.lua) takes no lock and stays out of the ready set: its
               messages wait until an operator releases or redrives it.
   Double-texting: when the session already has a message outstanding, the entry's multitask
@@ -306,6 +306,7 @@ else
 end
 
 local acks, dels, jobs, held, receipt = {}, {}, {}, {}, {}
+local found = {}  -- msg_id, session_id, ...: for the console's find, written after the loop
 local sessions, order = {}, {}
 local tokens = 0
 local dups, refused, contended, rejected = 0, 0, 0, 0
@@ -532,8 +533,8 @@ for _, e in ipairs(entries) do
       s.writes[#s.writes + 1] = pack_message(id, f)
       s.ids[seq] = msg_id or id
       dels[#dels + 1] = id
-      -- Which session a msg_id belongs to, for the console's find (kept as long as dedupe).
-      rcall('SET', ready .. ':msg:' .. (msg_id or id), sid, 'EX', dedupe_ttl)
+      found[#found + 1] = msg_id or id
+      found[#found + 1] = sid
       if seq == s.a + 1 then
         -- The session had nothing outstanding: it may carry its idle TTL, and it joins the
         -- ready set, where it stays while anything is outstanding (and the ages).
@@ -598,6 +599,16 @@ for i = 1, #seen, 1000 do  -- one ZADD per 500 sessions (unpack's limit)
   rcall('ZADD', seen_bucket, unpack(seen, i, math.min(i + 999, #seen)))
 end
 if #seen > 0 then rcall('EXPIRE', seen_bucket, 2 * dedupe_ttl + 60) end
+-- Which session each sequenced msg_id went to (a msg_id sent to several sessions names the
+-- last), in this quarter's hash (see find_quarter). pcall: a key of another type (written by
+-- hand) must not fail the call after its writes; those messages cannot be found, no more.
+local found_bucket = ready .. ':msgs:' .. find_quarter(now, dedupe_ttl)
+for i = 1, #found, 1000 do  -- one HSET per 500 messages (unpack's limit)
+  redis.pcall('HSET', found_bucket, unpack(found, i, math.min(i + 999, #found)))
+end
+if #found > 0 then
+  redis.pcall('EXPIRE', found_bucket, math.ceil(dedupe_ttl * (FIND_PERIODS + 1) / FIND_PERIODS) + 60)
+end
 if #acks > 0 then
   rcall('XACK', stream, group, unpack(acks))
 end

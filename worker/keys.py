@@ -167,11 +167,12 @@ class Keys:
         baseline. Derived from the ready set's name in the scripts (inbound_key)."""
         return f"{self.ready}:inbound"
 
-    def msg_index(self, msg_id: str) -> str:
-        """A string: the session a msg_id (or, without one, an entry id) was last sequenced
-        for, kept DIALOG_DEDUPE_TTL_S (lua/intake-5.lua); how the console finds a message by
-        its msg_id without a scan."""
-        return f"{self.ready}:msg:{msg_id}"
+    def msg_sessions(self, quarter: int) -> str:
+        """A hash: msg_id (or, without one, entry id) -> the session it was last sequenced
+        for, of the messages sequenced in one quarter of DIALOG_DEDUPE_TTL_S (quarter = ms //
+        (ttl * 250)), kept five quarters (find_quarter in lua/_common.lua); how the console
+        finds a message by its msg_id without a scan."""
+        return f"{self.ready}:msgs:{quarter}"
 
     def sessions_seen(self, bucket: int) -> str:
         """A sorted set (score 0, so ordered by id): the sessions that received a message in

@@ -88,3 +88,26 @@ async def test_console_hold_release_redrive_and_cancel_as_the_operator_user(
         assert acl.admin.exists(sk.cancel_mark("later"))
         assert acl.admin.zscore(sk.ids, "later") is not None
     assert acl.acl_log() == [], "the operator was denied a command a console action needs"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_session_delete_as_the_operator_user_removes_its_msg_ids_from_the_consoles_find(
+    acl: AclRedis,  # noqa: F811
+    layout: str,
+) -> None:
+    acl.admin.flushall()
+    acl.admin.execute_command("ACL", "LOG", "RESET")
+    operator = settings_for(acl.url("operator"), **LAYOUTS[layout])
+    sid = "gone"
+    async with DialogClient(settings=operator) as client:
+        keys = client.keys_for(sid)
+        sk = keys.session(sid)
+        acl.admin.hset(sk.state, mapping={"a": "1", "s": "1", "v": "1", "d": "{}"})
+        acl.admin.zadd(sk.ids, {"m1": 9e15})
+        sec, usec = acl.admin.time()
+        quarter = (int(sec) * 1000 + int(usec) // 1000) // (operator.dedupe_ttl_s * 250)
+        found = keys.msg_sessions(quarter - 1)  # the quarter before this one is looked at too
+        acl.admin.hset(found, mapping={"m1": sid, "m2": "someone-else"})
+        await client.delete(sid)
+        assert acl.admin.hgetall(found) == {"m2": "someone-else"}
+    assert acl.acl_log() == [], "the operator was denied a command session delete needs"

@@ -41,7 +41,8 @@ def keys_of(url: str, sid: str) -> list[str]:
         if r.type(key) == "zset":
             found += [f"{key} {m!r}" for m in r.zrange(key, 0, -1) if m.startswith(sid + "\n")]
     # The console's indexes name the session in a value or a member, not in the key.
-    found += [k for k in r.scan_iter(match="*:ready:msg:*") if r.get(k) == sid]
+    for key in r.scan_iter(match="*:ready:msgs:*"):
+        found += [f"{key} {m!r}" for m, v in r.hgetall(key).items() if v == sid]
     for key in r.scan_iter(match="*:ready:sessions:*"):
         if r.zscore(key, sid) is not None:
             found.append(f"{key} {sid!r}")

@@ -138,7 +138,7 @@ def families() -> dict[str, list[str]]:
         "inb": [k.inbound for k in both],
         "age": [k.ages for k in both],
         "tmr": [k.timers for k in both],
-        "fnd": [k.msg_index("m1") for k in both] + [k.msg_index("m}") for k in both],
+        "fnd": [k.msg_sessions(9) for k in both],
         "seen": [k.sessions_seen(9) for k in both],
         "lsn": [k.letters_since for k in both],
         "rcp": [f"{k.ready}:receipt:t1" for k in both],

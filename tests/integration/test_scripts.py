@@ -918,7 +918,8 @@ async def commands_run(h: Harness) -> dict[str, int]:
 async def test_a_burst_read_in_one_call_writes_its_sessions_indexes_once_not_per_message(h):
     """40 messages of one session in one intake call: its msg_id index gets one ZADD and one
     PEXPIRE (and one prune, as the seqs pass 32), the timers it may cancel are looked at once,
-    and the recent-sessions bucket gets one ZADD for both sessions."""
+    the recent-sessions bucket gets one ZADD for both sessions and the console's msg_id ->
+    session hash one HSET for all 41 messages."""
     for i in range(1, 41):
         await xadd(h, "a", msg_id=f"m{i}")
     await xadd(h, "b")
@@ -934,6 +935,12 @@ async def test_a_burst_read_in_one_call_writes_its_sessions_indexes_once_not_per
     ids = await h.r.zrange(h.k.session("a").ids, 0, -1)
     assert sorted(ids) == sorted(f"m{i}".encode() for i in range(1, 41))
     assert await h.r.zrange(h.k.session("b").ids, 0, -1) == [jobs[1][3]]  # its entry id
+    assert ran["set"] == 40 + 2 + 1  # a's dedupe keys, the locks, the receipt: no find keys
+    assert ran["hset"] == 2 + 1 + 1  # the states, the inbound bookkeeping, the find hash
+    quarter = await server_ms(h) // (3600 * 250)
+    found = await h.r.hgetall(h.k.msg_sessions(quarter))
+    assert found == {**{f"m{i}".encode(): b"a" for i in range(1, 41)}, jobs[1][3]: b"b"}
+    assert 3600 * 5 // 4 < await h.r.ttl(h.k.msg_sessions(quarter)) <= 3600 * 5 // 4 + 60
 
 
 async def test_a_session_with_1000_messages_in_one_call_has_all_of_them_indexed(h):

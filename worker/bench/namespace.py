@@ -101,12 +101,14 @@ async def clean(
     async for key in r.scan_iter(match=pattern, count=1000):
         removed["keys"] += int(await r.unlink(key))
     # The console's indexes name its sessions in values and members, not in key names: the
-    # msg_id -> session keys, and the recent-sessions buckets (lua/intake-5.lua).
-    async for key in r.scan_iter(match=glob_escape(f"{k.ready}:msg:") + "*", count=1000):
-        value = await r.get(key)
-        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-        if text is not None and text.startswith(session_prefix):
-            removed["keys"] += int(await r.unlink(key))
+    # msg_id -> session hashes, and the recent-sessions buckets (lua/intake-5.lua).
+    async for key in r.scan_iter(match=glob_escape(f"{k.ready}:msgs:") + "*", count=1000):
+        if await r.type(key) not in (b"hash", "hash"):
+            continue
+        async for field, value in r.hscan_iter(key, count=1000):
+            text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            if text.startswith(session_prefix):
+                await r.hdel(key, field)
     first = session_prefix.encode()
     async for key in r.scan_iter(match=glob_escape(f"{k.ready}:sessions:") + "*", count=1000):
         if await r.type(key) in (b"zset", "zset"):

@@ -357,13 +357,20 @@ async def sessions_by_prefix(client: DialogClient, prefix: str) -> tuple[list[st
 
 
 async def find_message(client: DialogClient, msg_id: str) -> list[dict[str, Any]]:
-    """The sessions (one per shard at most) a message with this msg_id was sequenced for
-    within the dedupe window: one GET per shard of the index intake keeps (Keys.msg_index)."""
+    """The sessions (one per shard at most) a message with this msg_id was sequenced for in
+    the last DIALOG_DEDUPE_TTL_S (and up to a quarter more): per shard, an HGET of each
+    quarter's hash intake keeps (Keys.msg_sessions), the newest first, until it is found."""
+    quarter = int(time.time() * 1000) // (client.settings.dedupe_ttl_s * 250)
     found = []
     for keys in client.topology.shards:
-        raw = await client.raw.get(keys.msg_index(msg_id))
-        if raw is not None:
-            found.append({"session_id": _text(raw), "shard": keys.shard})
+        for q in range(quarter, quarter - 5, -1):
+            try:
+                raw = await client.raw.hget(keys.msg_sessions(q), msg_id)
+            except ResponseError:
+                continue  # a key of another type, written by hand
+            if raw is not None:
+                found.append({"session_id": _text(raw), "shard": keys.shard})
+                break
     return found
 
 
