@@ -231,7 +231,8 @@ local function drop_timer(ready, sprefix, sid, name)
   return v
 end
 
--- Set (or replace) one timer. The caller checked the session's timer count.
+-- Set (or replace) one timer. The caller checked the session's timer count; when it sets one
+-- that a user message cancels (on_message), it deletes the state's tc field (see below).
 local function set_timer(ready, sprefix, sid, name, due, on_message, fields)
   drop_timer(ready, sprefix, sid, name)
   local tkey = session_key(sprefix, sid, 'timers')
@@ -241,7 +242,11 @@ local function set_timer(ready, sprefix, sid, name, due, on_message, fields)
 end
 
 -- A user message of the session was sequenced: its timers marked cancel_on_message go (one
--- HGET when it has none; else one HGETALL of at most MAX_TIMERS timers).
+-- HGET when it has none; else one HGETALL of at most MAX_TIMERS timers). Intake then writes
+-- tc = 0 into the state hash, which it reads anyway: while tc is there the session has no
+-- such timer and the next message skips this look. Only a commit sets such a timer, and it
+-- deletes tc with its own writes; a state that expired or was deleted takes tc with it while
+-- the timers stay, so a state without tc is always looked at.
 local function cancel_message_timers(ready, sprefix, sid)
   local tkey = session_key(sprefix, sid, 'timers')
   if (tonumber(redis.pcall('HGET', tkey, 'c')) or 0) <= 0 then return end

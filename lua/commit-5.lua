@@ -154,7 +154,9 @@ local function too_many_timers(c)
   return false
 end
 
+-- Returns whether it set a timer that a user message cancels.
 local function apply_timers(c, now)
+  local on_message = false
   for _, op in ipairs(c.timers) do
     if op['op'] == 'cancel' then
       drop_timer(ready, sprefix, c.sid, op['name'])
@@ -165,8 +167,10 @@ local function apply_timers(c, now)
                       'msg_id', 'timer:' .. op['name'] .. ':' .. due, 'timer', op['name']}
       for _, v in ipairs(op['meta']) do fields[#fields + 1] = v end
       set_timer(ready, sprefix, c.sid, op['name'], due, op['cancel_on_message'] == true, fields)
+      on_message = on_message or op['cancel_on_message'] == true
     end
   end
+  return on_message
 end
 
 -- Validate every commit before any write.
@@ -246,7 +250,10 @@ for _, c in ipairs(commits) do
     end
     reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, c.outcome, c.reply, now, c.entry_id,
                 c.event)
-    if c.timers then apply_timers(c, now) end
+    local forget = {}  -- state fields that go besides the message's own
+    if c.timers and apply_timers(c, now) then
+      forget[1] = 'tc'  -- the next user message must look at the timers (cancel_message_timers)
+    end
     if legacy then dels[#dels + 1] = id end  -- sequenced before custody: still in the stream
     if h[5] then
       -- Copies of this message that arrived while it was outstanding: answered now (their
@@ -257,7 +264,7 @@ for _, c in ipairs(commits) do
         dels[#dels + 1] = copy
       end
     end
-    rcall('HDEL', state, 'q' .. c.seq, 'u' .. c.seq, 'f', 'e', 'g')
+    rcall('HDEL', state, 'q' .. c.seq, 'u' .. c.seq, 'f', 'e', 'g', unpack(forget))
 
     local held = h[10] or (hold_on_letter and c.outcome == 'dead_lettered')
     if held and not h[10] then

@@ -381,13 +381,15 @@ local function session(sid)
     local state = session_key(sprefix, sid, 'state')
     -- One read for the common case (the session's next message, lock free): the state
     -- document and attempts come along.
-    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs', 'h')
+    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs', 'h',
+                          'tc')
     if h['err'] then
       return nil, 'session state ' .. state .. ': ' .. h['err']
     end
     s = {state = state, lock = session_key(sprefix, sid, 'lock'), a = tonumber(h[1]) or 0,
          last = tonumber(h[2]) or 0, writes = {}, indexed = {}, token = nil, h = h,
-         xc = tonumber(h[8]) or 0, xs = tonumber(h[9]) or 0, held = h[10]}
+         xc = tonumber(h[8]) or 0, xs = tonumber(h[9]) or 0, held = h[10],
+         no_message_timers = h[11] == '0'}
     s.last_read, s.msg_ids, s.ids = s.last, {}, {}
     sessions[sid] = s
     order[#order + 1] = sid
@@ -521,8 +523,13 @@ for _, e in ipairs(entries) do
       s.indexed[#s.indexed + 1] = msg_id or id  -- its msg_id index, written after the loop
       if not timer and not s.timers_checked then
         -- Only a user message cancels timers, and none that cancel_on_message can be set
-        -- later in this call (deferred entries' timers are not), so one look per call will do.
-        cancel_message_timers(ready, sprefix, sid)
+        -- later in this call (deferred entries' timers are not), so one look per call will
+        -- do, and none while the state's tc says there is none (cancel_message_timers).
+        if not s.no_message_timers then
+          cancel_message_timers(ready, sprefix, sid)
+          s.writes[#s.writes + 1] = 'tc'
+          s.writes[#s.writes + 1] = 0
+        end
         s.timers_checked = true
       end
       if dkey then

@@ -952,3 +952,27 @@ async def test_a_session_with_1000_messages_in_one_call_has_all_of_them_indexed(
     assert int(reply[1]) == 1000 and len(reply[3]) == 999
     assert await h.r.zcard(h.k.session("a").ids) == 1000
     assert 0 < await h.r.pttl(h.k.session("a").ids) <= 3600 * 1000
+
+
+async def test_a_user_message_cancels_a_nudge_after_the_state_that_noted_none_is_gone(h):
+    """Intake notes in the state (tc) that a session has no timers a user message cancels, so
+    its next messages skip the look; a commit that sets such a timer deletes the note, and a
+    state that expired (its timers stay) has none: the user's next message cancels the nudge."""
+    state, timers = h.k.session("a").state, h.k.session("a").timers
+    await xadd(h, "a")
+    _, _, [job], _, _ = await h.intake()
+    assert await h.r.hget(state, "tc") == b"0"
+    nudge = {"op": "set", "name": "nudge", "text": "still there?", "meta": [],
+             "delay_ms": 60_000, "cancel_on_message": True}  # fmt: skip
+    [r] = await h.commit([*commit_args(job), json.dumps([nudge])])
+    assert int(r[0]) == Code.COMMITTED and await h.r.hexists(timers, "t:nudge")
+    assert await h.r.hget(state, "tc") is None  # the next user message must look
+    await h.r.delete(state)  # the state expired; its timers stay
+    await xadd(h, "a")
+    await h.intake()
+    assert not await h.r.hexists(timers, "t:nudge")  # cancelled by the user's message
+    assert await h.r.hget(state, "tc") == b"0"
+    await xadd(h, "a")
+    await h.r.config_resetstat()
+    await h.intake()
+    assert "hget" not in await commands_run(h)  # noted: no look at the timers
