@@ -7,58 +7,86 @@
 
   Every entry carries the attempt that wrote it and its position in that attempt's answer
   (0, 1, 2...): readers resume from (attempt, pos), never from a Redis entry id. Each stream
-  is capped (MAXLEN ~) and expires a fixed time after its last append.
+  is capped (MAXLEN ~).
 
   Safe to send twice: a batch whose position the stream already has for that attempt is not
   written again, nothing is appended after an end entry, and a batch of an attempt older than
-  the stream's newest one is refused.
+  the stream's newest one is refused. Redis itself checks all three: entry ids are explicit,
+  <attempt + 1>-<pos> for text and 18446744073709551615-0 for the end (above every text id),
+  so such a batch has an id at or below the stream's newest and XADD refuses it. Only then is
+  the newest entry read, to say which case it was. A stream written by an earlier version of
+  this script (time-based ids: an answer in flight during a rolling upgrade) refuses every
+  explicit id: when its newest entry says the batch is new, it is appended with '*' as then.
+  Each batch costs a lock check and an XADD; the end adds a check of the session's state.
+
+  Expiry: not reset at every append (one command per batch less). It is set to ttl when an
+  entry creates the stream (a stream never exists without one), at the first entry of each
+  attempt (pos 0), every 32nd position, at the end, and at any batch whose refresh is "1" (the
+  worker asks when ttl / 8 has passed since its last refresh, worker/streaming.py). So a stream
+  expires at most ttl, and, while its writer refreshes, at least 7/8 of ttl, after its last
+  append, whether its writer finished or died.
 
   KEYS: 2 per batch: the session's lock, the message's partial stream (so the name says 2)
-  ARGV[1] MAXLEN   ARGV[2] ttl (s)   ARGV[3] number of batches N, then N groups of 8:
+  ARGV[1] MAXLEN   ARGV[2] ttl (s)   ARGV[3] number of batches N, then N groups of 9:
     kind ("d": text, fenced by the lock; "e": the end, not fenced: only a worker whose commit
     succeeded sends it; refused when the session's state is gone: deleted), lock token ("d" only), attempt, pos, seq,
     text (the batch, or the committed reply), whole text so far ("" for none: a snapshot for
-    readers that fell behind a trim), outcome ("e" only)
+    readers that fell behind a trim), outcome ("e" only), refresh ("1": set the expiry)
 
   Returns one code per batch: 1 appended, 0 already there (nothing written), -1 FENCED_TOKEN
   (the lock is not the caller's), -3 STALE (the stream already holds a newer attempt), -4 BAD
-  (the stream's key holds another type: that batch alone is refused).
+  (the stream's key holds another type, or refuses the append: that batch alone is refused).
 ]]
 local maxlen, ttl, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local WIDTH = 8
+local WIDTH = 9
+local END_ID = '18446744073709551615-0'
+local EXPIRE_EVERY = 32
+-- attempt and pos make the ids: whole numbers Lua holds exactly.
+local MAX_NUMBER = 2 ^ 52
 if not (maxlen and ttl and n) or maxlen < 1 or ttl < 1 or n < 1 or #ARGV ~= 3 + n * WIDTH
     or #KEYS ~= 2 * n then
   return redis.error_reply('ERR emit: bad arguments')
 end
 
--- Validate every batch, and the type of every stream, before any write.
+local function whole(x)
+  return x and x >= 0 and x < MAX_NUMBER and x == math.floor(x)
+end
+
+-- Validate every batch before any write.
 local batches = {}
 for i = 0, n - 1 do
   local b = 3 + i * WIDTH
   local e = {kind = ARGV[b + 1], token = ARGV[b + 2], attempt = tonumber(ARGV[b + 3]),
-             pos = tonumber(ARGV[b + 4]), seq = tonumber(ARGV[b + 5]), text = ARGV[b + 6],
-             full = ARGV[b + 7], outcome = ARGV[b + 8], lock = KEYS[2 * i + 1],
-             partial = KEYS[2 * i + 2]}
-  if (e.kind ~= 'd' and e.kind ~= 'e') or not (e.attempt and e.pos and e.seq)
-      or e.attempt < 0 or e.pos < 0 or e.seq < 0 then
+             pos = tonumber(ARGV[b + 4]), seq = tonumber(ARGV[b + 5]),
+             refresh = ARGV[b + 9] == '1', lock = KEYS[2 * i + 1], partial = KEYS[2 * i + 2]}
+  if (e.kind ~= 'd' and e.kind ~= 'e') or not (whole(e.attempt) and whole(e.pos) and e.seq)
+      or e.seq < 0 then
     return redis.error_reply('ERR emit: bad arguments for batch ' .. (i + 1))
   end
-  -- A key of another type (written by hand) refuses its batch alone.
-  e.bad = expect_type(e.partial, 'stream') ~= nil
+  e.fields = {'a', e.attempt, 'p', e.pos, 's', e.seq, 'k', e.kind, 't', ARGV[b + 6]}
+  if ARGV[b + 7] ~= '' then
+    e.fields[#e.fields + 1] = 'f'
+    e.fields[#e.fields + 1] = ARGV[b + 7]
+  end
+  if e.kind == 'e' then
+    e.fields[#e.fields + 1] = 'o'
+    e.fields[#e.fields + 1] = ARGV[b + 8]
+  end
   batches[#batches + 1] = e
 end
 
-local function append(e)
-  if e.bad then return -4 end
-  if e.kind == 'd' and redis.pcall('GET', e.lock) ~= e.token then
-    return -1
+-- XADD that returns its error instead of raising it (or false: no stream, with NOMKSTREAM).
+local function xadd(e, id, create)
+  if create then
+    return redis.pcall('XADD', e.partial, 'MAXLEN', '~', maxlen, id, unpack(e.fields))
   end
-  -- An end after the session was deleted (DialogClient.delete ran between the commit and
-  -- this call) would bring its partial stream back: no state hash, no end.
-  if e.kind == 'e' and rcall('EXISTS', (string.gsub(e.lock, ':lock$', ':state'))) == 0 then
-    return -1
-  end
-  -- The newest entry says where the stream stands (MAXLEN trims the oldest, never it).
+  return redis.pcall('XADD', e.partial, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, id,
+                     unpack(e.fields))
+end
+
+-- XADD refused the batch's id (rare): the newest entry says why (MAXLEN trims the oldest,
+-- never it).
+local function refused(e)
   local last = rcall('XREVRANGE', e.partial, '+', '-', 'COUNT', 1)[1]
   if last then
     local f, la, lp, lk = last[2], nil, nil, nil
@@ -73,17 +101,35 @@ local function append(e)
       if e.attempt == la and e.pos <= lp then return 0 end
     end
   end
-  local fields = {'a', e.attempt, 'p', e.pos, 's', e.seq, 'k', e.kind, 't', e.text}
-  if e.full ~= '' then
-    fields[#fields + 1] = 'f'
-    fields[#fields + 1] = e.full
-  end
-  if e.kind == 'e' then
-    fields[#fields + 1] = 'o'
-    fields[#fields + 1] = e.outcome
-  end
-  rcall('XADD', e.partial, 'MAXLEN', '~', maxlen, '*', unpack(fields))
+  -- New to a stream of time-based ids (an earlier version wrote it): appended as then.
+  local got = xadd(e, '*', true)
+  if type(got) == 'table' and got.err then return -4 end
   rcall('EXPIRE', e.partial, ttl)
+  return 1
+end
+
+local function append(e)
+  if e.kind == 'd' and redis.pcall('GET', e.lock) ~= e.token then
+    return -1
+  end
+  -- An end after the session was deleted (DialogClient.delete ran between the commit and
+  -- this call) would bring its partial stream back: no state hash, no end.
+  if e.kind == 'e' and rcall('EXISTS', (string.gsub(e.lock, ':lock$', ':state'))) == 0 then
+    return -1
+  end
+  local id = END_ID
+  if e.kind == 'd' then id = string.format('%d-%d', e.attempt + 1, e.pos) end
+  local expire = e.kind == 'e' or e.refresh or e.pos % EXPIRE_EVERY == 0
+  local got = xadd(e, id, expire)
+  if got == false then  -- no stream (expired, deleted): this entry creates it, with its expiry
+    got, expire = xadd(e, id, true), true
+  end
+  if type(got) == 'table' and got.err then
+    -- A key of another type (written by hand) refuses its batch alone.
+    if string.sub(got.err, 1, 9) == 'WRONGTYPE' then return -4 end
+    return refused(e)
+  end
+  if expire then rcall('EXPIRE', e.partial, ttl) end
   return 1
 end
 

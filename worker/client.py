@@ -223,7 +223,11 @@ class DialogClient:
                 f"text and fields are {size} bytes in all; at most "
                 f"{self.settings.max_message_bytes} are allowed (DIALOG_MAX_MESSAGE_BYTES)"
             )
-        stream = self.keys_for(session_id).stream
+        keys = self.keys_for(session_id)
+        stream = keys.stream
+        router = self._routers.get(keys.replies)
+        if router is not None:
+            router.sent(session_id, msg_id)
         with self._cluster_errors("send"):
             await self._ready()
         await self._check_readers(stream)
@@ -343,6 +347,9 @@ class DialogClient:
         waiter = router.expect(session_id, msg_id)
         try:
             await router.start()
+            rejected = router.rejected(session_id, msg_id)
+            if rejected is not None and not waiter.done():
+                waiter.set_result(rejected)
             async for event in self._follow(session_id, msg_id, cursor, waiter, deadline):
                 yield event
         except TimeoutError:
@@ -377,6 +384,14 @@ class DialogClient:
             raise ReplyTimeout(session_id, msg_id, timeout, router.problem()) from None
         finally:
             router.forget(session_id, msg_id, waiter)
+
+    async def follow_replies(self) -> None:
+        """Start reading every shard's reply stream now, not at the first `ask` or `stream`:
+        a `stream` that begins after its message was ``rejected`` (which leaves no trace but
+        its reply event) then still ends, if this client read the event within the last
+        minute. The HTTP gateway calls it at start."""
+        for keys in self.topology.shards:
+            await self._router(keys.replies).start()
 
     def _follow(
         self,

@@ -208,6 +208,7 @@ def text(value: bytes | str) -> str:
 # refuses their JSON escape (\ud83d). Everything the worker sends to Redis goes through the two
 # helpers below, which write each one as the visible text \udXXX instead.
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_JSON = json.JSONEncoder(ensure_ascii=False)
 
 
 def redis_text(value: str) -> str:
@@ -217,7 +218,11 @@ def redis_text(value: str) -> str:
 
 def json_bytes(value: Any) -> bytes:
     """JSON for Redis: UTF-8 (not ASCII escapes), lone surrogates as the text ``\\udXXX``."""
-    dumped = json.dumps(value, ensure_ascii=False)
+    dumped = _JSON.encode(value)
+    try:
+        return dumped.encode("utf-8")  # the common case: no lone surrogate, no second pass
+    except UnicodeEncodeError:
+        pass
     # A surrogate can only stand inside a JSON string, where "\\\\" is one backslash.
     return _SURROGATE.sub(lambda m: f"\\\\u{ord(m.group()):04x}", dumped).encode("utf-8")
 

@@ -6,7 +6,9 @@ worker/streaming.py through lua/emit-2.lua) holds entries ``a`` (attempt), ``p``
 that attempt's answer, 0, 1, 2...), ``s`` (the message's seq), ``k`` (``d`` text, ``e`` end),
 ``t`` (the text, or the committed reply), and sometimes ``f`` (the whole text up to this
 entry: a snapshot for readers that fell behind the stream's trimmed start) and ``o`` (the
-outcome of an end).
+outcome of an end). Its entry ids are ``<attempt + 1>-<pos>``, and ``18446744073709551615-0``
+for the end (clock ids in a stream an earlier version wrote): readers use them only to order
+entries and to go on reading where they stopped, never as a cursor.
 
 Readers see `StreamEvent`s:
 

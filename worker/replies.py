@@ -66,6 +66,10 @@ RETRYABLE = (
     OSError,
 )
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.05, 2.0
+# Rejected messages the router saw with nobody waiting, kept for a reader that starts to
+# follow one a moment later (the HTTP gateway: POST, then GET its stream). A rejection leaves
+# no other trace: the message was never sequenced and its msg_id is free again.
+REJECTED_KEPT, REJECTED_KEPT_S = 4096, 60.0
 
 RawFields = Mapping[bytes, bytes]
 
@@ -206,6 +210,7 @@ class ReplyRouter:
         self.batch = batch
         self._prepare = prepare
         self._waiters: dict[tuple[str, str], list[asyncio.Future[Reply]]] = {}
+        self._rejected: dict[tuple[str, str], tuple[float, bytes, RawFields]] = {}
         self._cursor: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._starting = asyncio.Lock()
@@ -232,6 +237,19 @@ class ReplyRouter:
             futures.remove(future)
         if not futures:
             del self._waiters[key]
+
+    def rejected(self, session_id: str, msg_id: str) -> Reply | None:
+        """The ``rejected`` event of ``msg_id`` if this router read it in the last
+        ``REJECTED_KEPT_S`` seconds with nobody waiting, and this client has not sent the
+        msg_id again since (`sent`)."""
+        kept = self._rejected.get((session_id, msg_id))
+        if kept is None or time.monotonic() - kept[0] > REJECTED_KEPT_S:
+            return None
+        return reply_from_entry(kept[1], kept[2], self.stream)
+
+    def sent(self, session_id: str, msg_id: str) -> None:
+        """``msg_id`` is sent again: an earlier rejection of it no longer answers it."""
+        self._rejected.pop((session_id, msg_id), None)
 
     def problem(self) -> str:
         """What kept the loop from reading lately, for a timeout's message."""
@@ -298,6 +316,11 @@ class ReplyRouter:
         key = (_text(fields.get(b"session_id")), _text(fields.get(b"msg_id")))
         futures = self._waiters.pop(key, None)
         if not futures:
+            if fields.get(b"outcome") == b"rejected":
+                self._rejected.pop(key, None)
+                self._rejected[key] = (time.monotonic(), event_id, fields)
+                while len(self._rejected) > REJECTED_KEPT:
+                    del self._rejected[next(iter(self._rejected))]
             return
         reply = reply_from_entry(event_id, fields, self.stream)
         for future in futures:

@@ -42,8 +42,13 @@ T = TypeVar("T")
 
 # Largest text of one entry: a huge emit is split, so no reader ever reads one huge entry.
 MAX_ENTRY_CHARS = 16_384
-# Codes of lua/emit-2.lua.
+# Codes of lua/emit-2.lua, and the number of arguments of one batch.
 APPENDED, ALREADY, FENCED, STALE, BAD = 1, 0, -1, -3, -4
+BATCH_WIDTH = 9
+# The script sets a stream's expiry at some entries only (lua/emit-2.lua): a writer asks for it
+# when this share of DIALOG_PARTIAL_TTL_S has passed since its last ask, so a slow answer's
+# stream cannot expire while it is still written.
+REFRESH_SHARE = 1 / 8
 
 _current: contextvars.ContextVar[PartialWriter | None] = contextvars.ContextVar(
     "dialog_worker_partial_writer", default=None
@@ -88,6 +93,7 @@ class PartialWriter:
         self.fenced = False
         self.abandoned = False  # the step failed or was cancelled: nothing more is written
         self.inflight = 0  # batches of this writer in a call not answered yet
+        self.refresh_at = 0.0  # loop.time() after which its next batch sets the expiry
         self.drained: asyncio.Event | None = None  # set by `finish`, set when all is written
 
     @property
@@ -281,19 +287,22 @@ class PartialReplies:
     async def _send(self, batch: list[tuple[PartialWriter, str]]) -> None:
         keys: list[str] = []
         args: list[str | int] = []
-        plan: list[tuple[PartialWriter, str, list[str]]] = []
+        plan: list[tuple[PartialWriter, str, list[str], bool]] = []
+        now = asyncio.get_running_loop().time()
         for writer, text in batch:
-            pieces = []
+            pieces: list[str] = []
+            refresh = now >= writer.refresh_at  # asked by the answer's first entry of the call
             for pos, piece, full in writer.batches(text):
                 keys += writer.keys
                 args += ["d", writer.token, writer.attempt, pos, writer.seq, piece, full, ""]
+                args.append("1" if refresh and not pieces else "")
                 pieces.append(piece)
-            plan.append((writer, text, pieces))
+            plan.append((writer, text, pieces, refresh))
         try:
             codes = await self.call(keys, args)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
             log.warning("partial_write_failed", error=str(exc), note="retried at the next flush")
-            for writer, text, _ in plan:
+            for writer, text, _, _ in plan:
                 writer.inflight -= 1
                 writer.give_back(text)
                 self._dirty[writer] = None
@@ -302,15 +311,18 @@ class PartialReplies:
             return
         except Exception as exc:  # e.g. Redis out of memory: these answers stream no more
             log.warning("partial_write_failed", error=str(exc), note="partial text dropped")
-            for writer, _, _ in plan:
+            for writer, _, _, _ in plan:
                 writer.inflight -= 1
                 writer.fenced = True
                 if writer.drained is not None:
                     writer.drained.set()
             return
         at = 0
-        for writer, _, pieces in plan:
+        every_s = self.settings.partial_ttl_s * REFRESH_SHARE
+        for writer, _, pieces, refresh in plan:
             writer.inflight -= 1
+            if refresh and codes[at] == APPENDED:
+                writer.refresh_at = now + every_s
             writer.written(pieces, codes[at : at + len(pieces)])
             at += len(pieces)
             if writer.drained is not None and writer.idle():
@@ -318,10 +330,10 @@ class PartialReplies:
 
     async def call(self, keys: list[str], args: list[str | int]) -> list[int]:
         s = self.settings
-        width = 8
         raw = await asyncio.shield(
             self.script(
-                keys=keys, args=[s.partial_maxlen, s.partial_ttl_s, len(args) // width, *args]
+                keys=keys,
+                args=[s.partial_maxlen, s.partial_ttl_s, len(args) // BATCH_WIDTH, *args],
             )
         )
         return [int(code) for code in raw]
@@ -359,7 +371,8 @@ class PartialReplies:
                 return
             session = job.keys.session(job.session_id)
             ended = _Ended([session.lock, session.partial(msg_id)], job.attempts, 0, job.seq)
-        args: list[str | int] = ["e", "", ended.attempt, ended.pos, ended.seq, reply, "", outcome]
+        args: list[str | int] = ["e", "", ended.attempt, ended.pos, ended.seq, reply, ""]
+        args += [outcome, ""]  # no refresh asked: an end always sets the expiry
         try:
             await self.call(ended.keys, args)
         except (redis.exceptions.RedisError, OSError) as exc:

@@ -176,7 +176,7 @@ def test_the_end_of_a_streamed_reply_does_not_bring_a_deleted_session_back(
     r = redis.Redis.from_url(env["REDIS_URL"])
     session = Keys.from_settings(load_settings(environ=env)).session("p1")
     emit = r.register_script(source("emit"))
-    args = [100, 600, 1, "e", "", 1, 0, 1, "the reply", "", "applied"]
+    args = [100, 600, 1, "e", "", 1, 0, 1, "the reply", "", "applied", ""]
     assert emit(keys=[session.lock, session.partial("m1")], args=args) == [-1]
     assert not r.exists(session.partial("m1"))
     r.hset(session.state, "v", 1)  # committed, not deleted: the end is appended

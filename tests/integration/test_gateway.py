@@ -4,13 +4,18 @@ routes, server-sent events, resumption, auth and refusals."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from gateway_proc import SSE, GatewayProc, SSEParser
+from redis_server import wait_for
 from worker_procs import WorkerPool
+
+from dialog_worker.config import load_settings
 
 pytestmark = pytest.mark.integration
 
@@ -157,6 +162,64 @@ async def test_cancel_route_stops_the_answer_which_ends_cancelled_with_what_was_
         assert bad.status_code == 400 and bad.json()["error"]
 
 
+def rejected_event(env: dict[str, str], msg_id: str) -> bool:
+    replies = load_settings(environ=env).reply_stream
+    with redis.Redis.from_url(env["REDIS_URL"]) as r:
+        return any(
+            f.get(b"msg_id") == msg_id.encode() and f.get(b"outcome") == b"rejected"
+            for _, f in r.xrevrange(replies, count=50)
+        )
+
+
+async def test_post_takes_multitask_expires_at_and_deliver_at_as_send_does(
+    env: dict[str, str], gateway: GatewayProc, workers: WorkerPool
+):
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        # Expired before its turn: it ends `expired` without a step.
+        old = await http.post(
+            "/sessions/web-x/messages", json={"text": "5 5", "expires_at": 1}, headers=AUTH
+        )
+        assert old.status_code == 202, old.text
+        _, sse = await read_sse(http, old.json()["stream"])
+        assert sse.events[-1].data["outcome"] == "expired"
+        # A second message while the first runs, with reject: it ends `rejected`.
+        running = await http.post("/sessions/web-r/messages", json={"text": "40 20"}, headers=AUTH)
+        await read_sse(http, running.json()["stream"], stop_after=1)  # it is running
+        refused = await http.post(
+            "/sessions/web-r/messages",
+            json={"text": "5 5", "multitask": "reject"},
+            headers=AUTH,
+        )
+        assert refused.status_code == 202, refused.text
+        # The rejection is written before the stream is asked for (the gateway read it with
+        # nobody waiting): what a browser that opens the stream a moment later meets.
+        await wait_for(lambda: rejected_event(env, refused.json()["msg_id"]))
+        async with asyncio.timeout(20):  # a stream that never ends fails here, not in 10 min
+            _, sse = await read_sse(http, refused.json()["stream"])
+        assert sse.events[-1].data["outcome"] == "rejected"
+        # Its msg_id is free again: sent once the session is idle, it is applied.
+        _, rest = await read_sse(http, running.json()["stream"])
+        assert rest.events[-1].data["outcome"] == "applied"
+        again = await http.post(
+            "/sessions/web-r/messages",
+            json={"text": "5 5", "msg_id": refused.json()["msg_id"]},
+            headers=AUTH,
+        )
+        async with asyncio.timeout(20):
+            _, sse = await read_sse(http, again.json()["stream"])
+        assert sse.events[-1].data["outcome"] == "applied"
+        # Delivered later: not answered before its time.
+        due = time.time() + 1.5
+        later = await http.post(
+            "/sessions/web-d/messages", json={"text": "5 5", "deliver_at": due}, headers=AUTH
+        )
+        assert later.status_code == 202, later.text
+        _, sse = await read_sse(http, later.json()["stream"])
+        assert sse.events[-1].data["outcome"] == "applied"
+        assert time.time() >= due
+
+
 async def test_every_request_needs_the_token(gateway: GatewayProc):
     async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
         assert (await http.post("/sessions/a/messages", json={"text": "x"})).status_code == 401
@@ -181,6 +244,12 @@ async def test_every_request_needs_the_token(gateway: GatewayProc):
         ("/sessions/a/messages", {"text": "x", "msg_id": 5}, 400),
         ("/sessions/a/messages", {"text": "x", "meta": {"k": 1}}, 400),
         ("/sessions/a/messages", ["not", "an", "object"], 400),
+        ("/sessions/a/messages", {"text": "x", "multitask": "bogus"}, 400),
+        ("/sessions/a/messages", {"text": "x", "multitask": 1}, 400),
+        ("/sessions/a/messages", {"text": "x", "expires_at": "soon"}, 400),
+        ("/sessions/a/messages", {"text": "x", "expires_at": True}, 400),
+        ("/sessions/a/messages", {"text": "x", "deliver_at": "later"}, 400),
+        ("/sessions/a/messages", {"text": "x", "deliver_at": 1e13}, 400),
     ],
 )
 async def test_bad_input_is_a_clear_4xx(gateway: GatewayProc, path: str, body, status: int):

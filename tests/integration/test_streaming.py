@@ -193,7 +193,11 @@ async def test_a_worker_killed_mid_answer_is_replaced_and_readers_see_one_clean_
 # lua/emit-2.lua on its own
 
 
-async def _emit(client: DialogClient, *args: str | int, maxlen: int = 1000) -> int:
+async def _emit(
+    client: DialogClient, *args: str | int, maxlen: int = 1000, refresh: str = ""
+) -> int:
+    """One batch (kind, token, attempt, pos, seq, text, snapshot, outcome) of message m9 of
+    session st-9, with a ttl of 600 s."""
     from dialog_worker.scripts import Script, source
 
     session = client.keys.session("st-9")
@@ -201,8 +205,14 @@ async def _emit(client: DialogClient, *args: str | int, maxlen: int = 1000) -> i
     keys = [session.lock, session.partial("m9")]
     if args[0] == "e":  # the end follows a commit: the session has its state
         await client.redis.hsetnx(session.state, "v", 1)
-    [code] = await script(keys=keys, args=[maxlen, 600, 1, *args])
+    [code] = await script(keys=keys, args=[maxlen, 600, 1, *args, refresh])
     return int(code)
+
+
+async def _entries(client: DialogClient) -> list[tuple[str, str]]:
+    """(entry id, text) of every entry of st-9's m9."""
+    rows = await client.raw.xrange(client.keys.session("st-9").partial("m9"))
+    return [(i.decode(), f[b"t"].decode()) for i, f in rows]
 
 
 async def test_only_the_lock_holder_appends_and_a_resent_batch_is_written_once(
@@ -220,6 +230,134 @@ async def test_only_the_lock_holder_appends_and_a_resent_batch_is_written_once(
     assert await _emit(client, "e", "", 1, 2, 1, "ab", "", "applied") == 0
     texts = [f[b"t"] for _, f in await client.raw.xrange(session.partial("m9"))]
     assert texts == [b"a", b"b", b"ab"]
+
+
+async def test_redis_refuses_a_resent_batch_by_its_explicit_id_and_nothing_is_written(
+    client: DialogClient,
+):
+    session = client.keys.session("st-9")
+    await client.redis.set(session.lock, "tok", px=5000)
+    for pos in range(3):
+        assert await _emit(client, "d", "tok", 1, pos, 1, f"p{pos}", "", "") == 1
+    for pos in range(3):  # a lost reply: the same batches again
+        assert await _emit(client, "d", "tok", 1, pos, 1, f"p{pos}", "", "") == 0
+    assert await _entries(client) == [("2-0", "p0"), ("2-1", "p1"), ("2-2", "p2")]
+
+
+async def test_an_older_attempt_is_refused_after_a_newer_one_wrote(client: DialogClient):
+    session = client.keys.session("st-9")
+    await client.redis.set(session.lock, "tok", px=5000)
+    assert await _emit(client, "d", "tok", 1, 0, 1, "first ", "", "") == 1
+    assert await _emit(client, "d", "tok", 2, 0, 1, "second", "", "") == 1
+    # The first attempt's writer, paused, wakes with a later position than the second's.
+    assert await _emit(client, "d", "tok", 1, 7, 1, "zombie", "", "") == -3
+    assert await _emit(client, "d", "tok", 1, 1, 1, "zombie", "", "") == -3
+    assert await _entries(client) == [("2-0", "first "), ("3-0", "second")]
+
+
+async def test_nothing_is_appended_after_the_end_not_even_a_newer_attempt(client: DialogClient):
+    session = client.keys.session("st-9")
+    await client.redis.set(session.lock, "tok", px=5000)
+    assert await _emit(client, "d", "tok", 1, 0, 1, "a", "", "") == 1
+    assert await _emit(client, "e", "", 1, 1, 1, "a", "", "applied") == 1
+    assert await _emit(client, "d", "tok", 1, 1, 1, "late", "", "") == 0
+    assert await _emit(client, "d", "tok", 9, 0, 1, "newer", "", "") == 0
+    assert await _emit(client, "e", "", 9, 0, 1, "other", "", "applied") == 0
+    assert await _entries(client) == [("2-0", "a"), ("18446744073709551615-0", "a")]
+    events = [e async for e in client.stream("st-9", "m9", timeout=5)]
+    assert [(e.kind, e.text) for e in events] == [("delta", "a"), ("end", "a")]
+
+
+async def test_a_stream_of_time_based_ids_from_the_previous_version_is_still_appended(
+    client: DialogClient,
+):
+    """An answer in flight during a rolling upgrade: the earlier script wrote its first
+    entries with ids of the clock, which every explicit id is below."""
+    session = client.keys.session("st-9")
+    key = session.partial("m9")
+    await client.redis.set(session.lock, "tok", px=5000)
+    for pos in range(2):
+        fields = {"a": 1, "p": pos, "s": 1, "k": "d", "t": f"old{pos} "}
+        await client.redis.xadd(key, fields)  # type: ignore[arg-type]
+    assert await _emit(client, "d", "tok", 1, 2, 1, "new2 ", "", "") == 1
+    assert await _emit(client, "d", "tok", 1, 2, 1, "new2 ", "", "") == 0  # resent
+    assert await _emit(client, "d", "tok", 1, 1, 1, "old1 ", "", "") == 0
+    assert await _emit(client, "d", "tok", 0, 5, 1, "stale", "", "") == -3
+    assert await _emit(client, "d", "tok", 1, 3, 1, "new3 ", "", "") == 1
+    assert await _emit(client, "e", "", 1, 4, 1, "final", "", "applied") == 1
+    assert await _emit(client, "d", "tok", 1, 4, 1, "late", "", "") == 0
+    entries = await _entries(client)
+    assert [t for _, t in entries] == ["old0 ", "old1 ", "new2 ", "new3 ", "final"]
+    assert int(entries[3][0].split("-")[0]) > 10**12  # still the clock's ids
+    assert 0 < await client.redis.ttl(key) <= 600
+    events = [e async for e in client.stream("st-9", "m9", timeout=5)]
+    assert streamed(events) == "old0 old1 new2 new3 " and events[-1].text == "final"
+
+
+async def test_the_expiry_is_set_at_a_new_stream_first_every_32nd_asked_and_end_entries(
+    client: DialogClient,
+):
+    """Not at every append: a stream's expiry is set by the entry that creates it, the first
+    of each attempt, every 32nd, one the writer asks for, and the end."""
+    session = client.keys.session("st-9")
+    key = session.partial("m9")
+    await client.redis.set(session.lock, "tok", px=60_000)
+
+    async def ttl_after(attempt: int, pos: int, kind: str = "d", refresh: str = "") -> int:
+        await client.redis.expire(key, 100)  # stands for what is left of the last one set
+        token = "tok" if kind == "d" else ""
+        code = await _emit(client, kind, token, attempt, pos, 1, "x", "", "", refresh=refresh)
+        assert code == 1
+        return int(await client.redis.ttl(key))
+
+    assert await _emit(client, "d", "tok", 1, 0, 1, "x", "", "") == 1
+    assert 590 < await client.redis.ttl(key) <= 600
+    assert await ttl_after(1, 1) <= 100
+    assert await ttl_after(1, 2, refresh="1") > 590
+    assert await ttl_after(1, 31) <= 100
+    assert await ttl_after(1, 32) > 590
+    assert await ttl_after(1, 33) <= 100
+    assert await ttl_after(2, 0) > 590
+    assert await ttl_after(2, 1) <= 100
+    # The stream expired (or was deleted) while its answer went on: the next entry, due or
+    # not, makes a new one, never one without an expiry.
+    await client.redis.delete(key)
+    assert await _emit(client, "d", "tok", 2, 5, 1, "x", "", "") == 1
+    assert 590 < await client.redis.ttl(key) <= 600
+    assert await ttl_after(2, 6, kind="e") > 590
+
+
+async def test_a_batch_costs_a_lock_check_and_one_xadd(client: DialogClient):
+    """The commands Redis runs for batches that need no expiry: GET of the lock (the fence)
+    and XADD, nothing else."""
+    from dialog_worker.scripts import Script, source
+
+    script = Script(client.redis, source("emit"))
+    keys: list[str] = []
+    args: list[str | int] = []
+    for i in range(10):
+        session = client.keys.session(f"st-c{i}")
+        await client.redis.set(session.lock, "tok", px=60_000)
+        keys += [session.lock, session.partial("c")]
+        args += ["d", "tok", 1, 0, 1, "text", "", "", ""]
+    await script(keys=keys, args=[1000, 600, 10, *args])  # the first entries: expiry set
+    before = await client.redis.info("commandstats")
+    args = [a if i % 9 != 3 else 1 for i, a in enumerate(args)]  # the next position
+    assert [int(c) for c in await script(keys=keys, args=[1000, 600, 10, *args])] == [1] * 10
+    after = await client.redis.info("commandstats")
+    ran = {
+        name.removeprefix("cmdstat_"): int(v["calls"]) - int(before.get(name, {}).get("calls", 0))
+        for name, v in after.items()
+    }
+    script_may_run = ("get", "xadd", "expire", "xrevrange", "type", "exists")
+    assert {name: ran.get(name, 0) for name in script_may_run} == {
+        "get": 10,
+        "xadd": 10,
+        "expire": 0,
+        "xrevrange": 0,
+        "type": 0,
+        "exists": 0,
+    }
 
 
 @pytest.mark.parametrize(
@@ -322,10 +460,11 @@ async def test_a_partial_stream_key_of_another_type_refuses_its_batch_alone(
     await client.redis.set(a.lock, "tok", px=5000)
     await client.redis.set(b.lock, "tok", px=5000)
     await client.redis.set(a.partial("x"), "not a stream")
-    keys = [a.lock, a.partial("x"), b.lock, b.partial("y")]
-    batch = ["d", "tok", 1, 0, 1, "text", "", ""]
-    codes = await script(keys=keys, args=[1000, 600, 2, *batch, *batch])
-    assert [int(c) for c in codes] == [-4, 1]
+    keys = [a.lock, a.partial("x"), b.lock, b.partial("y"), a.lock, a.partial("x")]
+    batch = ["d", "tok", 1, 0, 1, "text", "", "", ""]
+    later = ["d", "tok", 1, 1, 1, "more", "", "", ""]  # no expiry due: XADD NOMKSTREAM
+    codes = await script(keys=keys, args=[1000, 600, 3, *batch, *batch, *later])
+    assert [int(c) for c in codes] == [-4, 1, -4]
     assert await client.redis.get(a.partial("x")) == "not a stream"
     assert await client.redis.xlen(b.partial("y")) == 1
 
@@ -371,5 +510,6 @@ async def _emit_to(client: DialogClient, session, msg_id: str, pos: int, text: s
 
     script = Script(client.redis, source("emit"))
     keys = [session.lock, session.partial(msg_id)]
-    [code] = await script(keys=keys, args=[1000, 600, 1, "d", "tok", 1, pos, 1, text, "", ""])
+    args = [1000, 600, 1, "d", "tok", 1, pos, 1, text, "", "", ""]
+    [code] = await script(keys=keys, args=args)
     assert int(code) == 1

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from urllib.parse import unquote
 
 import pytest
 
-from dialog_worker.codec import MalformedEntry, decode_message, entry_time_ms
+from dialog_worker.codec import MalformedEntry, decode_message, entry_time_ms, json_bytes
 from dialog_worker.config import Settings
 from dialog_worker.failures import retry_delay_ms
 from dialog_worker.keys import Keys, SessionKeys, escape_tag, stream_tag
@@ -335,3 +336,12 @@ def test_backoff_is_deterministic_with_a_seeded_rng() -> None:
 def test_backoff_jitter_spreads_values() -> None:
     rng = random.Random(5)
     assert len({retry_delay_ms(6, 50, 5000, rng=rng) for _ in range(50)}) > 10
+
+
+def test_state_json_is_utf8_and_writes_a_lone_surrogate_as_visible_text() -> None:
+    # Non-ASCII stays as UTF-8 (not \u escapes); a lone surrogate, which is not UTF-8 and
+    # which Redis' cjson refuses as an escape, becomes the six characters \udXXX.
+    assert json_bytes({"t": "héllo ☕"}) == '{"t": "héllo ☕"}'.encode()
+    out = json_bytes({"t": "cut \ud83d here", "k": ["\udfff"]})
+    assert out == b'{"t": "cut \\\\ud83d here", "k": ["\\\\udfff"]}'
+    assert json.loads(out) == {"t": "cut \\ud83d here", "k": ["\\udfff"]}

@@ -12,7 +12,7 @@ from dialog_worker import emit
 from dialog_worker.config import load_settings
 from dialog_worker.errors import ValidationError
 from dialog_worker.partials import Cursor, Tracker, parse_cursor, reply_from_history
-from dialog_worker.streaming import PartialReplies
+from dialog_worker.streaming import BATCH_WIDTH, PartialReplies
 
 
 def entry(a: int, p: int, t: str, k: str = "d", f: str | None = None, s: int = 3):
@@ -152,7 +152,7 @@ class GatedReplies(PartialReplies):
     async def call(self, keys: list[str], args: list[str | int]) -> list[int]:
         self.calling.set()
         await self.gate.wait()
-        texts = [str(args[i + 5]) for i in range(0, len(args), 8)]
+        texts = [str(args[i + 5]) for i in range(0, len(args), BATCH_WIDTH)]
         self.sent += texts
         return [1] * len(texts)
 
@@ -207,3 +207,47 @@ def test_every_half_maxlen_entry_carries_the_whole_text_so_far() -> None:
         (8, 1),
     ]
     assert "".join(piece for _, piece, _ in entries) == huge
+
+
+class RecordingReplies(PartialReplies):
+    """The worker's partial writer with Redis replaced by a call that records each batch's
+    refresh argument and answers "appended"."""
+
+    def __init__(self, ttl_s: int) -> None:
+        settings = load_settings(
+            environ={"DIALOG_PARTIAL_FLUSH_MS": "1", "DIALOG_PARTIAL_TTL_S": str(ttl_s)}
+        )
+        super().__init__(None, settings)  # type: ignore[arg-type]
+        self.refresh: list[str] = []
+        self.called = asyncio.Event()
+
+    async def call(self, keys: list[str], args: list[str | int]) -> list[int]:
+        batches = [args[i : i + BATCH_WIDTH] for i in range(0, len(args), BATCH_WIDTH)]
+        self.refresh += [str(b[-1]) for b in batches]
+        self.called.set()
+        return [1] * len(batches)
+
+
+async def test_a_writer_asks_for_the_expiry_again_once_an_eighth_of_the_ttl_passed() -> None:
+    """The script sets a stream's expiry at some entries only: a slow answer's writer asks for
+    it once DIALOG_PARTIAL_TTL_S / 8 (here 1 s) passed since its last ask, never more often."""
+    replies = RecordingReplies(ttl_s=8)
+    keys = SimpleNamespace(
+        shard=0, session=lambda sid: SimpleNamespace(lock="L", partial=lambda m: f"P:{m}")
+    )
+    job = SimpleNamespace(keys=keys, token="t", seq=1, session_id="s", attempts=1, partial=None)
+
+    async def written(text: str) -> None:
+        replies.called.clear()
+        emit(text)
+        await asyncio.wait_for(replies.called.wait(), 5)
+
+    async def step() -> None:
+        await written("a ")
+        await written("b ")  # well within 1 s of the first
+        await asyncio.sleep(1.1)
+        await written("c ")
+        await written("d ")
+
+    await replies.run(job, SimpleNamespace(msg_id="m"), step())  # type: ignore[arg-type]
+    assert replies.refresh == ["1", "", "1", ""]

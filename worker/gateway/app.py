@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any, cast
 
 import redis.exceptions
+import structlog
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +36,8 @@ from dialog_worker.codec import check_id
 from dialog_worker.config import Settings
 from dialog_worker.errors import ReplyStreamError, ValidationError
 from dialog_worker.partials import StreamEvent
+
+log = structlog.get_logger("dialog_worker.gateway")
 
 # Events buffered per connection between the reader and a slow browser.
 QUEUE_EVENTS = 16
@@ -78,6 +81,12 @@ def create_app(
         # Streams share one blocking read (worker/partials.py); connections serve the sends
         # and each stream's catch-up reads.
         async with DialogClient(settings=settings, max_connections=max_connections) as made:
+            # Read replies from the start: a message rejected between its POST and the GET of
+            # its stream is known only by its reply event.
+            try:
+                await made.follow_replies()
+            except (redis.exceptions.RedisError, OSError) as exc:  # started at first use then
+                log.warning("reply_follow_deferred", error=str(exc))
             app.state.client = made
             yield
 
@@ -123,7 +132,8 @@ async def healthz(request: Request) -> Response:
 
 
 async def post_message(request: Request) -> Response:
-    """Body ``{"text": "...", "msg_id": optional, "meta": optional {name: text}}``; answers 202
+    """Body ``{"text": "...", "msg_id", "meta" {name: text}, "multitask", "expires_at",
+    "deliver_at"}`` (all but text optional, as for `DialogClient.send`); answers 202
     ``{"session_id", "msg_id", "entry_id", "stream"}``. The msg_id is made before the send: a
     503 names it too, so posting again with it cannot apply the message twice."""
     refused = _refused(request)
@@ -143,9 +153,22 @@ async def post_message(request: Request) -> Response:
         isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
     ):
         return _error(400, "meta must be an object of strings")
+    multitask = body.get("multitask")
+    if multitask is not None and not isinstance(multitask, str):
+        return _error(400, "multitask must be a string")
+    times: dict[str, float] = {}
+    for name in ("expires_at", "deliver_at"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return _error(400, f"{name} must be a number (unix seconds)")
+        times[name] = float(value)
     msg_id = msg_id if msg_id is not None else uuid.uuid4().hex
     try:
-        sent = await client.send(session_id, text, msg_id=msg_id, meta=meta)
+        sent = await client.send(
+            session_id, text, msg_id=msg_id, meta=meta, multitask=multitask, **times
+        )
     except ValidationError as exc:
         return _error(400, str(exc))
     except (redis.exceptions.RedisError, OSError):
