@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import anyio
 import pytest
 import redis
 from redis_server import wait_until
@@ -52,6 +53,28 @@ async def test_an_append_to_an_idle_pool_wakes_one_worker(client: DialogClient, 
     assert per_message < 3, per_message
 
 
+async def test_an_idle_pool_looks_for_due_timers_from_one_worker(
+    client: DialogClient, workers, env
+):
+    """The shard's upkeep (due timers, the reclaim check) is the waiter's: an idle pool of 4
+    pays one worker's look at the timers every 0.25 s, not four; the others block on the wake
+    stream a lease (3 s) at a time."""
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    workers.start(4)
+    await client.ask("warm", "halo", timeout=20)
+    _idle(r, others=3)
+    commands = ("zrange", "xreadgroup")
+    before, started = {c: _calls(r, c) for c in commands}, time.monotonic()
+    await anyio.sleep(6)
+    elapsed = time.monotonic() - started
+    per_s = {c: (_calls(r, c) - before[c]) / elapsed for c in commands}
+    # One ZRANGE of the timers every 0.25 s (4/s) and each resumer's look at the ready set
+    # (4 x 1/s); with every worker polling the timers it was 16/s + 4/s.
+    assert per_s["zrange"] < 12, per_s
+    # Three readers on the wake stream, one read each per 3 s (it was one per second).
+    assert per_s["xreadgroup"] < 2, per_s
+
+
 async def test_a_killed_waiter_is_replaced_within_its_lease(client: DialogClient, workers, env):
     r = redis.Redis.from_url(env["REDIS_URL"])
     procs = workers.start(2)
@@ -72,8 +95,6 @@ async def test_an_idle_reader_waits_from_the_last_id_its_intake_read(env):
     and before the blocking read. The waiter blocks from the last id the intake read, so
     that entry ends the wait at once; a read from "$" (only what comes later) would sit out
     the whole blocking read."""
-    import anyio
-
     from dialog_worker.config import load_settings
     from dialog_worker.daemon import Worker
     from dialog_worker.engine import load_engine
