@@ -564,6 +564,13 @@ class Worker:
         if read < min(slots, INTAKE_BATCH):
             # The stream had no more: wait (a blocking read from the last id returns at once
             # if something came meanwhile) rather than run another intake call to find out.
+            if read:
+                # The sessions just started go first: in one turn of the event loop each runs
+                # its step (one that awaits nothing, as the built-in engine's) up to its
+                # commit, in the next the committer sends it. A lone message's commit then
+                # leaves before this reader's blocking read, not behind it.
+                await anyio.lowlevel.checkpoint()
+                await anyio.lowlevel.checkpoint()
             await self._idle_wait(shard, last_id)
         return 0
 

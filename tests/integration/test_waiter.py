@@ -113,3 +113,37 @@ async def test_an_idle_reader_waits_from_the_last_id_its_intake_read(env):
     finally:
         await worker.raw.aclose()
         await worker.redis.aclose()
+
+
+async def test_a_lone_messages_commit_is_sent_before_the_readers_next_blocking_read(env):
+    """A lone message on an idle worker: intake, then the commit. The reader's next blocking
+    read waits until the session it started has sent its commit (two turns of the event
+    loop), so the commit is not queued behind that read on the way to Redis."""
+    from dialog_worker.config import load_settings
+    from dialog_worker.daemon import Worker
+    from dialog_worker.engine import load_engine
+
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    worker = Worker(load_settings(environ=env), load_engine(None))
+    calls: list[str] = []
+    names = {worker.scripts.intake.sha: "intake", worker.scripts.commit.sha: "commit"}
+    evalsha, xread = worker.raw.evalsha, worker.raw.xread
+
+    async def recorded_evalsha(sha: str, *args: object) -> object:
+        calls.append(names.get(sha, "script"))
+        return await evalsha(sha, *args)
+
+    async def recorded_xread(*args: object, **kwargs: object) -> object:
+        calls.append("xread")
+        return await xread(*args, **kwargs)
+
+    worker.raw.evalsha = recorded_evalsha  # type: ignore[method-assign]
+    worker.raw.xread = recorded_xread  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        await anyio.to_thread.run_sync(lambda: wait_until(lambda: "xread" in calls, 20))
+        del calls[:]
+        r.xadd("dialog", {"session_id": "lone", "text": "halo"})
+        await anyio.to_thread.run_sync(lambda: wait_until(lambda: r.xlen("dialog-replies"), 20))
+        worker.stop()
+    assert calls[:3] == ["intake", "commit", "xread"], calls
