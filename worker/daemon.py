@@ -8,6 +8,8 @@
              out, a retry's backoff is over)
              reclaimer (entries left pending by anything else; consumer hygiene)
              timers (due timers appended to the inbound stream: lua/fire-3.lua)
+             The reclaimer and the timers are shared upkeep: one worker per shard does it
+             (see Shard.does_upkeep).
     work     one task per session being worked, at most DIALOG_CONCURRENCY at once
              (pipeline.py), and one committer per shard (group commit)
     side     heartbeat (lease renewal), sampler (gauges, readiness), event-loop lag watch,
@@ -85,13 +87,18 @@ INTAKE_BATCH = 1000
 # How long the resumer sleeps when no session waits in the ready set: anything added later is
 # due a lock lease or a backoff from then, except a hand-back at shutdown.
 RESUME_IDLE_S = 1.0
-# How often each worker looks for due timers (one ZRANGE of the first; the fire script only
-# when one is due): the most a timer is appended after it is due.
+# How often the worker doing a shard's upkeep (Shard.does_upkeep) looks for due timers (one
+# ZRANGE of the first; the fire script only when one is due): the most a timer is appended
+# after it is due, while that worker lives.
 TIMER_POLL_S = 0.25
 # The waiter role of a shard (see Worker._idle_wait): a lease at least this long (and three
 # blocking reads), renewed when half of it is left; a worker that waits on the wake stream asks
-# whether the role is free at most this often (a waiter that died leaves it to expire).
+# whether the role is free this often (a waiter that died leaves it to expire), and blocks
+# on the wake stream as long in between (WAKE_BLOCK_MAX_MS at most).
 WAITER_LEASE_MS = 3000
+# Below the connections' socket timeout (5 s, redis_conn.py): a blocking read that outlasts
+# it fails.
+WAKE_BLOCK_MAX_MS = 3000
 # The wake stream's consumer group (one per shard, readers of every worker join it).
 WAKE_GROUP = "readers"
 # A worker that finished a message this recently is active: it blocks on the inbound stream
@@ -175,6 +182,18 @@ class Shard:
     lease_until: float = 0.0
     # When this process last asked whether the waiter role is free (monotonic s).
     lease_checked_at: float = 0.0
+    # Another worker held the waiter role when this process last asked: it counts as alive
+    # until then (monotonic s; 0: none seen).
+    waiter_seen_until: float = 0.0
+
+    def does_upkeep(self) -> bool:
+        """Whether this process runs the shard's shared upkeep (due timers, the reclaim
+        check), which one worker of the pool suffices for: every worker that has not seen
+        another one hold the waiter role lately. That is the waiter; the last holder, busy
+        since it handed the role on while nobody took it; everyone once the waiter died (a
+        sighting counts for two leases, and the role is free after one). An idle pool of any
+        size pays for one worker's upkeep."""
+        return time.monotonic() >= self.waiter_seen_until
 
     @property
     def label(self) -> str:
@@ -545,6 +564,13 @@ class Worker:
         if read < min(slots, INTAKE_BATCH):
             # The stream had no more: wait (a blocking read from the last id returns at once
             # if something came meanwhile) rather than run another intake call to find out.
+            if read:
+                # The sessions just started go first: in one turn of the event loop each runs
+                # its step (one that awaits nothing, as the built-in engine's) up to its
+                # commit, in the next the committer sends it. A lone message's commit then
+                # leaves before this reader's blocking read, not behind it.
+                await anyio.lowlevel.checkpoint()
+                await anyio.lowlevel.checkpoint()
             await self._idle_wait(shard, last_id)
         return 0
 
@@ -583,7 +609,7 @@ class Worker:
                     self.settings.consumer,
                     {keys.wake: ">"},
                     count=1,
-                    block=block,
+                    block=self._wake_block_ms(),
                     noack=True,
                 )
             except redis.exceptions.ResponseError as exc:
@@ -601,6 +627,11 @@ class Worker:
         # the read that follows.
         return max(WAITER_LEASE_MS, 3 * self.settings.read_block_ms)
 
+    def _wake_block_ms(self) -> int:
+        # A reader on the wake stream asks for the waiter role once a lease: blocking that
+        # long in between (not one read_block_ms) costs one read per check, not three.
+        return max(self.settings.read_block_ms, min(self._lease_ms(), WAKE_BLOCK_MAX_MS))
+
     async def _take_waiter_role(self, shard: Shard) -> bool:
         now = time.monotonic()
         lease_s = self._lease_ms() / 1000
@@ -615,8 +646,11 @@ class Worker:
             await self.raw.pexpire(shard.keys.waiter, self._lease_ms())
         elif holder is not None:
             shard.lease_until = 0.0
+            # Alive until we ask again (a lease from now) and a wake-stream read after that.
+            shard.waiter_seen_until = now + 2 * lease_s
             return False
         shard.lease_until = now + lease_s
+        shard.waiter_seen_until = 0.0
         return True
 
     async def _hand_over(self, shard: Shard) -> None:
@@ -717,10 +751,11 @@ class Worker:
 
     async def _fire_once(self, shard: Shard) -> float:
         """Append the shard's due timers to its inbound stream (lua/fire-3.lua: each timer
-        exactly once, whichever workers call it). Every worker runs this loop; a timer is
-        appended at most about `TIMER_POLL_S` after it is due, then sequenced like any
-        message (the reader wakes for it like for any append)."""
-        if not shard.group_ready:
+        exactly once, whichever workers call it). Upkeep (Shard.does_upkeep): the waiter, or
+        every worker that knows of none, looks every `TIMER_POLL_S`; a timer is appended at
+        most about that long after it is due (about 2 waiter leases if the waiter dies), then
+        sequenced like any message (the reader wakes for it like for any append)."""
+        if not shard.group_ready or not shard.does_upkeep():
             return TIMER_POLL_S
         k = shard.keys
         first = await self.raw.zrange(k.timers, 0, 0, withscores=True)
@@ -741,8 +776,9 @@ class Worker:
     async def _reclaim_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         """Entries pending in the group past the visibility timeout. The intake acks what it
         delivers in the same step, so only something else leaves entries pending (another
-        reader of the group, an older version): they are sequenced like new ones."""
-        if not shard.group_ready:
+        reader of the group, an older version): they are sequenced like new ones. Upkeep
+        (Shard.does_upkeep): run by the waiter, or by every worker that knows of none."""
+        if not shard.group_ready or not shard.does_upkeep():
             return self.settings.reclaim_interval_ms / 1000
         consumers = await self.redis.xinfo_consumers(shard.keys.stream, shard.keys.group)
         slots = self._take_free_slots(shard) if any(int(c["pending"]) for c in consumers) else 0

@@ -68,3 +68,42 @@ def test_timers_fire_once_in_order_through_worker_kill_and_redis_restart(tmp_pat
     finally:
         pool.stop_all()
         server.stop()
+
+
+def test_a_timer_fires_when_the_worker_polling_for_it_is_killed(tmp_path: Path) -> None:
+    """Only the shard's waiter looks for due timers while the pool is idle: killed -9, it is
+    replaced (its lease runs out, or the others stop counting on it) and the timer fires
+    within about two leases (3 s each) of its due time."""
+    from conftest import worker_env
+
+    server = RedisServer(tmp_path / "redis").start()
+    env = worker_env(server.url, DIALOG_ENGINE="timer_engines:Timers")
+    pool = WorkerPool(env, tmp_path)
+    r = redis.Redis.from_url(server.url)
+    keys = Keys.from_settings(load_settings(environ=env))
+    try:
+        procs = pool.start(3)
+        r.xadd("dialog", {"session_id": "k", "text": "warm", "msg_id": "k-warm"})
+        wait_until(lambda: len(events(r)) >= 1, 30, what="the workers up")
+        # Idle: one waiter, the other two blocked on the wake stream.
+        name = wait_until(lambda: r.get(keys.waiter), 30, what="a waiter").decode()
+        wait_until(
+            lambda: sum(c["cmd"] == "xreadgroup" for c in r.client_list()) >= 2,
+            30,
+            what="two readers on the wake stream",
+        )
+        r.xadd("dialog", {"session_id": "k", "text": "remind 1.0 r", "msg_id": "k-r"})
+        wait_until(lambda: len(events(r)) >= 2, 30, what="the timer set")
+        due = time.time() + 1.0
+        [waiter] = [p for p in procs if p.name == name]
+        waiter.kill()
+        wait_until(
+            lambda: any(e["msg_id"].startswith("timer:r:") for e in events(r)),
+            30,
+            what="the timer fired",
+        )
+        late_s = time.time() - due
+        assert late_s < 8, late_s
+    finally:
+        pool.stop_all()
+        server.stop()
