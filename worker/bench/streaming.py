@@ -8,7 +8,9 @@ from INFO commandstats, divided by the tokens streamed), emit-to-client latency 
 (p50/p99/max: the fake model writes its emit time into each token, the reader compares it
 with its own clock on arrival; same host), Redis memory per live answer (peak used_memory
 over the idle baseline, divided by N) and per finished answer (its partial stream, kept until
-DIALOG_PARTIAL_TTL_S), and the answers' correctness (each reader's text equals the reply).
+DIALOG_PARTIAL_TTL_S), the CPU seconds of this reading process, redis-server and each worker
+while the answers streamed, and the answers' correctness (each reader's text equals the
+reply).
 
 With ``--plain M``: the throughput of messages that stream nothing (bursts of M plain XADDs
 over ``--plain-sessions`` sessions, answered at once by the same engine, one burst after the
