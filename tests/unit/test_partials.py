@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dialog_worker import emit, partials
+from dialog_worker import StreamEvent, emit, partials
+from dialog_worker.client import DialogClient
 from dialog_worker.config import load_settings
 from dialog_worker.errors import ValidationError
 from dialog_worker.partials import (
@@ -344,3 +345,50 @@ async def test_a_watch_wait_ends_by_its_timeout_every_time_and_at_once_on_news()
     await asyncio.wait_for(waiting, 1)
     assert watch.take() == ([(b"2-0", entry(1, 0, "x"))], False)
     watch.close()
+
+
+class StubReplyRouter:
+    def expect(self, session_id: str, msg_id: str) -> asyncio.Future:
+        return asyncio.get_running_loop().create_future()
+
+    async def start(self) -> None:
+        pass
+
+    def forget(self, *args: object) -> None:
+        pass
+
+    def problem(self) -> str:
+        return ""
+
+
+async def test_ask_stream_skips_the_state_read_at_start_only_for_a_msg_id_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A msg_id the client made was never sent before; a given one may be a resend of a
+    finished message, whose state must be read at once."""
+    client = DialogClient("redis://127.0.0.1:1/0")  # never connects here
+    followed: list[tuple[str, bool]] = []
+
+    async def send(session_id: str, text: str, msg_id: str, **kw: object) -> str:
+        return msg_id
+
+    async def fake_follow(
+        session_id: str,
+        msg_id: str,
+        after: object,
+        waiter: object,
+        deadline: object,
+        just_sent: bool = False,
+    ):
+        followed.append((msg_id, just_sent))
+        yield StreamEvent("end", msg_id, 0, "", f"{msg_id}:0:0", 0, "applied")
+
+    monkeypatch.setattr(client, "_router", lambda stream: StubReplyRouter())
+    monkeypatch.setattr(client, "send", send)
+    monkeypatch.setattr(client, "_follow", fake_follow)
+    try:
+        assert [e.kind async for e in client.ask_stream("s1", "hi")] == ["end"]
+        assert [e.kind async for e in client.ask_stream("s1", "hi", msg_id="given")] == ["end"]
+    finally:
+        await client.aclose()
+    assert followed[0][1] is True and followed[1] == ("given", False)
