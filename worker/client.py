@@ -371,6 +371,9 @@ class DialogClient:
         timeout, stream it again (or resend with the same msg_id) instead of sending anew.
         ``expires_at`` as for `send`."""
         check_id("session_id", session_id)
+        # A msg_id of our own was never sent before: it cannot be finished already (a given one
+        # may be a resend of a finished message, whose state is looked at at once).
+        new = msg_id is None
         msg_id = check_id("msg_id", msg_id) if msg_id is not None else uuid.uuid4().hex
         deadline = _deadline(timeout)
         router = self._router(self.keys_for(session_id).replies)
@@ -378,7 +381,7 @@ class DialogClient:
         try:
             await router.start()
             await self.send(session_id, text, msg_id=msg_id, meta=meta, expires_at=expires_at)
-            async for event in self._follow(session_id, msg_id, None, waiter, deadline):
+            async for event in self._follow(session_id, msg_id, None, waiter, deadline, new):
                 yield event
         except TimeoutError:
             raise ReplyTimeout(session_id, msg_id, timeout, router.problem()) from None
@@ -400,6 +403,7 @@ class DialogClient:
         after: Cursor | None,
         waiter: asyncio.Future[Reply],
         deadline: float | None,
+        just_sent: bool = False,
     ) -> AsyncIterator[StreamEvent]:
         shard = self.keys_for(session_id)
         session = shard.session(session_id)
@@ -407,7 +411,8 @@ class DialogClient:
         router = self._partial_routers.get(shard.shard)
         if router is None:
             router = self._partial_routers[shard.shard] = PartialRouter(self._reader_client())
-        return follow(self._reader_client(), router, keys, msg_id, after, waiter, deadline)
+        reader = self._reader_client()
+        return follow(reader, router, keys, msg_id, after, waiter, deadline, just_sent)
 
     @property
     def waiting_replies(self) -> int:

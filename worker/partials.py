@@ -24,8 +24,9 @@ A reader resumes from the ``cursor`` of the last event it handled
 
 The end never depends on one write: the worker appends an end entry after the commit, but a
 reader also ends when the reply event arrives (`DialogClient` registers for it before it reads)
-or when the session's state says the message's seq was applied (one HGET, checked at start and
-while idle); the committed reply then comes from the state's history.
+or when the session's state says the message's seq was applied (one HGET, checked at start,
+unless the message was just sent, and after every 2 s without new entries); the committed
+reply then comes from the state's history.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class Tracker:
         yield StreamEvent("resync", self.msg_id, attempt, full, self._cursor(), pos)
 
     def _cursor(self) -> str:
-        return str(Cursor(self.msg_id, self.attempt or 0, self.pos))
+        return f"{self.msg_id}:{self.attempt or 0}:{self.pos}"  # str(Cursor(...)), per delta
 
     def end_cursor(self) -> Cursor:
         """Where the end is: one past the stream's newest piece. Every reader that read the
@@ -223,6 +224,7 @@ async def follow(
     after: Cursor | None,
     reply: asyncio.Future[Reply],
     deadline: float | None,
+    just_sent: bool = False,
 ) -> AsyncIterator[StreamEvent]:
     """The events of one message's answer from ``after`` on, ending with ``end``.
 
@@ -231,11 +233,16 @@ async def follow(
     says it fell behind. ``reply`` is a waiter for the message's reply event, registered
     before this is called (so a commit that lands meanwhile cannot be missed). ``deadline``
     (``loop.time()``) bounds the wait: `TimeoutError` after it. ``redis`` returns bytes.
+    ``just_sent``: the message was sent just now under a new msg_id, so it cannot be finished
+    yet: the state is first looked at after `IDLE_CHECK_S` without news, not at once.
     """
     tracker = Tracker(msg_id, after)
     last_id: tuple[int, int] | None = None  # the newest entry handled
     loop = asyncio.get_running_loop()
-    next_check = 0.0
+    # The state is looked at once at start (unless just sent), then after every IDLE_CHECK_S
+    # without new entries (not every IDLE_CHECK_S of a long answer).
+    checked = just_sent
+    next_check = loop.time() + IDLE_CHECK_S if just_sent else 0.0
     catch_up = True
     read_to_end = False
     ended: tuple[str, str] | None = None  # (outcome, reply) once the message is finished
@@ -256,6 +263,8 @@ async def follow(
             else:
                 rows, behind = watch.take()
                 catch_up = behind
+            if rows and checked:
+                next_check = loop.time() + IDLE_CHECK_S
             for entry_id, fields in rows:
                 parsed = _entry_id(entry_id)
                 if last_id is not None and parsed <= last_id:
@@ -278,7 +287,7 @@ async def follow(
                 ended = (got.outcome, got.text)
             if ended is None and loop.time() >= next_check:
                 ended = await _finished(redis, keys, msg_id, tracker.seq)
-                next_check = loop.time() + IDLE_CHECK_S
+                next_check, checked = loop.time() + IDLE_CHECK_S, True
             if ended is not None:
                 if not read_to_end:
                     # Everything the step emitted was written before its commit: read it
@@ -328,6 +337,7 @@ class Watch:
         self._entries: list[tuple[bytes, dict[bytes, bytes]]] = []
         self._behind = False
         self._event = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None  # ends a `wait` at the latest
         self.listening = False
 
     def listen_after(self, last: tuple[int, int] | None) -> None:
@@ -361,10 +371,25 @@ class Watch:
         self._event.set()
 
     async def wait(self, timeout_s: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), timeout_s)
+        """Until something comes or ``timeout_s`` passed; it may return sooner (the caller
+        looks again). A follower waits once per delivery: instead of a timeout per wait
+        (`wait_for` even makes a task), one timer is kept while it ends early enough."""
+        if self._event.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        until = now + timeout_s
+        timer = self._timer
+        if timer is None or timer.when() <= now or timer.when() > until:
+            if timer is not None:
+                timer.cancel()
+            self._timer = loop.call_at(until, self._event.set)
+        await self._event.wait()
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.router.unlisten(self)
 
 

@@ -220,7 +220,9 @@ def test_bench_refuses_a_namespace_that_a_group_reads_unless_named(
 def test_streaming_bench_measures_plain_messages_alone_and_alongside_the_answers() -> None:
     """`python -m dialog_worker.bench.streaming --plain M` (docs/benchmarks.md, section 8): a
     small run answers every streamed answer correctly and reports the plain messages' two
-    throughputs, the one alongside taken while the answers were still being written."""
+    throughputs, each over bursts of M repeated until they took --plain-min-s, the one
+    alongside taken while the answers were still being written, and the CPU each process
+    used."""
     done = subprocess.run(
         [
             sys.executable,
@@ -228,6 +230,7 @@ def test_streaming_bench_measures_plain_messages_alone_and_alongside_the_answers
             "dialog_worker.bench.streaming",
             *("--answers", "4", "--tokens", "60", "--rate", "20"),
             *("--plain", "100", "--plain-sessions", "20", "--plain-after-s", "0.5"),
+            *("--plain-min-s", "0.4"),
         ],
         cwd=REPO,
         capture_output=True,
@@ -238,9 +241,13 @@ def test_streaming_bench_measures_plain_messages_alone_and_alongside_the_answers
     result = json.loads(done.stdout)
     assert result["correct_answers"] == 4 and result["tokens_received"] == 240
     plain = result["plain"]
-    assert plain["alone"]["messages"] == plain["alongside"]["messages"] == 100
-    assert plain["alone"]["per_s"] > 0 and plain["alongside"]["per_s"] > 0
+    for burst in (plain["alone"], plain["alongside"]):
+        assert burst["messages"] == 100 * burst["bursts"] and burst["seconds"] >= 0.4
+        assert burst["per_s"] == pytest.approx(burst["messages"] / burst["seconds"], rel=0.01)
     assert plain["streaming_still_running"] is True  # 3 s answers; the burst is at 0.5 s
     assert plain["ratio"] == round(plain["alongside"]["per_s"] / plain["alone"]["per_s"], 3)
     assert result["latency_ms_p99"] > 0
     assert result["redis_commands_per_token"] is None  # the plain messages' commands are in it
+    cpu = result["cpu_s"]
+    assert cpu["reader"] > 0 and cpu["redis"] > 0 and len(cpu["workers"]) == 2
+    assert all(s is not None and s > 0 for s in cpu["workers"])

@@ -8,10 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from dialog_worker import emit
+from dialog_worker import StreamEvent, emit, partials
+from dialog_worker.client import DialogClient
 from dialog_worker.config import load_settings
 from dialog_worker.errors import ValidationError
-from dialog_worker.partials import Cursor, Tracker, parse_cursor, reply_from_history
+from dialog_worker.partials import (
+    Cursor,
+    MessageKeys,
+    Tracker,
+    Watch,
+    follow,
+    parse_cursor,
+    reply_from_history,
+)
+from dialog_worker.replies import Reply
 from dialog_worker.streaming import BATCH_WIDTH, PartialReplies
 
 
@@ -251,3 +261,134 @@ async def test_a_writer_asks_for_the_expiry_again_once_an_eighth_of_the_ttl_pass
 
     await replies.run(job, SimpleNamespace(msg_id="m"), step())  # type: ignore[arg-type]
     assert replies.refresh == ["1", "", "1", ""]
+
+
+class StateCountingRedis:
+    """A partial stream that stays empty (its entries come through the watch) and a session
+    state that counts how often it is read and says "outstanding"."""
+
+    def __init__(self) -> None:
+        self.state_reads = 0
+
+    async def xrange(self, key: str, min: str, max: str, count: int) -> list:
+        return []
+
+    async def get(self, key: str) -> bytes:
+        self.state_reads += 1
+        return b"1"  # the message's seq
+
+    async def hmget(self, key: str, fields: list[str]) -> list[bytes | None]:
+        self.state_reads += 1
+        return [b"0", b"1", None]  # seq 1 not applied yet
+
+
+class QuietRouter:
+    """A router that reads nothing: the test hands entries to the watch itself."""
+
+    def __init__(self) -> None:
+        self.watches: list[Watch] = []
+
+    def watch(self, key: str) -> Watch:
+        self.watches.append(Watch(self, key))  # type: ignore[arg-type]
+        return self.watches[-1]
+
+    def listen(self, watch: Watch, last: object) -> None:
+        pass
+
+    def unlisten(self, watch: Watch) -> None:
+        pass
+
+
+@pytest.mark.parametrize("just_sent", [False, True])
+async def test_the_state_is_read_at_start_and_after_a_silence_not_while_entries_come(
+    monkeypatch: pytest.MonkeyPatch, just_sent: bool
+) -> None:
+    """A long answer whose pieces keep coming costs no state reads (before: one every
+    IDLE_CHECK_S per answer); a message sent just now under a new msg_id is not read at
+    start either; after IDLE_CHECK_S without entries the state is read again."""
+    monkeypatch.setattr(partials, "IDLE_CHECK_S", 0.15)
+    redis, router = StateCountingRedis(), QuietRouter()
+    keys = MessageKeys("P", "S", "D")
+    reply: asyncio.Future = asyncio.get_running_loop().create_future()
+    events = follow(redis, router, keys, "m", None, reply, None, just_sent)  # type: ignore[arg-type]
+    got: list[str] = []
+
+    async def read() -> None:
+        async for event in events:
+            got.append(event.text)
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(0.02)
+    assert redis.state_reads == (0 if just_sent else 2)  # the seq, then the state
+    for pos in range(12):  # 0.48 s of pieces, 40 ms apart: three IDLE_CHECK_S
+        router.watches[0].push([(f"2-{pos}".encode(), entry(1, pos, f"t{pos} "))])
+        await asyncio.sleep(0.04)
+    assert len(got) == 12
+    assert redis.state_reads == (0 if just_sent else 2)
+    await asyncio.sleep(0.3)  # silence: the state is read (seq known by now: one read)
+    assert redis.state_reads >= (1 if just_sent else 3)
+    reply.set_result(Reply("s", "m", 1, "applied", "done", "0-1"))
+    await asyncio.wait_for(reader, 2)
+
+
+async def test_a_watch_wait_ends_by_its_timeout_every_time_and_at_once_on_news() -> None:
+    watch = QuietRouter().watch("P")
+    loop = asyncio.get_running_loop()
+    for timeout_s in (0.05, 0.05, 0.02, 0.1):  # a timer that fired is not relied on again
+        started = loop.time()
+        await asyncio.wait_for(watch.wait(timeout_s), 1)
+        assert loop.time() - started < timeout_s + 0.05
+        watch.take()
+    waiting = asyncio.create_task(watch.wait(30))
+    await asyncio.sleep(0.01)
+    watch.push([(b"2-0", entry(1, 0, "x"))])
+    await asyncio.wait_for(waiting, 1)
+    assert watch.take() == ([(b"2-0", entry(1, 0, "x"))], False)
+    watch.close()
+
+
+class StubReplyRouter:
+    def expect(self, session_id: str, msg_id: str) -> asyncio.Future:
+        return asyncio.get_running_loop().create_future()
+
+    async def start(self) -> None:
+        pass
+
+    def forget(self, *args: object) -> None:
+        pass
+
+    def problem(self) -> str:
+        return ""
+
+
+async def test_ask_stream_skips_the_state_read_at_start_only_for_a_msg_id_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A msg_id the client made was never sent before; a given one may be a resend of a
+    finished message, whose state must be read at once."""
+    client = DialogClient("redis://127.0.0.1:1/0")  # never connects here
+    followed: list[tuple[str, bool]] = []
+
+    async def send(session_id: str, text: str, msg_id: str, **kw: object) -> str:
+        return msg_id
+
+    async def fake_follow(
+        session_id: str,
+        msg_id: str,
+        after: object,
+        waiter: object,
+        deadline: object,
+        just_sent: bool = False,
+    ):
+        followed.append((msg_id, just_sent))
+        yield StreamEvent("end", msg_id, 0, "", f"{msg_id}:0:0", 0, "applied")
+
+    monkeypatch.setattr(client, "_router", lambda stream: StubReplyRouter())
+    monkeypatch.setattr(client, "send", send)
+    monkeypatch.setattr(client, "_follow", fake_follow)
+    try:
+        assert [e.kind async for e in client.ask_stream("s1", "hi")] == ["end"]
+        assert [e.kind async for e in client.ask_stream("s1", "hi", msg_id="given")] == ["end"]
+    finally:
+        await client.aclose()
+    assert followed[0][1] is True and followed[1] == ("given", False)

@@ -8,12 +8,15 @@ from INFO commandstats, divided by the tokens streamed), emit-to-client latency 
 (p50/p99/max: the fake model writes its emit time into each token, the reader compares it
 with its own clock on arrival; same host), Redis memory per live answer (peak used_memory
 over the idle baseline, divided by N) and per finished answer (its partial stream, kept until
-DIALOG_PARTIAL_TTL_S), and the answers' correctness (each reader's text equals the reply).
+DIALOG_PARTIAL_TTL_S), the CPU seconds of this reading process, redis-server and each worker
+while the answers streamed, and the answers' correctness (each reader's text equals the
+reply).
 
-With ``--plain M``: the throughput of M messages that stream nothing (a burst of plain XADDs
-over ``--plain-sessions`` sessions, answered at once by the same engine), first on the idle
-workers, then again ``--plain-after-s`` into the streaming run, while every answer is still
-being written: ``plain_ratio`` is the second throughput over the first.
+With ``--plain M``: the throughput of messages that stream nothing (bursts of M plain XADDs
+over ``--plain-sessions`` sessions, answered at once by the same engine, one burst after the
+other until they took ``--plain-min-s`` together), first on the idle workers, then again
+``--plain-after-s`` into the streaming run, while every answer is still being written:
+``plain_ratio`` is the second throughput over the first.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from dialog_worker import emit
 from dialog_worker.client import DialogClient
 from dialog_worker.config import load_settings
+
+T = TypeVar("T")
 
 
 class FakeModel:
@@ -82,14 +88,30 @@ async def _read(client: DialogClient, i: int, tokens: int, rate: int) -> tuple[l
     return latencies, shown == final and len(final.split()) == tokens
 
 
-async def _plain_burst(
-    client: DialogClient, count: int, sessions: int, label: str, after_s: float
+async def _plain(
+    client: DialogClient, count: int, sessions: int, label: str, after_s: float, min_s: float
 ) -> dict[str, float]:
-    """``count`` messages that stream nothing, appended at once (one pipeline of plain XADDs,
-    as producers do), and the time from the append to the last one's reply event (its
-    ``produced_at``, the worker's clock on this same host: the bench's own loop, busy with
-    the readers, does not count): messages per second."""
+    """Bursts of ``count`` messages that stream nothing (`_plain_burst`), one after the other
+    until they took ``min_s`` together (a single burst of a thousand took 0.2 s: too short to
+    tell throughput from noise): messages per second over the bursts' time."""
     await asyncio.sleep(after_s)
+    messages, bursts, seconds = 0, 0, 0.0
+    while bursts == 0 or seconds < min_s:
+        seconds += await _plain_burst(client, count, sessions, f"{label}{bursts}")
+        messages, bursts = messages + count, bursts + 1
+    return {
+        "messages": messages,
+        "bursts": bursts,
+        "seconds": round(seconds, 3),
+        "per_s": round(messages / seconds, 1),
+    }
+
+
+async def _plain_burst(client: DialogClient, count: int, sessions: int, label: str) -> float:
+    """``count`` messages that stream nothing, appended at once (one pipeline of plain XADDs,
+    as producers do), on sessions of their own: the time from the append to the last one's
+    reply event (its ``produced_at``, the worker's clock on this same host: the bench's own
+    loop, busy with the readers, does not count), in seconds."""
     replies = client.keys.replies
     newest = cast(list[tuple[str, Any]], await client.redis.xrevrange(replies, count=1))
     last_id: str = newest[0][0] if newest else "0-0"
@@ -118,8 +140,17 @@ async def _plain_burst(
                     last_ms = max(last_ms, float(fields.get("produced_at", 0)))
         if time.monotonic() - started > 300:
             raise TimeoutError(f"{count - seen} plain messages unanswered after 300 s")
-    seconds = max(0.001, (last_ms - sent_at_ms) / 1000)
-    return {"messages": count, "seconds": round(seconds, 3), "per_s": round(count / seconds, 1)}
+    return max(0.001, (last_ms - sent_at_ms) / 1000)
+
+
+async def _until_done(work: Awaitable[T]) -> tuple[T, float]:
+    """``work``'s result and when it came (``time.monotonic()``)."""
+    result = await work
+    return result, time.monotonic()
+
+
+def _used(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else round(after - before, 2)
 
 
 def _percentile(values: list[float], p: float) -> float:
@@ -127,9 +158,29 @@ def _percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] if ordered else 0.0
 
 
-async def _run(args: argparse.Namespace, url: str) -> dict[str, Any]:
+def _cpu_s(pids: list[int]) -> list[float | None]:
+    """CPU seconds (user + system) each process used so far, from /proc (None elsewhere)."""
+    out: list[float | None] = []
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        except (OSError, ValueError, IndexError):
+            out.append(None)
+    return out
+
+
+async def _redis_cpu_s(client: DialogClient) -> float:
+    info = await client.redis.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+async def _run(args: argparse.Namespace, url: str, worker_pids: list[int]) -> dict[str, Any]:
     settings = load_settings({"redis_url": url})
-    async with DialogClient(settings=settings, max_connections=args.answers + 16) as client:
+    # The client's default pool, as an application has: a pool as large as the answers opened
+    # a thousand connections at the start (each costs redis-py about a millisecond of CPU),
+    # while the first answers were already streaming.
+    async with DialogClient(settings=settings) as client:
         info = await client.redis.info("memory")
         baseline = int(info["used_memory"])
         await client.redis.config_resetstat()
@@ -146,16 +197,26 @@ async def _run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         if args.plain:
             # Alone first, on idle workers, after a small burst that warms them up (their
             # first calls load scripts and fill connection pools).
-            await _plain_burst(client, 200, args.plain_sessions, "warm", 0.0)
-            plain["alone"] = await _plain_burst(
-                client, args.plain, args.plain_sessions, "alone", 0.0
+            await _plain_burst(client, 200, args.plain_sessions, "warm")
+            plain["alone"] = await _plain(
+                client, args.plain, args.plain_sessions, "alone", 0.0, args.plain_min_s
             )
             await client.redis.config_resetstat()
         sampler = asyncio.create_task(sample())
+        cpu_before = [time.process_time(), await _redis_cpu_s(client), *_cpu_s(worker_pids)]
         started = time.monotonic()
         alongside = (
             asyncio.create_task(
-                _plain_burst(client, args.plain, args.plain_sessions, "along", args.plain_after_s)
+                _until_done(
+                    _plain(
+                        client,
+                        args.plain,
+                        args.plain_sessions,
+                        "along",
+                        args.plain_after_s,
+                        args.plain_min_s,
+                    )
+                )
             )
             if args.plain
             else None
@@ -164,11 +225,10 @@ async def _run(args: argparse.Namespace, url: str) -> dict[str, Any]:
             *(_read(client, i, args.tokens, args.rate) for i in range(args.answers))
         )
         elapsed = time.monotonic() - started
+        cpu_after = [time.process_time(), await _redis_cpu_s(client), *_cpu_s(worker_pids)]
         if alongside is not None:
-            plain["alongside"] = await alongside
-            plain["streaming_still_running"] = (
-                args.plain_after_s + plain["alongside"]["seconds"] <= elapsed
-            )
+            plain["alongside"], ended_at = await alongside
+            plain["streaming_still_running"] = ended_at <= started + elapsed
         done.set()
         await sampler
         stats = await client.redis.info("commandstats")
@@ -206,6 +266,13 @@ async def _run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         "latency_ms_p50": round(_percentile(latencies, 50), 1),
         "latency_ms_p99": round(_percentile(latencies, 99), 1),
         "latency_ms_max": round(max(latencies, default=0.0), 1),
+        # CPU seconds used while the answers streamed: this reading process, redis-server,
+        # each worker process.
+        "cpu_s": {
+            "reader": _used(cpu_before[0], cpu_after[0]),
+            "redis": _used(cpu_before[1], cpu_after[1]),
+            "workers": [_used(b, a) for b, a in zip(cpu_before[2:], cpu_after[2:], strict=True)],
+        },
         "memory_bytes_per_live_answer": (peak - baseline) // answers,
         "memory_bytes_per_finished_answer": (after - baseline) // answers,
         "partial_stream_bytes_per_answer": stream_bytes // answers,
@@ -240,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--plain-sessions", type=int, default=200, help="sessions of those (default 200)"
+    )
+    parser.add_argument(
+        "--plain-min-s",
+        type=float,
+        default=1.0,
+        help="bursts of M one after the other until they took this long (default 1.0)",
     )
     parser.add_argument(
         "--plain-after-s",
@@ -296,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
             time.sleep(2.0)  # the workers start (imports, script loads)
-            result = asyncio.run(_run(args, url))
+            result = asyncio.run(_run(args, url, [proc.pid for proc in workers]))
         finally:
             for proc in workers:
                 proc.terminate()
