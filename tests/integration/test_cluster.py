@@ -187,12 +187,7 @@ async def test_master_killed_mid_burst_replica_takes_over_and_workers_continue(t
             # yet replicated would be gone (async replication, docs/cluster.md); on loopback
             # the replica gets it in the same event-loop turn as the caller's reply, so none
             # is: a lost message here is the worker's doing.
-            deadline = time.monotonic() + 120
-            while True:
-                lost, twice, disorder, pending = await survivors(c, accepted)
-                if not pending or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.2)  # pacing of the poll for the sessions to settle
+            lost, twice, disorder, pending = await count_survivors(c, accepted, timeout_s=120)
             await assert_drained(c, timeout_s=60)
             duplicates = 0
             for keys in c.topology.shards:
@@ -232,6 +227,18 @@ def test_worker_started_while_its_startup_node_is_down_waits_instead_of_exiting(
         assert w.terminate(20) == 0
     finally:
         pool.stop_all()
+
+
+async def count_survivors(
+    c: DialogClient, accepted: list[Sent], timeout_s: float
+) -> tuple[int, int, int, int]:
+    """`survivors` once the sessions have settled (or at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lost, twice, disorder, pending = await survivors(c, accepted)
+        if not pending or time.monotonic() > deadline:
+            return lost, twice, disorder, pending
+        await asyncio.sleep(0.2)  # pacing of the poll for the sessions to settle
 
 
 async def survivors(c: DialogClient, accepted: list[Sent]) -> tuple[int, int, int, int]:
