@@ -176,7 +176,11 @@ async def test_master_killed_mid_burst_replica_takes_over_and_workers_continue(t
                             await asyncio.sleep(0.05)
 
             senders = asyncio.gather(*(session(i) for i in range(100)))
-            await mid_burst.wait()
+            burst = asyncio.ensure_future(mid_burst.wait())
+            await asyncio.wait([burst, senders], return_when=asyncio.FIRST_COMPLETED)
+            if not burst.done():  # a sender failed before the kill: its error, not a hang
+                burst.cancel()
+                await senders
             victim = cluster.node_for_slot(key_slot(c.topology.shards[0].stream))
             try:
                 offset = await asyncio.to_thread(cluster.kill_once_replicated, victim)
