@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 import redis.exceptions
 from conftest import worker_env
-from queue_checks import assert_drained, wait_consumers_idle
+from queue_checks import assert_drained, leftovers, wait_consumers_idle
 from redis_cluster import RedisCluster
 from redis_server import free_port, wait_until
 from worker_procs import WorkerPool
@@ -133,6 +133,7 @@ async def test_session_ids_with_braces_land_wholly_in_their_shards_slot(
 
 async def test_master_killed_mid_burst_replica_takes_over_and_workers_continue(tmp_path):
     cluster = RedisCluster(tmp_path / "cluster").start()
+    pool: WorkerPool | None = None
     try:
         env = worker_env(
             cluster.url,
@@ -151,13 +152,15 @@ async def test_master_killed_mid_burst_replica_takes_over_and_workers_continue(t
         settings = load_settings(environ=env)
         accepted: list[Sent] = []
         errors = 0
-        mid_burst = asyncio.Event()
+        mid_burst, killed = asyncio.Event(), asyncio.Event()
         async with DialogClient(settings=settings, max_connections=300) as c:
 
             async def session(i: int) -> None:
                 nonlocal errors
                 sid = f"f{i}"
                 for n in range(20):
+                    if n == 10:  # the second half after the kill, however slow the machine
+                        await killed.wait()
                     await asyncio.sleep(0.05)  # pacing: a burst that spans the failover
                     text, msg_id = f"pesan {n}", f"{sid}-{n}"
                     deadline = time.monotonic() + 60
@@ -174,26 +177,29 @@ async def test_master_killed_mid_burst_replica_takes_over_and_workers_continue(t
                             await asyncio.sleep(0.05)
 
             senders = asyncio.gather(*(session(i) for i in range(100)))
-            await mid_burst.wait()
+            burst = asyncio.ensure_future(mid_burst.wait())
+            await asyncio.wait([burst, senders], return_when=asyncio.FIRST_COMPLETED)
+            if not burst.done():  # a sender failed before the kill: its error, not a hang
+                burst.cancel()
+                await senders
             victim = cluster.node_for_slot(key_slot(c.topology.shards[0].stream))
-            await asyncio.to_thread(cluster.kill, victim)
+            try:
+                offset = await asyncio.to_thread(cluster.kill_once_replicated, victim)
+            finally:
+                killed.set()
             killed_at, accepted_at_kill = time.monotonic(), len(accepted)
             await asyncio.to_thread(cluster.wait_for_failover, victim.port, 20)
             failover_s = time.monotonic() - killed_at
             await senders
 
             # What survived: per session, the history must hold what was accepted, in send
-            # order, with no message twice. An accepted send whose XADD the old master had not
-            # yet replicated would be gone (async replication, docs/cluster.md); on loopback
-            # the replica gets it in the same event-loop turn as the caller's reply, so none
-            # is: a lost message here is the worker's doing.
-            deadline = time.monotonic() + 120
-            while True:
-                lost, twice, disorder, pending = await survivors(c, accepted)
-                if not pending or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.2)  # pacing of the poll for the sessions to settle
-            await assert_drained(c, timeout_s=60)
+            # order, with no message twice. Its replica had every write the old master
+            # acknowledged (kill_once_replicated), so Redis lost nothing: a lost message here
+            # is the worker's doing. What asynchronous replication loses on top (a send
+            # acknowledged, not yet replicated: docs/cluster.md) is not measured here; the
+            # Sentinel failover test (tests/fault/test_redis_prod.py) measures it.
+            lost, twice, disorder, pending = await count_survivors(c, accepted, timeout_s=60)
+            await assert_drained(c, timeout_s=10)
             duplicates = 0
             for keys in c.topology.shards:
                 replies = await c.redis.xrange(keys.replies)
@@ -201,17 +207,20 @@ async def test_master_killed_mid_burst_replica_takes_over_and_workers_continue(t
         alive = [w.alive() for w in procs]
         print(
             f"\n[cluster failover] master :{victim.port} killed after {accepted_at_kill} accepted "
-            f"sends; failover {failover_s:.2f}s; {errors} send errors retried ({duplicates} "
-            f"answered duplicate); of 2000 accepted: lost {lost}, applied twice {twice}, out of "
-            f"order {disorder}, sessions not settled {pending}; workers alive {alive}"
+            f"sends, its replica at its offset {offset}; failover {failover_s:.2f}s; {errors} "
+            f"send errors retried ({duplicates} answered duplicate); of 2000 accepted: lost "
+            f"{lost}, applied twice {twice}, out of order {disorder}, sessions not settled "
+            f"{pending}; workers alive {alive}"
         )
         assert len(accepted) == 2000
+        assert 600 <= accepted_at_kill <= 1000, "the kill must come mid-burst"
         assert lost == 0, "accepted messages missing from their session's history"
         assert twice == 0 and disorder == 0
         assert pending == 0, "sessions still waiting after the failover"
         assert all(alive)
-        pool.stop_all()
     finally:
+        if pool is not None:  # a failed run leaves no worker spinning on a stopped cluster
+            pool.stop_all()
         cluster.stop()
 
 
@@ -232,6 +241,48 @@ def test_worker_started_while_its_startup_node_is_down_waits_instead_of_exiting(
         assert w.terminate(20) == 0
     finally:
         pool.stop_all()
+
+
+async def test_messages_no_worker_has_read_yet_are_waited_for_not_counted_lost(env, tmp_path):
+    """The failover test's count, on one node: after a failover a shard's readers can resume
+    seconds after the senders are done (each worker loop backs off while Redis is down), and
+    until then that shard's messages sit unread in its stream, with no seq. The count waits
+    for them instead of reporting them lost (a full run once reported 564 "lost" that way)."""
+    async with DialogClient(settings=load_settings(environ=env)) as c:
+        accepted = []
+        for sid in ("late1", "late2"):
+            for n in range(5):
+                msg_id = (await c.send(sid, f"pesan {n}", msg_id=f"{sid}-{n}")).msg_id
+                accepted.append(Sent(sid, n + 1, msg_id, f"pesan {n}"))
+        counting = asyncio.create_task(count_survivors(c, accepted, timeout_s=30))
+        await asyncio.sleep(1.0)  # the readers come late
+        try:
+            assert not counting.done(), f"counted before any worker read: {counting.result()}"
+        except BaseException:
+            counting.cancel()
+            raise
+        pool = WorkerPool(env, tmp_path)
+        try:
+            pool.start(1)
+            assert await counting == (0, 0, 0, 0)
+        finally:
+            pool.stop_all()
+
+
+async def count_survivors(
+    c: DialogClient, accepted: list[Sent], timeout_s: float
+) -> tuple[int, int, int, int]:
+    """`survivors` once nothing waits any more (or at the deadline): every inbound stream read
+    to its end, no session in a ready set or with a message it has not applied. Only then is
+    a message missing from its session's history lost; before, it may sit unread in a stream,
+    without a seq, while its shard's readers still back off after the outage."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = await leftovers(c)  # first: once drained, nothing can start waiting again
+        waiting = left["stream"] + left["ready"] + left["outstanding"]
+        if not waiting or time.monotonic() > deadline:
+            return await survivors(c, accepted)
+        await asyncio.sleep(0.2)  # pacing of the poll for the shards to drain
 
 
 async def survivors(c: DialogClient, accepted: list[Sent]) -> tuple[int, int, int, int]:

@@ -140,3 +140,34 @@ def _retry(fn, attempts: int = 20, delay_s: float = 0.1):
                 raise
             time.sleep(delay_s)
     return None
+
+
+def test_kill_once_replicated_waits_for_a_lagging_replica_so_the_failover_keeps_every_write(
+    cluster: RedisCluster,
+) -> None:
+    """The replica is cut off and paused while the master acknowledges 200 writes (what
+    asynchronous replication loses to a plain kill -9); kill_once_replicated lets it resync
+    first, so the replica that takes over has all 200."""
+    client = ClusterClient.from_url(cluster.url, decode_responses=True)
+    try:
+        victim = next(m for m in cluster.masters() if m.url != cluster.url)
+        [replica] = cluster.replicas_of(victim)
+        lo, hi = cluster.slots_of(victim)[0]
+        keys = [f"lag:{i}" for i in range(100_000) if lo <= slot(f"lag:{i}") <= hi][:200]
+        assert replica.proc is not None
+        cluster.pause(replica)
+        try:
+            victim.client().client_kill_filter(_type="replica")
+            for key in keys:
+                assert client.set(key, "acknowledged")
+        finally:
+            cluster.resume(replica)
+        offset = cluster.kill_once_replicated(victim)
+        assert int(replica.replication_info()["slave_repl_offset"]) >= offset
+        new_master = cluster.wait_for_failover(victim.port, timeout=15)
+        assert new_master is replica
+        assert [_retry(lambda k=k: client.get(k)) for k in keys] == ["acknowledged"] * len(keys)
+        cluster.restart(victim)
+        cluster.wait_rejoined_as_replica(victim, timeout=20)
+    finally:
+        client.close()

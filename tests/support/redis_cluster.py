@@ -20,6 +20,10 @@ Settings worth knowing (all overridable through the constructor):
   uncovered the whole cluster reports `cluster_state:fail`, which is what `wait_for_failover`
   waits out.
 - `appendonly yes`, `appendfsync everysec`, `save ""`, `maxmemory-policy noeviction`.
+
+`kill` is a plain kill -9: whatever its replicas had not received is gone with the master.
+`kill_once_replicated` first lets them catch up, for tests of what survives a failover when
+Redis itself loses nothing.
 """
 
 from __future__ import annotations
@@ -690,6 +694,32 @@ class RedisCluster:
                 node.proc.send_signal(signal.SIGKILL)
             node.proc.wait(10)
             node.proc = None
+
+    def kill_once_replicated(self, node: ClusterNode, timeout_s: float = 10.0) -> int:
+        """kill -9 of a master once its replicas hold every write it acknowledged: writes on
+        it are paused (`CLIENT PAUSE WRITE`: clients' writes wait, replication goes on), its
+        replicas' processed offsets are awaited up to its own, then it is killed. A write
+        still waiting never ran, so its caller gets an error, not a reply. What a failover
+        then keeps is all the master acknowledged; what asynchronous replication loses on top
+        is left out. Returns the master's replication offset at the kill."""
+        client = node.client()
+        client.execute_command("CLIENT", "PAUSE", int(timeout_s * 1000) + 60_000, "WRITE")
+        offset = int(client.info("replication")["master_repl_offset"])
+        replicas = self.replicas_of(node)
+
+        def caught_up() -> bool:
+            return all(
+                int(r.replication_info().get("slave_repl_offset", -1)) >= offset for r in replicas
+            )
+
+        _deadline_wait(
+            caught_up,
+            timeout_s,
+            f"the replicas of port {node.port} at its offset {offset}",
+            lambda: self._logs([node, *replicas]),
+        )
+        self.kill(node)
+        return offset
 
     def restart(self, node: ClusterNode, timeout_s: float = 15.0) -> None:
         """Start `node` again (killing it first if it runs) on the same port and directory;
