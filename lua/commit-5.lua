@@ -289,7 +289,8 @@ for _, c in ipairs(commits) do
       else
         rcall('ZREM', ready, c.sid)
         rcall('ZREM', ages, c.sid)
-        rcall('HDEL', state, 'xc', 'xs')  -- nothing is left below them
+        -- nothing is left below them (read above: most sessions never had them)
+        if h[8] or h[9] then rcall('HDEL', state, 'xc', 'xs') end
         rcall('EXPIRE', state, state_ttl)
       end
       results[#results + 1] = {6, version}
