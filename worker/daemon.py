@@ -87,6 +87,9 @@ INTAKE_BATCH = 1000
 # How long the resumer sleeps when no session waits in the ready set: anything added later is
 # due a lock lease or a backoff from then, except a hand-back at shutdown.
 RESUME_IDLE_S = 1.0
+# A session whose message took at least this long gives its slot up between messages when
+# others wait for one (Worker._take_turns).
+TURN_AFTER_S = 0.02
 # How often the worker doing a shard's upkeep (Shard.does_upkeep) looks for due timers (one
 # ZRANGE of the first; the fire script only when one is due): the most a timer is appended
 # after it is due, while that worker lives.
@@ -132,6 +135,11 @@ class SlotGate:
     def free(self) -> int:
         return self._free
 
+    @property
+    def contended(self) -> bool:
+        """Every slot is taken and someone waits for one."""
+        return self._free <= 0 and any(self._waiting)
+
     def acquire_nowait(self) -> None:
         if self._free <= 0:
             raise anyio.WouldBlock
@@ -162,6 +170,17 @@ class SlotGate:
                 waiter.event.set()
                 return
         self._free += 1
+
+
+async def take_turns(slots: SlotGate, took_s: float, stopping: bool = False) -> None:
+    """Between two messages of a session: if its last one took a while (a model call, not the
+    rules) and a reader or resumer waits for a slot, give the slot to it and queue behind.
+    Under a backlog of slow steps the sessions then take turns, instead of each holding a slot
+    for its whole burst while the others wait; fast steps keep their slot (a turn costs an
+    intake call). Not while the worker stops: the session goes on and hands back at once."""
+    if took_s >= TURN_AFTER_S and slots.contended and not stopping:
+        slots.release()
+        await slots.acquire()
 
 
 @dataclasses.dataclass(eq=False)
@@ -701,11 +720,14 @@ class Worker:
         self._sessions_started += 1
         self.metrics.in_flight.inc()
         try:
-            await self.pipeline.run_session(job)
+            await self.pipeline.run_session(job, partial(self._take_turns, shard))
         finally:
             self.metrics.in_flight.dec()
             self._give_slots(shard, 1)
             self._last_finished = time.monotonic()
+
+    async def _take_turns(self, shard: Shard, took_s: float) -> None:
+        await take_turns(shard.slots, took_s, stopping=self.pipeline.stopping)
 
     async def _resume_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         """Take up due sessions of the ready set, as many as there are free slots. Waits for

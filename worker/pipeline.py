@@ -22,7 +22,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -221,10 +221,14 @@ class Pipeline:
     # ------------------------------------------------------------------------------------
     # Entry point
 
-    async def run_session(self, job: Job | None) -> None:
+    async def run_session(
+        self, job: Job | None, between: Callable[[float], Awaitable[None]] | None = None
+    ) -> None:
         """Work one session while we hold its lock: this job, then whatever its commits hand
-        on. Never raises: after a Redis failure the lock runs out and the session
-        comes back through the ready set; anything else is logged."""
+        on. ``between(seconds the last message took)`` runs before each handed-on message,
+        with its lease kept (the daemon gives the slot to a waiting reader there). Never
+        raises: after a Redis failure the lock runs out and the session comes back through
+        the ready set; anything else is logged."""
         try:
             while job is not None:
                 structlog.contextvars.bind_contextvars(
@@ -233,7 +237,15 @@ class Pipeline:
                     entry_id=job.entry_id,
                     attempt=job.attempts,
                 )
+                started = time.perf_counter()
                 job = await self._process(job)
+                if job is not None and between is not None:
+                    self.leases[job.token] = job  # renewed by the heartbeat while it waits
+                    try:
+                        await between(time.perf_counter() - started)
+                    finally:
+                        if self.leases.get(job.token) is job:
+                            del self.leases[job.token]
         except redis.exceptions.RedisError as exc:
             log.warning(
                 "redis_error",

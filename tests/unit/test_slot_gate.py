@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from dialog_worker.daemon import SlotGate
+from dialog_worker.daemon import TURN_AFTER_S, SlotGate, take_turns
 
 pytestmark = pytest.mark.anyio
 
@@ -48,3 +48,59 @@ async def test_a_cancelled_waiter_leaves_no_slot_behind() -> None:
     gate.acquire_nowait()
     with pytest.raises(anyio.WouldBlock):
         gate.acquire_nowait()
+
+
+async def test_a_slow_session_gives_its_slot_to_a_waiting_reader_and_queues_behind() -> None:
+    gate = SlotGate(1)
+    gate.acquire_nowait()  # the session's slot
+    order: list[str] = []
+
+    async def reader() -> None:
+        await gate.acquire()
+        order.append("reader")
+        await anyio.sleep(0.01)
+        gate.release()
+
+    async def session() -> None:
+        await take_turns(gate, TURN_AFTER_S)
+        order.append("session")
+        gate.release()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader)
+        await anyio.wait_all_tasks_blocked()
+        assert gate.contended
+        tg.start_soon(session)
+    assert order == ["reader", "session"]
+    assert gate.free == 1 and not gate.contended
+
+
+@pytest.mark.parametrize(("took_s", "stopping"), [(TURN_AFTER_S / 2, False), (TURN_AFTER_S, True)])
+async def test_a_fast_step_or_a_stopping_worker_keeps_the_slot(
+    took_s: float, stopping: bool
+) -> None:
+    gate = SlotGate(1)
+    gate.acquire_nowait()
+    order: list[str] = []
+
+    async def reader() -> None:
+        await gate.acquire()
+        order.append("reader")
+        gate.release()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader)
+        await anyio.wait_all_tasks_blocked()
+        await take_turns(gate, took_s, stopping=stopping)
+        order.append("session")
+        gate.release()
+    assert order == ["session", "reader"]
+
+
+async def test_no_turn_without_anyone_waiting() -> None:
+    gate = SlotGate(2)
+    gate.acquire_nowait()
+    assert not gate.contended
+    with anyio.fail_after(1):
+        await take_turns(gate, 10.0)
+    assert gate.free == 1
