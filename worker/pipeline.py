@@ -354,33 +354,25 @@ class Pipeline:
         flag = cancellation.bind(job.cancel_flag)
         job.timer_ops = timers.TimerOps()  # a new attempt starts with none
         timer_token = timers.bind(job.timer_ops)
+        # One scope for the step timeout and for the two who stop a step from outside (one
+        # scope less per message than fail_after inside a scope of its own).
+        deadline = anyio.current_time() + self.settings.step_timeout_s
         try:
-            with anyio.CancelScope() as scope:
+            with anyio.CancelScope(deadline=deadline) as scope:
                 job.scope = scope
-                # fail_after raises TimeoutError as it exits, so it is caught out here; the
-                # engine's own TimeoutError (its scope did not expire) stays what it was.
-                try:
-                    with anyio.fail_after(self.settings.step_timeout_s) as deadline:
-                        return await run_step(
-                            self.engine,
-                            job.load_state(),
-                            msg.as_engine_input(),
-                            limiter=self.step_limiter,
-                        )
-                except TimeoutError:
-                    if not deadline.cancelled_caught:
-                        raise
-                    raise StepTimeout(
-                        f"step did not finish within {self.settings.step_timeout_s:g} s"
-                    ) from None
+                return await run_step(
+                    self.engine, job.load_state(), msg.as_engine_input(), limiter=self.step_limiter
+                )
         finally:
             job.scope = None
             timers.unbind(timer_token)
             cancellation.unbind(flag)
-        # Only a lost lease (the heartbeat) or a cancel (watch_cancels) cancels this scope.
-        if job.cancel_flag.is_set() and not job.lost:
+        # Cancelled: a lost lease (the heartbeat), a cancel (watch_cancels), else the deadline.
+        if job.lost:
+            raise LeaseLost()
+        if job.cancel_flag.is_set():
             raise StepCancelled()
-        raise LeaseLost()
+        raise StepTimeout(f"step did not finish within {self.settings.step_timeout_s:g} s")
 
     async def watch_cancels(self, redis: Redis) -> float:
         """One look at the cancel marks of the steps running here (one MGET per shard, only

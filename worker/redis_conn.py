@@ -6,10 +6,18 @@ import dataclasses
 import urllib.parse
 from typing import Any, cast
 
+import hiredis
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import (
+    AbstractConnection,
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import NoBackoff
 
 from dialog_worker.config import Settings
@@ -62,12 +70,80 @@ def connect(
         "retry": Retry(NoBackoff(), 0),
         **kwargs,
     }
+    # What ConnectionPool.from_url does (the URL's options win), with the connection class
+    # for the URL's scheme swapped for one that packs with hiredis.
+    url_options = parse_url(settings.redis_url)
+    url_options["connection_class"] = PACKED_CLASSES[
+        url_options.get("connection_class", Connection)
+    ]
+    options.update(url_options)
     pool = (
-        ConnectionPool.from_url(settings.redis_url, **options)
+        ConnectionPool(**options)
         if bounded_callers
-        else BlockingConnectionPool.from_url(settings.redis_url, timeout=30, **options)
+        else BlockingConnectionPool(timeout=30, **options)
     )
     return Redis(connection_pool=pool)
+
+
+class HiredisPacking(AbstractConnection):
+    """Packs each command with hiredis' C packer into one bytes object. redis.asyncio packs in
+    Python (its sync client already uses hiredis): about 8 ms against 0.9 ms for one group
+    commit or streamed-answer call of 6,500 arguments, this machine. Same bytes on the wire
+    and the same DataError for an argument redis-py refuses (None, bool). Strings are UTF-8,
+    redis-py's default encoding; a connection configured with another packs with redis-py.
+    The Cluster client keeps redis-py's packer: it takes no connection class."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        encoder = self.encoder
+        self._pack_utf8 = encoder.encoding == "utf-8" and encoder.encoding_errors == "strict"
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        if not self._pack_utf8:
+            return super().pack_command(*args)
+        # A command name of several words ("XINFO STREAM") goes out as separate arguments.
+        head = args[0]
+        if isinstance(head, str):
+            if " " in head:
+                args = (*head.encode().split(), *args[1:])
+        elif b" " in head:
+            args = (*head.split(), *args[1:])
+        try:
+            return [hiredis.pack_command(args)]
+        except TypeError:
+            # A type hiredis refuses: redis-py's encoder decides (its DataError for None or
+            # a bool), and a bytearray goes as bytes.
+            # (hiredis' stub types its argument as a tuple of one item.)
+            encoded: Any = tuple(_as_bytes(value) for value in map(self.encoder.encode, args))
+            return [hiredis.pack_command(encoded)]
+
+
+def _as_bytes(value: bytes | bytearray | memoryview) -> bytes | memoryview:
+    return bytes(value) if isinstance(value, bytearray) else value
+
+
+class PackedConnection(HiredisPacking, Connection):
+    pass
+
+
+class PackedSSLConnection(HiredisPacking, SSLConnection):
+    pass
+
+
+class PackedUnixConnection(HiredisPacking, UnixDomainSocketConnection):
+    pass
+
+
+class PackedSentinelConnection(HiredisPacking, SentinelManagedConnection):
+    pass
+
+
+# redis-py's class for each URL scheme -> the same class packing with hiredis.
+PACKED_CLASSES: dict[type[AbstractConnection], type[AbstractConnection]] = {
+    Connection: PackedConnection,
+    SSLConnection: PackedSSLConnection,
+    UnixDomainSocketConnection: PackedUnixConnection,
+}
 
 
 # Per node; connections are opened lazily, so this is a ceiling, not a cost. The cluster
@@ -180,6 +256,7 @@ def _connect_sentinel(settings: Settings, max_connections: int, decode_responses
         socket_timeout=5,
         socket_connect_timeout=5,
         retry=Retry(NoBackoff(), 0),
+        connection_class=PackedSentinelConnection,
     )
     return master
 

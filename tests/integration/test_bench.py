@@ -115,6 +115,8 @@ def test_bench_small_run_reports_documented_keys_and_no_violation(env: dict[str,
     assert run["latency_ms"]["p50"] <= run["latency_ms"]["p99"]
     assert run["redis"]["commands_per_msg"] > 0
     assert run["redis"]["worker_round_trips_per_msg"] > 0
+    # Counted by name through the worker's own packer (dialog_worker.redis_conn) too.
+    assert run["redis"]["worker_top_level_by_command_per_msg"].get("evalsha", 0) > 0
     assert run["cpu"]["workers_ms_per_msg"] > 0
     assert "bench:" in proc.stderr  # progress and summary on stderr
 

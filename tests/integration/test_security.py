@@ -936,7 +936,7 @@ def test_rediss_always_verifies_certificate_and_hostname(tls: Tls) -> None:
     kwargs = client.connection_pool.connection_kwargs
     assert kwargs["ssl_cert_reqs"] == "required"
     assert kwargs["ssl_check_hostname"] is True
-    assert client.connection_pool.connection_class.__name__ == "SSLConnection"
+    assert issubclass(client.connection_pool.connection_class, redis.asyncio.SSLConnection)
     asyncio.run(client.aclose())
 
 

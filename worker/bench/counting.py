@@ -39,18 +39,26 @@ class CommandCounter:
             return
         from redis.asyncio.connection import AbstractConnection
 
+        from dialog_worker.redis_conn import HiredisPacking
+
         counter = self
-        original_pack = AbstractConnection.pack_command
         original_send = AbstractConnection.send_packed_command
 
-        def pack_command(conn: Any, *args: Any) -> Any:
-            head = args[0] if args else b""
-            name = (head.decode() if isinstance(head, bytes) else str(head)).split(" ", 1)[0]
-            name = name.lower()
-            counter.commands += 1
-            counter.by_name[name] += 1
-            conn._bench_last_command = name
-            return original_pack(conn, *args)
+        def counting(cls: type[AbstractConnection]) -> Any:
+            original_pack = cls.__dict__["pack_command"]
+
+            def pack_command(conn: Any, *args: Any) -> Any:
+                # Counted once, by the class the connection's pack_command resolves to (a
+                # subclass that falls back to its base's packer would count twice).
+                if type(conn).pack_command is pack_command:
+                    head = args[0] if args else b""
+                    name = (head.decode() if isinstance(head, bytes) else str(head)).split(" ", 1)
+                    counter.commands += 1
+                    counter.by_name[name[0].lower()] += 1
+                    conn._bench_last_command = name[0].lower()
+                return original_pack(conn, *args)
+
+            return pack_command
 
         async def send_packed_command(conn: Any, command: Any, check_health: bool = True) -> Any:
             # Connection set-up (HELLO, CLIENT SETINFO, ...) is counted apart: it is paid
@@ -61,7 +69,9 @@ class CommandCounter:
                 counter.round_trips += 1
             return await original_send(conn, command, check_health)
 
-        setattr(AbstractConnection, "pack_command", pack_command)  # noqa: B010
+        # redis-py's packer and the worker's own (dialog_worker.redis_conn).
+        for cls in (AbstractConnection, HiredisPacking):
+            setattr(cls, "pack_command", counting(cls))  # noqa: B010
         setattr(AbstractConnection, "send_packed_command", send_packed_command)  # noqa: B010
         self.installed = True
 
