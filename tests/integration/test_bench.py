@@ -3,7 +3,10 @@ percentile function it reports with."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -253,3 +256,50 @@ def test_streaming_bench_measures_plain_messages_alone_and_alongside_the_answers
     cpu = result["cpu_s"]
     assert cpu["reader"] > 0 and cpu["redis"] > 0 and len(cpu["workers"]) == 2
     assert all(s is not None and s > 0 for s in cpu["workers"])
+
+
+def _children(pid: int) -> set[int]:
+    kids: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            kids |= {int(p) for p in (task / "children").read_text().split()}
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_streaming_bench_stopped_with_sigterm_leaves_no_process_behind() -> None:
+    """`timeout`, a CI runner or `kill` stop a bench with SIGTERM: its workers and its
+    redis-server stop with it instead of running on."""
+    bench = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dialog_worker.bench.streaming",
+            *("--answers", "2", "--tokens", "200", "--rate", "10"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children: set[int] = set()
+    try:
+        # redis-server and the two workers are its children once they are started.
+        children = wait_until(
+            lambda: (kids := _children(bench.pid)) and len(kids) >= 3 and kids, timeout_s=30
+        )
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) != 0
+        wait_until(lambda: not any(_alive(pid) for pid in children), timeout_s=30)
+    finally:
+        children |= _children(bench.pid)
+        bench.kill()
+        bench.wait(10)
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

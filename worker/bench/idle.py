@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -115,12 +116,18 @@ async def _lone_messages(redis: Redis, settings: Settings, n: int) -> dict[str, 
     return {"n": len(samples), **summarize(samples)}
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m dialog_worker.bench.idle", description=__doc__)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--messages", type=int, default=100)
     a = p.parse_args()
+    # Stopped with SIGTERM: exit through measure's cleanup (workers, redis-server) too.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     print(json.dumps(anyio.run(measure, a.workers, a.seconds, a.messages)), flush=True)
 
 

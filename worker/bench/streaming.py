@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -292,6 +293,10 @@ async def _run(args: argparse.Namespace, url: str, worker_pids: list[int]) -> di
     return result
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--answers", type=int, default=100, help="answers at once (default 100)")
@@ -321,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         help="when the burst alongside starts, after the answers (default 1.0)",
     )
     args = parser.parse_args(argv)
+    # Stopped with SIGTERM (`timeout`, a CI runner, `kill`): exit through the cleanup below,
+    # which stops the workers and the redis-server, instead of leaving them running.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     binary = shutil.which("redis-server")
     if binary is None:
         print("dialog-worker: bench.streaming needs redis-server on PATH", file=sys.stderr)
