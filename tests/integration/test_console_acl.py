@@ -17,6 +17,7 @@ from test_security import LAYOUTS, AclRedis, acl, settings_for  # noqa: F401  (a
 
 from dialog_worker import dlq
 from dialog_worker.client import DialogClient
+from dialog_worker.config import Settings
 from dialog_worker.console import actions
 
 pytestmark = pytest.mark.integration
@@ -36,14 +37,19 @@ def _put_waiting(acl: AclRedis, state: str, seq: int, entry_id: str, fields: lis
     )
 
 
+def _fresh_operator(acl: AclRedis, layout: str) -> Settings:  # noqa: F811
+    """An empty Redis with an empty ACL log, and the operator user's settings in ``layout``."""
+    acl.admin.flushall()
+    acl.admin.execute_command("ACL", "LOG", "RESET")
+    return settings_for(acl.url("operator"), **LAYOUTS[layout])
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 async def test_console_hold_release_redrive_and_cancel_as_the_operator_user(
     acl: AclRedis,  # noqa: F811
     layout: str,
 ) -> None:
-    acl.admin.flushall()
-    acl.admin.execute_command("ACL", "LOG", "RESET")
-    operator = settings_for(acl.url("operator"), **LAYOUTS[layout])
+    operator = _fresh_operator(acl, layout)
     sid = "held-one"
     async with DialogClient(settings=operator) as client:
         keys = client.keys_for(sid)
@@ -95,9 +101,7 @@ async def test_session_delete_as_the_operator_user_removes_its_msg_ids_from_the_
     acl: AclRedis,  # noqa: F811
     layout: str,
 ) -> None:
-    acl.admin.flushall()
-    acl.admin.execute_command("ACL", "LOG", "RESET")
-    operator = settings_for(acl.url("operator"), **LAYOUTS[layout])
+    operator = _fresh_operator(acl, layout)
     sid = "gone"
     async with DialogClient(settings=operator) as client:
         keys = client.keys_for(sid)
