@@ -63,6 +63,33 @@ local function expect_type(key, wanted)
   return nil
 end
 
+-- expect_type for each {key, type} of checks, in order: the first error, or nil.
+local function expect_types(checks)
+  for _, check in ipairs(checks) do
+    local err = expect_type(check[1], check[2])
+    if err then return err end
+  end
+  return nil
+end
+
+-- expect_type(key, 'stream') for several keys in one command: an XREAD from each one's last
+-- id ($) reads nothing, but looks every key up first and fails on one that is not a stream.
+-- Only then (or when XREAD is not allowed) is each key's TYPE read, for the error naming it.
+local function expect_streams(keys)
+  if #keys == 0 then return nil end
+  local args = {'XREAD', 'COUNT', 1, 'STREAMS'}
+  for _, key in ipairs(keys) do args[#args + 1] = key end
+  for _ = 1, #keys do args[#args + 1] = '$' end
+  local got = redis.pcall(unpack(args))
+  if type(got) == 'table' and got['err'] then
+    for _, key in ipairs(keys) do
+      local err = expect_type(key, 'stream')
+      if err then return err end
+    end
+  end
+  return nil
+end
+
 -- Receipts make the calls that hand out locks safe to send twice (a cluster client re-sends a
 -- call whose reply was lost): the call records, for its token base, which jobs it returned;
 -- the same call again returns those jobs (while their locks are still its) instead of taking
@@ -272,13 +299,20 @@ end
 -- Every msg_id a session's messages had (explicit or their entry id) -> until when (ms) keys
 -- named by it (msg:, cancel:, partial:) may exist: how delete (erase-2.lua) finds them
 -- without a scan. index_msg_ids adds the msg_ids one call sequenced for a session, seqs
--- first_seq..last_seq, with one ZADD and one PEXPIRE (a burst's messages share them);
--- expired members are pruned whenever those seqs pass a multiple of 32, so the index holds
--- about one dedupe window of msg_ids. With pcall: a key of another type (written by hand)
--- must not fail the call after its first writes.
+-- first_seq..last_seq, with one ZADD (a burst's messages share it); expired members are
+-- pruned whenever those seqs pass a multiple of 32, so the index holds about one dedupe
+-- window of msg_ids. With pcall: a key of another type (written by hand) must not fail the
+-- call after its first writes.
+-- Its expiry is set two windows ahead, and only when it would come before the newest
+-- member's end (until_ms): a caller that knows the expiry set last (intake keeps it in the
+-- state hash's ie field, which it reads anyway) passes it as expires_at and gets the new one
+-- back (nil when it stays), so a busy session sets it about once a window, not once a call.
+-- Every call sets it to now + two windows, so it only moves on and ie never overstates it
+-- (an index deleted by hand and made again without one gets it back within a window).
 local MAX_INDEXED_PER_ZADD = 500  -- members per ZADD: Lua's unpack fails on a few thousand
 
-local function index_msg_ids(sprefix, sid, msg_ids, first_seq, last_seq, until_ms, ttl_ms)
+local function index_msg_ids(sprefix, sid, msg_ids, first_seq, last_seq, until_ms, ttl_ms,
+                             expires_at)
   local ikey = session_key(sprefix, sid, 'ids')
   for i = 1, #msg_ids, MAX_INDEXED_PER_ZADD do
     local args = {}
@@ -291,7 +325,9 @@ local function index_msg_ids(sprefix, sid, msg_ids, first_seq, last_seq, until_m
   if math.floor(last_seq / 32) > math.floor((first_seq - 1) / 32) then
     redis.pcall('ZREMRANGEBYSCORE', ikey, '-inf', '(' .. (until_ms - ttl_ms))
   end
-  redis.pcall('PEXPIRE', ikey, ttl_ms)
+  if expires_at and expires_at >= until_ms then return nil end
+  redis.pcall('PEXPIRE', ikey, 2 * ttl_ms)
+  return until_ms + ttl_ms - 1000  -- a second short: PEXPIRE may count from the call's start
 end
 
 local function index_msg_id(sprefix, sid, msg_id, seq, until_ms, ttl_ms)

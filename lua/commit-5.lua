@@ -20,7 +20,8 @@
   outcome we do not know, dead-letter fields or reply extras that are not a JSON array of
   strings in pairs, reply extras naming a field every event carries) is answered
   INVALID and writes nothing; the others of the call are written. Only a call whose shape is
-  wrong, or whose shared keys have the wrong type, fails as a whole, before its first write.
+  wrong, or a shared key its writes touch of the wrong type, fails as a whole, before its first
+  write (see the plan below).
   Per-session keys are read with pcall, so a corrupt one fences that commit alone. The state
   JSON is stored as given (no script parses it but intake, under pcall).
 
@@ -70,11 +71,6 @@ if not (lock_ttl and state_ttl and maxlen and n) or n < 1
 end
 local hold_on_letter = #ARGV == 5 + n * WIDTH and ARGV[#ARGV] == 'hold'
 local inbound, ages = inbound_key(ready), ages_key(ready)
-for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {replies, 'stream'}, {dlq, 'stream'},
-                        {inbound, 'hash'}, {ages, 'zset'}, {timers_key(ready), 'zset'}}) do
-  local err = expect_type(check[1], check[2])
-  if err then return err end
-end
 
 local OUTCOMES = {applied = true, dead_lettered = true, cancelled = true, superseded = true,
                   expired = true}
@@ -200,34 +196,97 @@ local function next_message(c, value, xc, xs)
   return {c.seq + 1, id, id == c.known_next and {} or fields, ending}
 end
 
-for _, c in ipairs(commits) do
-  local state, lock = session_key(sprefix, c.sid, 'state'), session_key(sprefix, c.sid, 'lock')
-  local holder = redis.pcall('GET', lock)
-  local h = redis.pcall('HMGET', state, 'v', 'a', 's', 'q' .. ((c.seq or 0) + 1),
-                        'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0), 'xc', 'xs', 'h')
+-- A commit's reads: its lock's holder and what it needs of its state (once per commit).
+local function read(c)
+  c.read = true
+  c.state = session_key(sprefix, c.sid, 'state')
+  c.lock = session_key(sprefix, c.sid, 'lock')
+  c.holder = redis.pcall('GET', c.lock)
+  c.h = redis.pcall('HMGET', c.state, 'v', 'a', 's', 'q' .. ((c.seq or 0) + 1),
+                    'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0), 'xc', 'xs', 'h')
+end
+
+-- The reply of a commit that writes nothing, or nil when it is to be written. Reads only.
+local function decide(c)
+  local holder, h = c.holder, c.h
   local done = c.seq and type(h) == 'table' and not h['err'] and h[6] == c.token .. ':' .. c.seq
   if c.problem then
-    results[#results + 1] = {-3, c.problem}
+    return {-3, c.problem}
   elseif done and (tonumber(h[1]) or 0) == c.version + 1 then
     -- This very commit already ran (a client re-sent the call after losing the reply):
     -- answer as it did, writing nothing more.
     local nxt = holder == c.token and (tonumber(h[3]) or 0) > c.seq
       and next_message(c, h[4], h[8], h[9])
     if nxt then
-      results[#results + 1] = {2, c.version + 1, nxt[1], nxt[2], nxt[3], nxt[4]}
-    else
-      results[#results + 1] = {6, c.version + 1}
+      return {2, c.version + 1, nxt[1], nxt[2], nxt[3], nxt[4]}
     end
+    return {6, c.version + 1}
   elseif holder ~= c.token then
-    results[#results + 1] = {-1}
+    return {-1}
   elseif type(h) ~= 'table' or h['err'] or (tonumber(h[1]) or 0) ~= c.version
       or (tonumber(h[2]) or 0) ~= c.seq - 1 then
-    results[#results + 1] = {-2}
+    return {-2}
   elseif (c.outcome == 'applied' or c.outcome == 'dead_lettered') and h[7] and c.msg_id ~= ''
       and ending_of(sprefix, c.sid, c.seq, c.msg_id, h[8]) == 'cancelled' then
-    results[#results + 1] = {-4}
+    return {-4}
   elseif c.timers and too_many_timers(c) then
-    results[#results + 1] = {-3, 'the session would have more than ' .. MAX_TIMERS .. ' timers'}
+    return {-3, 'the session would have more than ' .. MAX_TIMERS .. ' timers'}
+  end
+  return nil
+end
+
+-- Plan before the first write: every commit's reads and what it does, then the shared keys
+-- the writes will touch are checked (expect_type in _common.lua), and only those: a call
+-- whose commits are all fenced writes nothing and checks nothing. A commit that writes adds
+-- its reply event and moves its session in the ready set and the ages; a dead letter, timers,
+-- and a message stored before custody (an entry id, still in the stream: read and deleted
+-- there, and the inbound hash's length follows) or copies of it add their keys. A session
+-- named twice in one call (the worker never sends that) reads its second commit after the
+-- first one's writes, so such a call checks every shared key.
+local function before_custody(value)
+  return value and string.find(value, '^%d+%-%d+$') ~= nil
+end
+local named, again = {}, false
+for _, c in ipairs(commits) do
+  if named[c.sid] then
+    again = true
+  else
+    named[c.sid] = true
+    read(c)
+    c.result = decide(c)
+  end
+end
+local touch = {}
+for _, c in ipairs(commits) do
+  if again or (c.read and not c.result) then
+    local h = c.h or {}
+    touch.writes = true
+    touch.dlq = touch.dlq or again or c.extra ~= nil
+    touch.timers = touch.timers or again or c.timers ~= nil
+    touch.stream = touch.stream or again or before_custody(h[7]) or before_custody(h[4])
+      or not not h[5]
+  end
+end
+if touch.writes then
+  local streams, sets = {replies}, {{ready, 'zset'}, {ages, 'zset'}}
+  if touch.dlq then streams[#streams + 1] = dlq end
+  if touch.stream then
+    streams[#streams + 1] = stream
+    sets[#sets + 1] = {inbound, 'hash'}
+  end
+  if touch.timers then sets[#sets + 1] = {timers_key(ready), 'zset'} end
+  local err = expect_streams(streams) or expect_types(sets)
+  if err then return err end
+end
+
+for _, c in ipairs(commits) do
+  if not c.read then
+    read(c)
+    c.result = decide(c)
+  end
+  local state, lock, h = c.state, c.lock, c.h
+  if c.result then
+    results[#results + 1] = c.result
   else
     local version, last = c.version + 1, tonumber(h[3]) or 0
     local id, fields, legacy = load_message(stream, h[7])

@@ -94,13 +94,32 @@ if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen
     or not POLICIES[default_policy] then
   return redis.error_reply('ERR intake: bad arguments')
 end
-for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {dlq, 'stream'}, {replies, 'stream'},
-                        {inbound_key(ready), 'hash'}, {ages_key(ready), 'zset'}}) do
-  local err = expect_type(check[1], check[2])
+-- The shared keys' types, before the first write (expect_type in _common.lua), each as
+-- cheaply as it allows: the stream by the trim detection's XINFO STREAM and the inbound hash
+-- by its HMGET (both read here, written after the read); the others only when there is an
+-- entry to read (every entry read leaves the stream in the same call, so an empty stream
+-- means a call that writes none of them): the dead-letter and reply streams in one XREAD,
+-- the sorted sets (ready, ages, timers: deliver_at, cancel_on_message) by TYPE.
+local inbound = inbound_key(ready)
+local info = redis.pcall('XINFO', 'STREAM', stream)
+if info['err'] then
+  local err = expect_type(stream, 'stream')  -- else no such key, or an ACL without XINFO
   if err then return err end
 end
-local timers_err = expect_type(timers_key(ready), 'zset')  -- deliver_at, cancel_on_message
-if timers_err then return timers_err end
+local before = redis.pcall('HMGET', inbound, 'added', 'length', 'ahead', 'error')
+if before['err'] then
+  local err = expect_type(inbound, 'hash')
+  if err then return err end
+end
+local stream_info = {}
+if not info['err'] then
+  for i = 1, #info, 2 do stream_info[info[i]] = info[i + 1] end
+end
+if info['err'] or (tonumber(stream_info['length']) or 1) > 0 then
+  local err = expect_streams({dlq, replies}) or expect_types({{ready, 'zset'},
+    {ages_key(ready), 'zset'}, {timers_key(ready), 'zset'}})
+  if err then return err end
+end
 
 local MAX_ID_BYTES = 256
 -- Copies of a not-yet-applied message waiting for its commit (ids joined by commas, at most
@@ -382,14 +401,14 @@ local function session(sid)
     -- One read for the common case (the session's next message, lock free): the state
     -- document and attempts come along.
     local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs', 'h',
-                          'tc')
+                          'tc', 'ie')
     if h['err'] then
       return nil, 'session state ' .. state .. ': ' .. h['err']
     end
     s = {state = state, lock = session_key(sprefix, sid, 'lock'), a = tonumber(h[1]) or 0,
          last = tonumber(h[2]) or 0, writes = {}, indexed = {}, token = nil, h = h,
          xc = tonumber(h[8]) or 0, xs = tonumber(h[9]) or 0, held = h[10],
-         no_message_timers = h[11] == '0'}
+         no_message_timers = h[11] == '0', index_expires = tonumber(h[12])}
     s.last_read, s.msg_ids, s.ids = s.last, {}, {}
     sessions[sid] = s
     order[#order + 1] = sid
@@ -435,18 +454,14 @@ local function interrupt_or_coalesce(s, sid, seq, policy)
   end
 end
 
--- The inbound stream as the last call left it, against what it is now (see the header).
+-- The inbound stream as the last call left it, against what it is now (see the header; both
+-- read at the start: the read above changes neither the length nor entries-added).
 local trimmed, ahead = 0, 0
-local inbound = inbound_key(ready)
-local info = redis.pcall('XINFO', 'STREAM', stream)
 if info['err'] then
   -- Not allowed (an ACL without XINFO STREAM): detection is off, and the hash says why.
   redis.pcall('HSET', inbound, 'error', 'XINFO STREAM: ' .. info['err'])
 else
-  local stream_info = {}
-  for i = 1, #info, 2 do stream_info[info[i]] = info[i + 1] end
   local added, length = tonumber(stream_info['entries-added']), tonumber(stream_info['length'])
-  local before = redis.pcall('HMGET', inbound, 'added', 'length', 'ahead', 'error')
   if added and length and not before['err'] then
     local added_before, length_before = tonumber(before[1]), tonumber(before[2])
     if added_before and length_before then
@@ -468,7 +483,10 @@ else
       rcall('HDEL', inbound, 'ahead')
     end
     if before[4] then rcall('HDEL', inbound, 'error') end
-    rcall('HSET', inbound, unpack(writes))
+    if tonumber(before[1]) ~= added or tonumber(before[2]) ~= length - #entries
+        or (#writes > 4 and before[3] ~= last) then
+      rcall('HSET', inbound, unpack(writes))  -- not when it says so already (an idle call)
+    end
   end
 end
 
@@ -583,12 +601,16 @@ end
 
 for _, sid in ipairs(order) do
   local s = sessions[sid]
+  if #s.indexed > 0 then
+    local expires = index_msg_ids(sprefix, sid, s.indexed, s.last - #s.indexed + 1, s.last,
+                                  now + dedupe_ttl * 1000, dedupe_ttl * 1000, s.index_expires)
+    if expires then
+      s.writes[#s.writes + 1] = 'ie'  -- when its msg_id index expires (index_msg_ids)
+      s.writes[#s.writes + 1] = expires
+    end
+  end
   if #s.writes > 0 then
     rcall('HSET', s.state, 's', s.last, unpack(s.writes))
-  end
-  if #s.indexed > 0 then
-    index_msg_ids(sprefix, sid, s.indexed, s.last - #s.indexed + 1, s.last,
-                  now + dedupe_ttl * 1000, dedupe_ttl * 1000)
   end
 end
 -- Sessions that received a message, by id (score 0: ordered by the id's bytes), in buckets of
@@ -602,18 +624,37 @@ for _, sid in ipairs(order) do
     seen[#seen + 1] = sid
   end
 end
+local new_in_bucket = 0
 for i = 1, #seen, 1000 do  -- one ZADD per 500 sessions (unpack's limit)
-  rcall('ZADD', seen_bucket, unpack(seen, i, math.min(i + 999, #seen)))
+  local upto = math.min(i + 999, #seen)
+  new_in_bucket = new_in_bucket + rcall('ZADD', seen_bucket, unpack(seen, i, upto))
 end
-if #seen > 0 then rcall('EXPIRE', seen_bucket, 2 * dedupe_ttl + 60) end
+-- Its expiry, set by any call of its period, outlasts the next period; a call that adds no
+-- session did not create it (the call that did set it), so only one adding a session sets it.
+if new_in_bucket > 0 then rcall('EXPIRE', seen_bucket, 2 * dedupe_ttl + 60) end
 -- Which session each sequenced msg_id went to (a msg_id sent to several sessions names the
 -- last), in this quarter's hash (see find_quarter). pcall: a key of another type (written by
 -- hand) must not fail the call after its writes; those messages cannot be found, no more.
+-- Its expiry is set by the call that made it, told by a field no msg_id can name (control
+-- characters are refused), FOUND_MARK, in every call's first HSET: only when every field of
+-- that HSET is new can it be the first (else the hash was there, with its expiry). Delete
+-- removes msg_ids only, so the hash is never emptied and made again without one.
+local FOUND_MARK = '\n'
 local found_bucket = ready .. ':msgs:' .. find_quarter(now, dedupe_ttl)
+local made = false
 for i = 1, #found, 1000 do  -- one HSET per 500 messages (unpack's limit)
-  redis.pcall('HSET', found_bucket, unpack(found, i, math.min(i + 999, #found)))
+  local upto = math.min(i + 999, #found)
+  if i == 1 then
+    local names, distinct = {}, 1
+    for k = 1, upto, 2 do
+      if not names[found[k]] then names[found[k]], distinct = true, distinct + 1 end
+    end
+    made = redis.pcall('HSET', found_bucket, FOUND_MARK, 1, unpack(found, 1, upto)) == distinct
+  else
+    redis.pcall('HSET', found_bucket, unpack(found, i, upto))
+  end
 end
-if #found > 0 then
+if made then
   redis.pcall('EXPIRE', found_bucket, math.ceil(dedupe_ttl * (FIND_PERIODS + 1) / FIND_PERIODS) + 60)
 end
 if #acks > 0 then

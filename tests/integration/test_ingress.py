@@ -442,7 +442,10 @@ async def test_a_pushed_ahead_stream_is_recovered_as_the_runbook_says(client, wo
 async def test_a_redis_error_is_logged_with_redis_own_message(client, env):
     """redis-py 8's repr() of a ResponseError hides Redis' message: the log must carry it."""
     raw = raw_client(env)
-    raw.set("dialog-replies", "not a stream")  # every intake call now fails, saying why
+    raw.set("dialog-replies", "not a stream")
+    # A message to read: every intake call that has one now fails, saying why (one with
+    # nothing to read writes no reply event and does not look at the reply stream).
+    raw.xadd("dialog", {"session_id": "s", "text": "hi"})
     worker = Worker(load_settings(environ=env), _CutSurrogateEngine(1))
     with structlog.testing.capture_logs() as logs:
 

@@ -238,6 +238,161 @@ async def test_intake_refuses_to_start_when_a_shared_key_has_the_wrong_type(h):
     assert await h.state("a") == {}
 
 
+async def snapshot(h: Harness) -> dict[bytes, tuple[bytes | None, bool]]:
+    """Every key's serialized value (a stream's with its groups and pending entries) and
+    whether it has an expiry: equal before and after a call that wrote nothing."""
+    return {k: (await h.r.dump(k), await h.r.pttl(k) > 0) for k in await h.r.keys("*")}
+
+
+SHARED_KEYS = {
+    "stream": "stream", "ready": "zset", "dlq": "stream", "replies": "stream",
+    "inbound": "hash", "ages": "zset", "timers": "zset",
+}  # fmt: skip
+
+
+async def spoil(h: Harness, name: str, kind: str) -> str:
+    """Puts a value of the wrong type in the shared key `name`: a string, or (kind "other") a
+    type that is a near miss for it (a set for a sorted set, a sorted set for a stream or a
+    hash)."""
+    key = getattr(h.k, name)
+    await h.r.delete(key)
+    if kind == "string":
+        await h.r.set(key, "not mine")
+    elif SHARED_KEYS[name] == "zset":
+        await h.r.sadd(key, "a")
+    else:
+        await h.r.zadd(key, {"a": 1})
+    return key
+
+
+def wrong_type(key: str, kind: str, name: str) -> str:
+    found = "string" if kind == "string" else "set" if SHARED_KEYS[name] == "zset" else "zset"
+    return f"WRONGTYPE {key} is a {found}, expected a {SHARED_KEYS[name]}"
+
+
+@pytest.mark.parametrize("kind", ["string", "other"])
+@pytest.mark.parametrize("name", list(SHARED_KEYS))
+async def test_intake_with_a_shared_key_of_the_wrong_type_fails_naming_it_and_writes_nothing(
+    h, name, kind
+):
+    """Entries that would touch every shared key: a message, a refused entry (dead letter), one
+    sent for later (timers); the inbound hash and the ready set hold what earlier calls left."""
+    await xadd(h, "a")
+    await h.intake()
+    await xadd(h, "b", msg_id="m")
+    await h.r.xadd(h.k.stream, {"session_id": "c"})  # no text: dead-lettered
+    await xadd(h, "d", deliver_at=str(await server_ms(h) // 1000 + 3600))
+    key = await spoil(h, name, kind)
+    before = await snapshot(h)
+    with pytest.raises(ResponseError) as raised:
+        await h.intake()
+    assert str(raised.value).startswith(wrong_type(key, kind, name))
+    assert await snapshot(h) == before
+
+
+@pytest.mark.parametrize("name", ["ready", "dlq", "replies", "ages", "timers"])
+async def test_an_intake_with_nothing_to_read_leaves_keys_it_does_not_write_unchecked(h, name):
+    """An empty stream: no entry is read, so nothing but the inbound hash is written."""
+    await xadd(h, "a")
+    await h.intake()
+    key = await spoil(h, name, "string")
+    _, read, jobs, _, _ = await h.intake()
+    assert (read, jobs) == (0, [])
+    assert await h.r.get(key) == b"not mine"
+
+
+async def test_the_recent_sessions_bucket_gets_its_expiry_from_the_call_that_adds_a_session(h):
+    await xadd(h, "a")
+    await h.intake()
+    [bucket] = await h.r.keys("*:sessions:*")
+    assert 0 < await h.r.ttl(bucket) <= 2 * 3600 + 60
+    await h.r.persist(bucket)
+    await xadd(h, "a")
+    await h.intake()  # "a" is there already: the expiry the first call set stays
+    assert await h.r.ttl(bucket) == -1
+    await xadd(h, "b")
+    await h.intake()
+    assert await h.r.ttl(bucket) > 0
+
+
+async def commits_touching_every_shared_key(h: Harness) -> list[list[Any]]:
+    """Commits that write the reply stream, the ready set and the ages (each), a dead letter,
+    a timer, and delete a copy's entry from the inbound stream (and count it in the inbound
+    hash)."""
+    await xadd(h, "a", msg_id="m-a")
+    await xadd(h, "b", msg_id="m-b")
+    _, _, jobs, _, _ = await h.intake()
+    ja, jb = sorted(jobs, key=lambda j: j[0])
+    copy = await xadd(h, "a", msg_id="m-a")  # a copy, waiting for the original's commit
+    await h.intake()
+    # An entry still in the stream (read, as if by a version before custody): the commit
+    # deletes it as the copy's entry and takes it off the inbound hash's length.
+    kept = await h.r.xadd(h.k.stream, {"session_id": "a", "text": "x", "msg_id": "m-a"})
+    await h.r.xgroup_setid(h.k.stream, h.k.group, id="$")
+    await h.r.hset(h.k.session("a").state, "u1", b"%s,%s" % (copy, kept))
+    timers = json.dumps([{"op": "set", "name": "t", "text": "x", "meta": [], "delay_ms": 60000}])
+    return [
+        [*commit_args(ja), timers],
+        commit_args(jb, outcome="dead_lettered", dead=json.dumps(["error", "boom"])),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["string", "other"])
+@pytest.mark.parametrize("name", list(SHARED_KEYS))
+async def test_commit_with_a_shared_key_of_the_wrong_type_fails_naming_it_and_writes_nothing(
+    h, name, kind
+):
+    commits = await commits_touching_every_shared_key(h)
+    key = await spoil(h, name, kind)
+    before = await snapshot(h)
+    with pytest.raises(ResponseError) as raised:
+        await h.commit(*commits)
+    assert str(raised.value).startswith(wrong_type(key, kind, name))
+    assert await snapshot(h) == before
+
+
+@pytest.mark.parametrize("name", ["stream", "dlq", "inbound", "timers"])
+async def test_a_session_named_twice_in_one_commit_call_checks_every_shared_key_first(h, name):
+    """The second commit of a session reads what the first one wrote, so the plan cannot see
+    what it will do: a dead letter (or a timer) after the first commit's writes."""
+    await xadd(h, "a", msg_id="m1")
+    await xadd(h, "a", msg_id="m2")
+    _, _, [job], [nxt], _ = await h.intake()
+    second = [job[0], job[1], nxt[1], nxt[2], nxt[3], b"", int(job[6]) + 1]
+    timers = json.dumps([{"op": "set", "name": "t", "text": "x", "meta": [], "delay_ms": 60000}])
+    dead = json.dumps(["error", "boom"])
+    commits = [
+        commit_args(job),
+        [*commit_args(second, outcome="dead_lettered", dead=dead), timers],
+    ]
+    key = await spoil(h, name, "string")
+    before = await snapshot(h)
+    with pytest.raises(ResponseError) as raised:
+        await h.commit(*commits)
+    assert str(raised.value).startswith(wrong_type(key, "string", name))
+    assert await snapshot(h) == before
+
+
+@pytest.mark.parametrize("name", ["stream", "dlq", "inbound", "timers"])
+async def test_a_commit_checks_only_the_shared_keys_its_writes_touch(h, name):
+    await xadd(h, "a")
+    _, _, [job], _, _ = await h.intake()
+    key = await spoil(h, name, "string")
+    [(code, _)] = await h.commit(commit_args(job))
+    assert code == Code.COMMITTED and await h.r.get(key) == b"not mine"
+
+
+async def test_a_commit_call_whose_commits_are_all_fenced_checks_nothing(h):
+    await xadd(h, "a")
+    _, _, [job], _, _ = await h.intake()
+    for name in SHARED_KEYS:
+        if name != "stream":
+            await spoil(h, name, "string")
+    before = await snapshot(h)
+    assert await h.commit(commit_args(job, token=b"not ours")) == [[Code.FENCED_TOKEN]]
+    assert await snapshot(h) == before
+
+
 async def test_lua_builds_the_same_session_keys_as_python(h):
     prelude = source("renew").split("\n--[[\n  renew")[0]
     for sid in ["a}b", "{x}", "%7D", "a:lock", "sesi-ñ-日本", "}" * 3, "%%{{"]:
@@ -772,6 +927,39 @@ async def test_unread_entries_removed_by_producer_commands_are_counted_at_intake
     assert await h.r.hget(h.k.inbound, "trimmed") == b"6"
 
 
+async def test_an_idle_intake_leaves_the_inbound_hash_and_still_counts_a_trim_once(h):
+    await xadd(h, "a")
+    await h.intake()
+    await h.r.config_resetstat()
+    await h.intake()  # nothing came, nothing went: the hash says so already
+    assert "hset" not in await commands_run(h)
+    await xadd(h, "b")
+    unread = await xadd(h, "c")
+    await h.intake(count=1)  # c stays unread: counted in the hash's length
+    await h.r.xdel(h.k.stream, unread)  # gone unread, by hand: nothing was added since
+    for _ in range(3):
+        await h.intake()
+    assert await h.r.hget(h.k.inbound, "trimmed") == b"1"
+
+
+async def test_the_find_hash_gets_its_expiry_from_the_call_that_made_it(h):
+    """A msg_id sent to two sessions in the call that makes the hash: every field is new all
+    the same. A later call does not set it again; a hash made again gets one."""
+    await xadd(h, "a", msg_id="same")
+    await xadd(h, "b", msg_id="same")
+    await h.intake()
+    [found] = await h.r.keys("*:msgs:*")
+    assert 3600 * 5 // 4 < await h.r.ttl(found) <= 3600 * 5 // 4 + 60
+    await h.r.persist(found)
+    await xadd(h, "c", msg_id="other")
+    await h.intake()
+    assert await h.r.ttl(found) == -1 and await h.r.hget(found, "other") == b"c"
+    await h.r.delete(found)
+    await xadd(h, "d", msg_id="again")
+    await h.intake()
+    assert await h.r.ttl(found) > 0
+
+
 async def test_a_last_id_pushed_ahead_is_reported_once(h):
     await xadd(h, "a")
     await h.intake()
@@ -939,8 +1127,36 @@ async def test_a_burst_read_in_one_call_writes_its_sessions_indexes_once_not_per
     assert ran["hset"] == 2 + 1 + 1  # the states, the inbound bookkeeping, the find hash
     quarter = await server_ms(h) // (3600 * 250)
     found = await h.r.hgetall(h.k.msg_sessions(quarter))
-    assert found == {**{f"m{i}".encode(): b"a" for i in range(1, 41)}, jobs[1][3]: b"b"}
+    made = {b"\n": b"1"}  # the mark of the call that made the hash (set its expiry)
+    assert found == {**{f"m{i}".encode(): b"a" for i in range(1, 41)}, jobs[1][3]: b"b", **made}
     assert 3600 * 5 // 4 < await h.r.ttl(h.k.msg_sessions(quarter)) <= 3600 * 5 // 4 + 60
+
+
+async def test_a_sessions_msg_id_index_expiry_moves_on_once_a_window_and_outlasts_every_member(h):
+    """The index expires two dedupe windows (3600 s here) after the call that set it; calls
+    before its newest member would outlive it leave it (noted in the state's ie field)."""
+    ids, state = h.k.session("a").ids, h.k.session("a").state
+
+    async def index_once() -> int:
+        await xadd(h, "a", msg_id=f"m{h.calls}")
+        await h.r.config_resetstat()
+        await h.intake()
+        return (await commands_run(h)).get("pexpire", 0)
+
+    assert await index_once() == 1
+    first = await h.r.pexpiretime(ids)
+    assert 0 < first - int(await h.r.hget(state, "ie")) <= 1000 + 5  # it never overstates
+    assert first - await server_ms(h) > 2 * 3600 * 1000 - 5000
+    assert await index_once() == 0  # well before the newest member's end: nothing to do
+    assert await h.r.pexpiretime(ids) == first
+    await h.r.hset(state, "ie", await server_ms(h) + 3600 * 1000 - 1000)  # a window has passed
+    assert await index_once() == 1
+    assert await h.r.pexpiretime(ids) > first
+    assert 0 < await h.r.pexpiretime(ids) - int(await h.r.hget(state, "ie")) <= 1000 + 5
+    await h.r.delete(ids)  # by hand: the next call makes it again without an expiry ...
+    assert await index_once() == 0 and await h.r.pttl(ids) == -1
+    await h.r.hset(state, "ie", await server_ms(h) + 3600 * 1000 - 1000)  # ... for a window
+    assert await index_once() == 1 and await h.r.pttl(ids) > 3600 * 1000
 
 
 async def test_a_session_with_1000_messages_in_one_call_has_all_of_them_indexed(h):
@@ -951,7 +1167,7 @@ async def test_a_session_with_1000_messages_in_one_call_has_all_of_them_indexed(
     reply = await h.intake(count=1000)
     assert int(reply[1]) == 1000 and len(reply[3]) == 999
     assert await h.r.zcard(h.k.session("a").ids) == 1000
-    assert 0 < await h.r.pttl(h.k.session("a").ids) <= 3600 * 1000
+    assert 3600 * 1000 < await h.r.pttl(h.k.session("a").ids) <= 2 * 3600 * 1000
 
 
 async def test_a_user_message_cancels_a_nudge_after_the_state_that_noted_none_is_gone(h):

@@ -1374,8 +1374,9 @@ class DialogScripts(RuleBasedStateMachine):
             want["xc"] = str(ss.xc)
         if ss.xs:
             want["xs"] = str(ss.xs)
-        # tc: whether the session has timers a user message cancels (none here: no timers)
-        got = {n: v for n, v in h.items() if n not in ("d", "n", "f", "g", "tc")}
+        # tc: whether the session has timers a user message cancels (none here: no timers);
+        # ie: when its msg_id index expires (what intake last set it to)
+        got = {n: v for n, v in h.items() if n not in ("d", "n", "f", "g", "tc", "ie")}
         if got.get("a") == "0" and not ss.version:
             del got["a"]
         assert got == want, f"{sid}: state {got} != model {want}"
