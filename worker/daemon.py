@@ -38,6 +38,7 @@ import anyio.lowlevel
 import redis.exceptions
 import structlog
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from dialog_worker import __version__, redis_checks
 from dialog_worker.codec import MAX_EXTRA_FIELDS, fields_dict, text
@@ -84,6 +85,9 @@ class MalformedNotice:
 OUTAGE_BACKOFF_MAX_S = 5.0
 # Most entries one intake call reads (the script refuses more).
 INTAKE_BATCH = 1000
+# Entries a reader's intake call reads at least, whatever its free slots: the sessions it
+# locks beyond them wait in the process for a slot, their leases renewed (Worker._start).
+READ_BATCH_SHORT_OF_SLOTS = 64
 # How long the resumer sleeps when no session waits in the ready set: anything added later is
 # due a lock lease or a backoff from then, except a hand-back at shutdown.
 RESUME_IDLE_S = 1.0
@@ -102,6 +106,9 @@ WAITER_LEASE_MS = 3000
 # Below the connections' socket timeout (5 s, redis_conn.py): a blocking read that outlasts
 # it fails.
 WAKE_BLOCK_MAX_MS = 3000
+# Shutdown ends a blocked read with an intake call behind it by an entry on the wake stream
+# (Worker._end_reads_ahead); one that reached Redis before the read did is sent again after this.
+READ_END_WAIT_S = 0.05
 # The wake stream's consumer group (one per shard, readers of every worker join it).
 WAKE_GROUP = "readers"
 # A worker that finished a message this recently is active: it blocks on the inbound stream
@@ -145,6 +152,12 @@ class SlotGate:
             raise anyio.WouldBlock
         self._free -= 1
 
+    def take(self, most: int) -> int:
+        """Up to `most` free slots at once, without waiting: how many were taken."""
+        taken = max(0, min(most, self._free))
+        self._free -= taken
+        return taken
+
     async def acquire(self, priority: bool = False) -> None:
         await anyio.lowlevel.checkpoint()
         if self._free > 0:
@@ -162,14 +175,16 @@ class SlotGate:
                 queue.remove(waiter)
             raise
 
-    def release(self) -> None:
+    def release(self, n: int = 1) -> None:
+        """Give back `n` slots: to waiters first (priority first), the rest become free. An
+        intake call gives back the slots it did not fill at once (up to 63 by default)."""
         for queue in self._waiting:
-            if queue:
+            while n > 0 and queue:
                 waiter = queue.popleft()
                 waiter.granted = True
                 waiter.event.set()
-                return
-        self._free += 1
+                n -= 1
+        self._free += max(n, 0)
 
 
 async def take_turns(slots: SlotGate, took_s: float, stopping: bool = False) -> None:
@@ -204,6 +219,14 @@ class Shard:
     # Another worker held the waiter role when this process last asked: it counts as alive
     # until then (monotonic s; 0: none seen).
     waiter_seen_until: float = 0.0
+    # Set when the read with an intake call behind it (Worker._read_ahead) has returned.
+    read_ahead_done: anyio.Event | None = None
+    # Sessions this process locked beyond its free slots, waiting for one (Worker._start).
+    locked_waiting: int = 0
+
+    @property
+    def reading_ahead(self) -> bool:
+        return self.read_ahead_done is not None and not self.read_ahead_done.is_set()
 
     def does_upkeep(self) -> bool:
         """Whether this process runs the shard's shared upkeep (due timers, the reclaim
@@ -249,6 +272,11 @@ class Worker:
         self.failover = redis_checks.FailoverWatch(self.redis, self.metrics)
         redis_checks.oom.metrics = self.metrics
         self.leases: dict[str, Job] = {}
+        # Sessions locked beyond the free slots, waiting for one (_run_when_a_slot_frees).
+        self._waiting_for_slots: dict[str, anyio.CancelScope] = {}
+        # Their hand-backs at shutdown go one at a time: each needs a connection, and the
+        # pool is sized for the slots (there may be up to READ_BATCH_SHORT_OF_SLOTS of them).
+        self._hand_backs = anyio.Lock()
         self.committers = {
             s.keys.shard: Committer(self.scripts, s.keys, settings) for s in self.shards
         }
@@ -349,8 +377,11 @@ class Worker:
                                 partial(self._fire_once, shard),
                             )
                         await self.stopping.wait()
+                        await self._end_reads_ahead()
                         intake.cancel_scope.cancel()
                     await self._leave_waiter_roles()
+                    for waiting in list(self._waiting_for_slots.values()):
+                        waiting.cancel()  # each hands its session back at once
                     # Intake has stopped; in-flight work gets the grace period, then is cancelled
                     # (cancelled steps hand their message back, see Pipeline._process).
                     work.cancel_scope.deadline = (
@@ -381,6 +412,29 @@ class Worker:
                     )
                 except redis.exceptions.RedisError as exc:
                     log.warning("waiter_hand_over_failed", error=str(exc), shard=shard.label)
+
+    async def _end_reads_ahead(self) -> None:
+        """At shutdown: a read that carries an intake call is never cancelled (the call could
+        run after the reader gave up on its reply): the read also watches the wake stream, and
+        one entry there ends it now, not after DIALOG_READ_BLOCK_MS. Another worker's wake read
+        may take the entry as well: it looks for new entries, as at any hand-over. An entry
+        that reached Redis before the read did (from "$" on) does not end it: another one goes
+        after READ_END_WAIT_S."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+            for shard in self.shards:
+                while shard.read_ahead_done is not None and not shard.read_ahead_done.is_set():
+                    try:
+                        await self.raw.xadd(
+                            shard.keys.wake,
+                            {"from": self.settings.consumer},
+                            maxlen=1,
+                            approximate=False,
+                        )
+                    except redis.exceptions.RedisError as exc:
+                        log.warning("read_not_ended", error=str(exc), shard=shard.label)
+                        break
+                    with anyio.move_on_after(READ_END_WAIT_S):
+                        await shard.read_ahead_done.wait()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -510,8 +564,7 @@ class Worker:
 
     @staticmethod
     def _give_slots(shard: Shard, n: int) -> None:
-        for _ in range(n):
-            shard.slots.release()
+        shard.slots.release(n)
 
     def _token_base(self) -> str:
         """Unique per script call: the scripts number the tokens they hand out after it."""
@@ -519,44 +572,39 @@ class Worker:
         return f"{self._token_nonce}:{self._token_counter}"
 
     def _take_free_slots(self, shard: Shard) -> int:
-        taken = 0
-        while True:
-            try:
-                shard.slots.acquire_nowait()
-            except anyio.WouldBlock:
-                return taken
-            taken += 1
+        return shard.slots.take(shard.slots.free)
+
+    def _intake_call(
+        self, shard: Shard, count: int, claim_idle_ms: int = 0
+    ) -> tuple[list[str], list[Any]]:
+        """The intake script's keys and arguments (lua/intake-5.lua)."""
+        k, s = shard.keys, self.settings
+        return [k.stream, k.ready, k.session_prefix, k.dlq, k.replies], [
+            k.group,
+            s.consumer,
+            min(count, INTAKE_BATCH),
+            self._token_base(),
+            s.lock_ttl_ms,
+            s.dedupe_ttl_s,
+            s.max_message_bytes,
+            MAX_EXTRA_FIELDS,
+            s.reply_maxlen,
+            __version__,
+            claim_idle_ms,
+            s.fallback_reply,
+            k.shard,
+            len(self.shards),
+            s.multitask,
+            s.echo_fields,
+        ]
 
     async def _intake(self, shard: Shard, count: int, claim_idle_ms: int = 0) -> list[Any]:
-        k, s = shard.keys, self.settings
+        keys, args = self._intake_call(shard, count, claim_idle_ms)
         # Shielded: entries the script delivered are ours (locked or queued), so the reply
         # must be seen and its jobs started, whatever is cancelled meanwhile.
         with anyio.CancelScope(shield=True):
-            reply = cast(
-                list[Any],
-                await self.scripts.intake(
-                    keys=[k.stream, k.ready, k.session_prefix, k.dlq, k.replies],
-                    args=[
-                        k.group,
-                        s.consumer,
-                        min(count, INTAKE_BATCH),
-                        self._token_base(),
-                        s.lock_ttl_ms,
-                        s.dedupe_ttl_s,
-                        s.max_message_bytes,
-                        MAX_EXTRA_FIELDS,
-                        s.reply_maxlen,
-                        __version__,
-                        claim_idle_ms,
-                        s.fallback_reply,
-                        k.shard,
-                        len(self.shards),
-                        s.multitask,
-                        s.echo_fields,
-                    ],
-                ),
-            )
-        return reply
+            reply = await self.scripts.intake(keys=keys, args=args)
+        return cast(list[Any], reply)
 
     async def _read_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         if not shard.group_ready:
@@ -565,8 +613,13 @@ class Worker:
             await self._hand_over(shard)  # busy: another worker waits for new entries
         await shard.slots.acquire()
         slots = 1 + self._take_free_slots(shard)
+        # Short of slots under a backlog, a call still reads a batch: later messages of the
+        # sessions in flight get their seq (their commits hand them on), and the sessions it
+        # locks beyond the slots wait here for one (_start), rather than one entry per call.
+        # Not again while any of those still waits: at most one batch is held that way.
+        entries = slots if shard.locked_waiting else max(slots, READ_BATCH_SHORT_OF_SLOTS)
         try:
-            reply = await self._intake(shard, slots)
+            reply = await self._intake(shard, entries)
         except redis.exceptions.ResponseError as exc:
             self._give_slots(shard, slots)
             if "NOGROUP" in str(exc):
@@ -580,20 +633,27 @@ class Worker:
             raise
         last_id, read = reply[0], int(reply[1])
         self._start(shard, work, reply, slots)
-        if read < min(slots, INTAKE_BATCH):
+        if read < min(entries, INTAKE_BATCH):
             # The stream had no more: wait (a blocking read from the last id returns at once
             # if something came meanwhile) rather than run another intake call to find out.
-            if read:
-                # The sessions just started go first: in one turn of the event loop each runs
-                # its step (one that awaits nothing, as the built-in engine's) up to its
-                # commit, in the next the committer sends it. A lone message's commit then
-                # leaves before this reader's blocking read, not behind it.
-                await anyio.lowlevel.checkpoint()
-                await anyio.lowlevel.checkpoint()
-            await self._idle_wait(shard, last_id)
+            await self._commits_first(read)
+            await self._idle_wait(shard, last_id, work)
         return 0
 
-    async def _idle_wait(self, shard: Shard, last_id: bytes) -> None:
+    @staticmethod
+    async def _commits_first(started: int) -> None:
+        """After an intake call that started sessions, before the reader's next call: the
+        sessions go first. In one turn of the event loop each runs its step (one that awaits
+        nothing, as the built-in engine's) up to its commit, in the next the committer sends
+        it. A lone message's commit then leaves before this reader's next call, not behind
+        it."""
+        if started:
+            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
+
+    async def _idle_wait(
+        self, shard: Shard, last_id: bytes, work: anyio.abc.TaskGroup | None = None
+    ) -> None:
         """Nothing to read: wait until there is. One reader per shard, the waiter (the holder
         of a short lease on the shard's waiter key), blocks on the inbound stream itself, so
         an append wakes one worker, not every replica. The other readers block on the shard's
@@ -605,13 +665,26 @@ class Worker:
         traffic the active workers read in parallel, as many as the rate keeps busy, and an
         idle pool is back to one blocked reader within that window. A waiter that dies leaves the
         key to expire (the lease); the others ask for it that often. A wait that times out
-        waits again without an intake call (the waiter runs one every IDLE_RECHECK_S)."""
+        waits again without an intake call (the waiter runs one every IDLE_RECHECK_S). It
+        returns once another loop's Redis failure asked for a fresh group check.
+        With `work` and two free slots or more, a read on the inbound stream carries its
+        intake call behind it (see _read_ahead)."""
         keys = shard.keys
         block = self.settings.read_block_ms
         since = time.monotonic()
         while True:
+            if not shard.group_ready:
+                # Another loop met a Redis failure: the group check is the reader's to make
+                # (_read_once), and the resumer and the timers wait for it.
+                return
             waiter = await self._take_waiter_role(shard)
             if waiter or time.monotonic() - self._last_finished < ACTIVE_WINDOW_S:
+                if work is not None and self._can_read_ahead(shard):
+                    next_id = await self._read_ahead(shard, work, last_id, waiter)
+                    if next_id is None:
+                        return
+                    last_id = next_id
+                    continue
                 # From the last delivered id, not "$": an entry appended between the empty
                 # intake and this call would be missed until the next timeout.
                 got = await self.raw.xread({keys.stream: last_id}, count=1, block=block)
@@ -640,6 +713,60 @@ class Worker:
                 # The waiter was busy when entries came: read now, then ask for the role.
                 shard.lease_checked_at = 0.0
                 return
+
+    def _can_read_ahead(self, shard: Shard) -> bool:
+        # One slot stays free for the resumer (a due session is not kept waiting by a read
+        # that blocks); the Cluster client sends a pipeline its own way: it reads, then calls.
+        return (
+            shard.slots.free >= 2
+            and not isinstance(self.raw, RedisCluster)
+            and not self.stopping.is_set()  # a stopping reader's read may be cancelled
+        )
+
+    async def _read_ahead(
+        self, shard: Shard, work: anyio.abc.TaskGroup, last_id: bytes, waiter: bool
+    ) -> bytes | None:
+        """A blocking read on the inbound stream with the intake call queued behind it on the
+        same connection, in one write: Redis runs the intake the moment the read returns, an
+        entry's arrival or the read's timeout, with no round trip back to this process in
+        between: a lone message costs the woken worker two round trips, not three, and loses
+        the Python between the read and the call. The intake reads as many entries as the
+        free slots less the one left for the resumer, which are taken until it answers. Each
+        read that times out runs its intake call (an idle pool's price: 15 commands with
+        those the script runs, per DIALOG_READ_BLOCK_MS).
+
+        Returns the id to wait from next, or None when the plain intake call should follow:
+        the intake filled every slot it had (more may be waiting), or it failed (the plain
+        call meets the same error and handles it: NOSCRIPT, NOGROUP, out of memory).
+        Shielded, as every intake call: the read also watches the shard's wake stream (from
+        its end), where shutdown appends one entry to end it at once (_end_reads_ahead)."""
+        count = shard.slots.take(min(shard.slots.free - 1, INTAKE_BATCH))
+        k = shard.keys
+        keys, args = self._intake_call(shard, count)
+        done = shard.read_ahead_done = anyio.Event()
+        try:
+            with anyio.CancelScope(shield=True):
+                async with self.raw.pipeline(transaction=False) as pipe:
+                    pipe.xread(
+                        {k.stream: last_id, k.wake: "$"}, count=1, block=self.settings.read_block_ms
+                    )
+                    pipe.evalsha(self.scripts.intake.sha, len(keys), *keys, *args)
+                    _, reply = await pipe.execute(raise_on_error=False)
+        except BaseException:
+            self._give_slots(shard, count)
+            raise
+        finally:
+            done.set()
+        if isinstance(reply, Exception):
+            self._give_slots(shard, count)
+            return None
+        busy = bool(self.leases)
+        self._start(shard, work, reply, count)
+        read = int(reply[1])
+        await self._commits_first(read)
+        if read and waiter and busy:
+            await self._hand_over(shard)  # woken while busy: one more worker joins
+        return None if read >= count else cast(bytes, reply[0])
 
     def _lease_ms(self) -> int:
         # At least three blocking reads long: a lease renewed with half of it left outlasts
@@ -712,9 +839,51 @@ class Worker:
             jobs[job.session_id] = job
         for sid, _, entry_id, flat in held_rows:
             jobs[sid.decode("utf-8")].held[text(entry_id)] = fields_dict(flat)
-        self._give_slots(shard, slots - len(jobs))
-        for job in jobs.values():
-            work.start_soon(self._run_session, shard, job)
+        self._give_slots(shard, max(0, slots - len(jobs)))
+        for n, job in enumerate(jobs.values()):
+            if n < slots:
+                work.start_soon(self._run_session, shard, job)
+            else:
+                shard.locked_waiting += 1
+                work.start_soon(self._run_when_a_slot_frees, shard, job)
+
+    async def _run_when_a_slot_frees(self, shard: Shard, job: Job) -> None:
+        """A session a reader locked beyond its free slots (see _read_once): it waits for a
+        slot in line with the reader, behind the resumer, its lease renewed by the heartbeat
+        meanwhile; a worker that stops hands it back at once."""
+        self.leases[job.token] = job
+        try:
+            with anyio.CancelScope() as waiting:
+                self._waiting_for_slots[job.token] = waiting
+                if self.stopping.is_set():
+                    waiting.cancel()
+                await shard.slots.acquire()
+        finally:
+            shard.locked_waiting -= 1
+            self._waiting_for_slots.pop(job.token, None)
+            if self.leases.get(job.token) is job:
+                del self.leases[job.token]
+        if waiting.cancel_called:
+            with anyio.CancelScope(shield=True):
+                async with self._hand_backs:
+                    try:
+                        await self.pipeline.hand_back(job)
+                    except redis.exceptions.RedisError as exc:
+                        # Its lease runs out and the session comes back through the ready set.
+                        log.warning("hand_back_failed", session_id=job.session_id, error=str(exc))
+            return
+        if not job.ending:
+            # Cancelled while it waited: it ends in its turn without a step, as a message that
+            # waited in the stream or behind its session's running one would (the commit
+            # script checks the mark as well: a failed look costs a started step, no outcome).
+            msg_id = text(job.fields.get(b"msg_id", job.entry_id.encode()))
+            mark = job.keys.session(job.session_id).cancel_mark(msg_id)
+            try:
+                if await self.raw.exists(mark):
+                    job.ending = "cancelled"
+            except redis.exceptions.RedisError as exc:
+                log.warning("cancel_check_failed", session_id=job.session_id, error=str(exc))
+        await self._run_session(shard, job)
 
     async def _run_session(self, shard: Shard, job: Job) -> None:
         self._sessions_started += 1

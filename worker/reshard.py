@@ -6,9 +6,10 @@ workers, run this (without --yes it only reports what it would do), then start w
 producers) with the new DIALOG_SHARDS.
 
 It refuses, having changed nothing:
-- while a consumer of an old shard's group was active recently (XINFO CONSUMERS idle below
-  `idle_threshold_ms`: a live worker reads at least every DIALOG_READ_BLOCK_MS and reclaims
-  every DIALOG_RECLAIM_INTERVAL_MS), unless forced;
+- while a worker may be live: a consumer of an old shard's group was active recently (XINFO
+  CONSUMERS idle below `idle_threshold_ms`), or a worker holds an old shard's waiter role
+  (every live idle pool has one; its lease lapses a few seconds after the worker is gone, and
+  a worker that stops gives it up), unless forced;
 - a shard that is not drained: entries in its inbound stream or pending list, sessions in its
   ready set, timers waiting, a session lock, a session with a sequenced message it has not
   applied;
@@ -66,9 +67,12 @@ def in_progress_marker(old: int, new: int) -> str:
 
 
 def idle_threshold_ms(settings: Settings) -> int:
-    """A consumer idle for less than this may belong to a live worker: an idle worker's
-    intake reads (XREADGROUP) every DIALOG_READ_BLOCK_MS, its reclaimer every
-    DIALOG_RECLAIM_INTERVAL_MS."""
+    """A consumer idle for less than this may belong to a live worker: the shard's waiter
+    (one per idle pool) looks for messages to reclaim every DIALOG_RECLAIM_INTERVAL_MS and
+    reads every DIALOG_READ_BLOCK_MS. A read that returns nothing does not count as activity on
+    Redis 7.0 (XINFO CONSUMERS idle moves only when entries are delivered or claimed), and the
+    other workers of an idle pool block on the shard's wake stream: `_check_idle` also looks
+    at the waiter role itself."""
     return 2 * max(settings.reclaim_interval_ms, settings.read_block_ms)
 
 
@@ -214,14 +218,22 @@ async def _check_idle(redis: Redis, shards: Iterable[Keys], threshold_ms: int) -
         try:
             consumers = await redis.xinfo_consumers(keys.stream, keys.group)
         except ResponseError:  # no stream or no group: nobody reads it
-            continue
+            consumers = []
         for c in consumers:
             if int(c["idle"]) < threshold_ms:
                 active.append(f"{_text(c['name'])} (shard {keys.shard}, {int(c['idle'])} ms ago)")
+        waiter = await redis.get(keys.waiter)
+        if waiter is not None:
+            left = int(await redis.pttl(keys.waiter))
+            active.append(
+                f"{_text(waiter)} (shard {keys.shard}, waiting for its messages; "
+                f"that role lapses in {max(left, 0)} ms if the worker is gone)"
+            )
     if active:
         raise ConsumersActive(
-            f"{len(active)} consumer(s) of the group were active less than {threshold_ms} ms "
-            f"ago: {', '.join(active[:5])}; stop every worker first (--force if they are gone)"
+            f"{len(active)} worker(s) may be live (a consumer of the group active less than "
+            f"{threshold_ms} ms ago, or a shard's waiter): {', '.join(active[:5])}; stop every "
+            "worker first (--force if they are gone)"
         )
 
 

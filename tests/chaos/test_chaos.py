@@ -522,7 +522,8 @@ async def test_chaos_total_queue(tmp_path: Path) -> None:
         problems += [f"{w.name} is not running" for w in chaos.live if not w.alive()]
         print(
             f"[chaos] {faults_s:.0f} s of faults: {dict(chaos.injected)}; drained "
-            f"{drain_s:.1f} s later"
+            f"{drain_s:.1f} s later; AOF cut inside a command and repaired "
+            f"{server.aof_fixes} time(s)"
         )
         print(f"[chaos] {counts}")
         print(f"[chaos] out of memory for {OOM_HOLD_S:.0f} s: {oom}")

@@ -6,6 +6,7 @@ Cancelling a waiting message from the console. Every action is audited; a viewer
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -241,3 +242,34 @@ async def test_releasing_a_session_that_is_not_held_says_so(
     assert "the session was not held" in page
     audit = (await http.get("/audit", headers=VIEW)).text
     assert audit.count("release_session") >= 3
+
+
+async def test_a_redrive_while_a_step_of_the_session_runs_is_refused_and_changes_nothing(
+    client: DialogClient,
+) -> None:
+    """A running step would commit at the seq the redrive gives the letter: the script
+    refuses ("busy") while the session's lock is held, and writes nothing; once the lock is
+    gone the same redrive goes through."""
+    from dialog_worker.console import actions
+
+    sk = client.keys.session("dave")
+    r = client.redis
+    await r.hset(sk.state, mapping={"a": "1", "s": "1", "h": "held by a test"})
+    letter = await r.xadd(client.keys.dlq, {"session_id": "dave", "msg_id": "m1", "text": "hi"})
+    fields = json.dumps(["session_id", "dave", "text", "hi", "msg_id", "m1"])
+    redrive = ["redrive", client.settings.dedupe_ttl_s, 1, letter, "m1", fields]
+    await r.set(sk.lock, "a-running-step", px=60_000)
+    before = await r.hgetall(sk.state)
+
+    assert await actions._hold_call(client, "dave", redrive) == ["busy"]
+    assert await r.hgetall(sk.state) == before  # still held, nothing queued
+    assert [e[0] for e in await r.xrange(client.keys.dlq)] == [letter]
+    assert await r.get(sk.lock) == "a-running-step"
+    assert await r.zscore(client.keys.ready, "dave") is None
+
+    await r.delete(sk.lock)  # the step committed and let go
+    result = await actions._hold_call(client, "dave", redrive)
+    assert result[0] == "redriven" and result[1] == "1", result
+    assert await r.xlen(client.keys.dlq) == 0
+    assert await r.hget(sk.state, "h") is None
+    assert await r.zscore(client.keys.ready, "dave") is not None

@@ -373,6 +373,31 @@ async def test_overview_reports_the_queue(
     assert 'data-stat="dlq_length">1<' in page and "w1" in page
 
 
+async def test_the_overview_shows_which_worker_of_an_idle_pool_waits_for_messages(
+    http: httpx.AsyncClient, client: DialogClient, workers: WorkerPool
+) -> None:
+    """An idle pool's workers are not handed entries, so their consumers' idle time grows
+    while they live: the overview names the one that holds the shard's waiter role."""
+    [w] = workers.start(1)
+    await client.ask("idle", "halo", timeout=20)
+
+    async def waiting() -> dict[str, Any] | None:
+        d = (await http.get("/api/overview", headers=VIEW)).json()
+        return d if any(x["waiting"] for x in d["workers"]) else None
+
+    data = await wait_until_async(waiting, 20, what="an idle worker waiting for messages")
+    assert [(x["name"], x["waiting"]) for x in data["workers"]] == [(w.name, True)]
+    page = (await http.get("/", headers=VIEW)).text
+    assert "waiting for messages" in page
+    # Its consumer deleted as idle: it is still listed, as waiting.
+    await client.redis.xgroup_delconsumer(client.keys.stream, client.keys.group, w.name)
+    data = (await http.get("/api/overview", headers=VIEW)).json()
+    assert [(x["name"], x["waiting"], x["idle_ms"]) for x in data["workers"]] == [
+        (w.name, True, None)
+    ]
+    assert "waiting for messages" in (await http.get("/", headers=VIEW)).text
+
+
 async def test_the_session_page_reads_a_bounded_number_of_dead_letters(
     http: httpx.AsyncClient, client: DialogClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -170,7 +170,22 @@ async def test_kill9_random_worker_every_second_loses_nothing(client, workers):
 # 2. a paused lock holder comes back after its lease was taken over
 
 
+def stopped(proc: WorkerProc) -> bool:
+    """The process is stopped (SIGSTOP): state T in /proc."""
+    assert proc.proc is not None
+    try:
+        stat = Path(f"/proc/{proc.proc.pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
 async def test_paused_lock_holder_cannot_overwrite_newer_state(client, workers):
+    """The holder of seq 1 stops (SIGSTOP, a long pause) the moment its step returns, before
+    its commit is sent; its lease runs out and the other worker applies seq 1..3; woken, it
+    sends that commit at once (before its heartbeat can learn the lease is gone), and the
+    commit script must refuse it. The engine stops its own process at that point, so the
+    commit reaches the fence in every run, not only when it beats the heartbeat."""
     procs = workers.start(
         2,
         metrics=True,
@@ -181,19 +196,17 @@ async def test_paused_lock_holder_cannot_overwrite_newer_state(client, workers):
     )
     r, k = client.redis, client.keys
     sk = k.session("p")
-    sent = await send_bursts(
-        client, ["p"], ["sleep 2.5 nama saya Budi", "saya ada kendala", "ketiga"]
-    )
+    sent = await send_bursts(client, ["p"], ["pause nama saya Budi", "saya ada kendala", "ketiga"])
     assert [s.seq for s in sent] == [1, 2, 3]
 
-    async def holder() -> str | None:
-        # seq 1 is being stepped: nothing applied yet, its attempt counted, the lock held.
-        return await stepping_first(client, "p")
+    async def holder() -> WorkerProc | None:
+        # seq 1's step has returned in a worker that stopped itself, nothing applied yet.
+        if await stepping_first(client, "p") is None:
+            return None
+        return next((w for w in procs if stopped(w)), None)
 
-    name = await poll(holder, 10, "seq 1 to be acquired")
-    paused = next(w for w in procs if w.name == name)
+    paused = await poll(holder, 10, "the holder of seq 1 to stop itself")
     other = next(w for w in procs if w is not paused)
-    paused.signal(signal.SIGSTOP)
     paused_at = time.monotonic()
     try:
 
@@ -235,6 +248,8 @@ async def test_paused_lock_holder_cannot_overwrite_newer_state(client, workers):
     # The paused worker wrote nothing: the version counts exactly three commits.
     assert int(await r.hget(sk.state, "v")) == 3
     assert mine["applied"] == 0
+    # It was the commit script that refused it (not the heartbeat, before any commit).
+    assert "commit_fenced" in paused.log_text()
     # The other worker took the session over through the ready set once the lease ran out.
     assert theirs["reclaimed"] >= 1
     await assert_drained(client, timeout_s=20)
@@ -243,6 +258,40 @@ async def test_paused_lock_holder_cannot_overwrite_newer_state(client, workers):
 
 # ---------------------------------------------------------------------------------------------
 # 3. kill -9 of Redis (AOF, fsync always) in the middle of a burst
+
+
+def test_a_script_cut_off_mid_write_in_the_aof_is_repaired_not_half_replayed(tmp_path: Path):
+    """What a kill -9 can leave: the AOF ends inside a command of a script's effects (MULTI,
+    some of its writes, part of one more). Redis 7.0 with the default `aof-load-truncated yes`
+    cuts the file after the last whole command, inside the MULTI: on the next start every
+    write made after it is queued into that MULTI and lost (or, once another script's
+    MULTI/EXEC follows, replayed with the half script: the chaos test once saw the reply
+    event of a commit whose state write was gone, so the message was applied again). The
+    test servers refuse such a file and repair it with redis-check-aof (docs/deploy.md): the
+    half script is gone for good, later writes stay."""
+    import redis as sync_redis
+
+    server = RedisServer(tmp_path / "aof", appendonly=True, fsync="always").start()
+    try:
+        r = sync_redis.Redis.from_url(server.url)
+        r.set("before", "1")
+        r.eval("redis.call('SET', 'half', '1'); redis.call('SET', 'other', '1')", 0)
+        server.kill()
+        [incr] = (tmp_path / "aof" / "appendonlydir").glob("*.incr.aof")
+        data = incr.read_bytes()
+        cut = data.rindex(b"other")  # inside the script's second write
+        incr.write_bytes(data[:cut])
+        server.start()
+        r = sync_redis.Redis.from_url(server.url)
+        assert r.mget("before", "half", "other") == [b"1", None, None]
+        r.set("after", "1")
+        server.kill()
+        server.start()
+        r = sync_redis.Redis.from_url(server.url)
+        assert r.mget("before", "half", "other", "after") == [b"1", None, None, b"1"]
+        assert server.aof_fixes == 1
+    finally:
+        server.stop()
 
 
 async def test_redis_kill9_mid_burst_and_restart_loses_no_accepted_message(tmp_path: Path):

@@ -166,14 +166,16 @@ async def test_a_step_running_past_the_grace_is_handed_back_with_its_attempt_giv
     await assert_drained(client, timeout_s=20)
 
 
-async def test_sigterm_while_an_intake_call_is_in_flight_loses_nothing(client, workers):
+@pytest.mark.parametrize("slots", ["64", "1"])
+async def test_sigterm_while_an_intake_call_is_in_flight_loses_nothing(client, workers, slots):
     """The race the burst tests can only hope to hit, driven: the idle reader is woken by a
     burst, and its intake call (a write script) is held in the server by CLIENT PAUSE WRITE,
     issued in the same transaction as the burst. SIGTERM arrives while that call is in
     flight; the call delivers and locks after the worker began to stop. Whatever it took is
-    finished or handed back: nothing pending, no lock left, every message applied once."""
+    finished or handed back: nothing pending, no lock left, every message applied once. With
+    64 slots the call was sent behind the blocking read; with one, after it."""
     r, k = client.redis, client.keys
-    [w] = workers.start(1, metrics=True, DIALOG_SHUTDOWN_GRACE_S="2")
+    [w] = workers.start(1, metrics=True, DIALOG_SHUTDOWN_GRACE_S="2", DIALOG_CONCURRENCY=slots)
 
     async def ready() -> bool:
         got = await anyio.to_thread.run_sync(w._get, "/readyz")
@@ -197,13 +199,17 @@ async def test_sigterm_while_an_intake_call_is_in_flight_loses_nothing(client, w
         await wait_for(intake_in_flight, 10, "the reader's intake call to wait in the server")
         assert (await r.xinfo_groups(k.stream))[0]["lag"] == len(sessions)  # not yet delivered
         w.signal(signal.SIGTERM)
-        await anyio.sleep(0.5)  # fault pacing: the worker is stopping while the call waits
+        # Fault pacing: the worker is stopping while the call waits, longer than a stopping
+        # worker tries to end a blocked read (1 s) before it cancels its intake loops.
+        await anyio.sleep(1.5)
         assert w.alive(), "the worker must wait for the call it sent"
     finally:
         await r.execute_command("CLIENT", "UNPAUSE")
     code = await anyio.to_thread.run_sync(lambda: w.proc.wait(15))
     assert code == 0, w.log_text()[-3000:]
-    # The call went through after the signal: everything was delivered to the stopping worker.
+    # The call went through after the signal: all it read was delivered to the stopping
+    # worker (with one slot too: a reader short of slots reads a batch, and the sessions
+    # beyond its slot were handed back at once); the next worker finishes them.
     assert (await r.xinfo_groups(k.stream))[0]["lag"] == 0
     pending = await r.xpending_range(k.stream, k.group, "-", "+", 100, consumername=w.name)
     assert pending == []
@@ -218,3 +224,44 @@ async def test_sigterm_while_an_intake_call_is_in_flight_loses_nothing(client, w
     assert await wait_applied(client, sent, timeout_s=20)
     assert await check(client, sent) == []
     await assert_drained(client, timeout_s=20)
+
+
+async def test_sigterm_hands_back_the_sessions_waiting_for_a_slot_at_once(client, workers):
+    """A worker short of slots locks a batch and holds the sessions beyond its slots until
+    one frees. At SIGTERM those go back at once (their locks released, the attempt not
+    counted), while the step in hand finishes within the grace period, so another worker can
+    take them up now, not after the step or a lease."""
+    [w] = workers.start(
+        1, DIALOG_CONCURRENCY="1", DIALOG_ENGINE="fault_engine:make", DIALOG_SHUTDOWN_GRACE_S="30"
+    )
+    await client.send("first", "sleep 0.5 first")
+    first = client.keys.session("first")
+
+    async def first_running() -> bool:
+        return bool(await client.redis.exists(first.lock))
+
+    await wait_for(first_running, 20, "the first step")
+    sk = [client.keys.session(f"s{i}") for i in range(10)]
+    for i in range(10):
+        await client.send(f"s{i}", "sleep 5 long")
+
+    async def batch_locked() -> bool:
+        # When the first step ends, one call locks the ten: s0 takes the slot at once.
+        return (
+            await client.redis.hget(first.state, "a") == "1"
+            and await client.redis.exists(*[k.lock for k in sk]) == 10
+        )
+
+    await wait_for(batch_locked, 20, "the batch locked: s0 running, the others waiting")
+    w.signal(signal.SIGTERM)
+    t0 = time.monotonic()
+
+    async def handed_back() -> bool:
+        return await client.redis.exists(*[k.lock for k in sk[1:]]) == 0
+
+    await wait_for(handed_back, 10, "the waiting sessions handed back")
+    assert time.monotonic() - t0 < 3  # not after s0's 5 s step
+    assert await client.redis.exists(sk[0].lock) == 1  # the step in hand goes on
+    for k in sk[1:]:
+        assert int(await client.redis.hget(k.state, "n") or 0) == 0  # no attempt counted
+    assert await anyio.to_thread.run_sync(lambda: w.proc.wait(20)) == 0

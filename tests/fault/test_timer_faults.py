@@ -107,3 +107,38 @@ def test_a_timer_fires_when_the_worker_polling_for_it_is_killed(tmp_path: Path) 
     finally:
         pool.stop_all()
         server.stop()
+
+
+def test_an_idle_worker_is_ready_again_and_fires_timers_after_its_connections_are_cut(
+    tmp_path: Path,
+) -> None:
+    """Every connection cut while the pool is idle (a proxy or a Redis restart does this): the
+    waiting reader reconnects at once, the other loops (resumer, timers) meet the cut later,
+    one by one. The worker must be ready again and fire a timer that was waiting, not only
+    once a new message comes: a failure of any loop marks every shard for a fresh group
+    check, which only the reader makes, and an idle reader that stayed inside its wait never
+    came back to make it (a timer waited forever, /readyz stayed 503)."""
+    from conftest import worker_env
+
+    server = RedisServer(tmp_path / "redis").start()
+    env = worker_env(server.url, DIALOG_ENGINE="timer_engines:Timers")
+    pool = WorkerPool(env, tmp_path)
+    r = redis.Redis.from_url(server.url)
+    try:
+        [proc] = pool.start(1, metrics=True)
+        r.xadd("dialog", {"session_id": "k", "text": "remind 2.0 r", "msg_id": "k-r"})
+        wait_until(lambda: len(events(r)) >= 1, 30, what="the timer set")
+        wait_until(lambda: r.get("dialog:{dialog}:ready:waiter"), 30, what="the waiter")
+        wait_until(lambda: proc._get("/readyz") == (200, "ready\n"), 10, what="ready")
+        due = time.time() + 2.0
+        r.client_kill_filter(_type="normal", skipme=True)
+        wait_until(
+            lambda: any(e["msg_id"].startswith("timer:r:") for e in events(r)),
+            20,
+            what="the timer fired",
+        )
+        assert time.time() - due < 10
+        wait_until(lambda: (proc._get("/readyz") or (0,))[0] == 200, 10, what="ready again")
+    finally:
+        pool.stop_all()
+        server.stop()

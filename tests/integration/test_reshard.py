@@ -377,3 +377,28 @@ async def test_cli_stopped_mid_run_blocks_workers_until_run_again(env, workers):
         for sid in ODD_IDS:
             state = await c.state(sid)
             assert [t["seq"] for t in state["history"]] == [1, 2, 3, 4]
+
+
+async def test_reshard_refuses_while_a_worker_holds_a_shards_waiter_role(env, client, workers):
+    """An idle pool's workers may not touch the inbound group for a long time (one waiter
+    blocks on the stream, and on Redis 7.0 a read that returns nothing leaves XINFO CONSUMERS'
+    idle as it was; the others block on the wake stream): a live waiter role counts as a live
+    worker. Without that, reshard moved the keys of a pool idle for 2 x the reclaim interval."""
+    r, k = client.redis, client.keys
+    # A real idle pool: its consumer looks idle (fast settings: 2 x 100 ms) while it lives.
+    fast = {"DIALOG_RECLAIM_INTERVAL_MS": "100", "DIALOG_READ_BLOCK_MS": "100"}
+    [w] = workers.start(1, **fast)
+    await client.ask("idle", "halo", timeout=20)
+    await idle(r, [k], 1000)
+    live = await anyio.to_thread.run_sync(lambda: run(env, "reshard", "--to", "2", **fast))
+    assert live.returncode == 1, live.stdout
+    assert "active" in live.stderr and w.name in live.stderr
+    assert await anyio.to_thread.run_sync(w.terminate) == 0  # gives its waiter role up
+    stopped = await anyio.to_thread.run_sync(lambda: run(env, "reshard", "--to", "2", **fast))
+    assert stopped.returncode == 0, stopped.stderr
+
+    await r.set(k.waiter, "w-waiting", px=60_000)
+    refused = await anyio.to_thread.run_sync(lambda: run(env, "reshard", "--to", "2", "--yes"))
+    assert refused.returncode == 1, refused.stdout
+    assert "active" in refused.stderr and "w-waiting" in refused.stderr
+    assert await r.get(f"{client.settings.prefix}:shards") == "1"  # as the worker left it

@@ -3,7 +3,9 @@ waiter that dies is replaced within its lease. Real worker processes, real Redis
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 import anyio
 import pytest
@@ -106,6 +108,8 @@ async def test_an_idle_reader_waits_from_the_last_id_its_intake_read(env):
         load_settings(environ={**env, "DIALOG_READ_BLOCK_MS": "3000"}), load_engine(None)
     )
     try:
+        r.xgroup_create("dialog", "dialog-workers", id=seen)  # what that intake left
+        worker.shards[0].group_ready = True  # as after the reader's first call
         started = time.monotonic()
         with anyio.fail_after(2):
             await worker._idle_wait(worker.shards[0], seen)
@@ -115,35 +119,206 @@ async def test_an_idle_reader_waits_from_the_last_id_its_intake_read(env):
         await worker.redis.aclose()
 
 
-async def test_a_lone_messages_commit_is_sent_before_the_readers_next_blocking_read(env):
-    """A lone message on an idle worker: intake, then the commit. The reader's next blocking
-    read waits until the session it started has sent its commit (two turns of the event
-    loop), so the commit is not queued behind that read on the way to Redis."""
+def _command_names(packed: bytes, scripts: dict[bytes, str]) -> tuple[str, ...]:
+    """The commands of one write to Redis (RESP arrays of bulk strings), named by their first
+    argument; a script call by the script's name."""
+    names, pos = [], 0
+    while pos < len(packed):
+        end = packed.index(b"\r\n", pos)
+        count, pos, args = int(packed[pos + 1 : end]), end + 2, []
+        for _ in range(count):
+            end = packed.index(b"\r\n", pos)
+            size = int(packed[pos + 1 : end])
+            args.append(packed[end + 2 : end + 2 + size])
+            pos = end + 2 + size + 2
+        name = args[0].decode().lower()
+        names.append(scripts.get(args[1], "script") if name == "evalsha" else name)
+    return tuple(names)
+
+
+async def _writes_for_a_lone_message(env: dict[str, str]) -> list[tuple[str, ...]]:
+    """Every write an idle worker sends to Redis from a lone message's append until its reply
+    event, and the next one after it: the commands each write carries."""
     from dialog_worker.config import load_settings
     from dialog_worker.daemon import Worker
     from dialog_worker.engine import load_engine
 
     r = redis.Redis.from_url(env["REDIS_URL"])
     worker = Worker(load_settings(environ=env), load_engine(None))
-    calls: list[str] = []
-    names = {worker.scripts.intake.sha: "intake", worker.scripts.commit.sha: "commit"}
-    evalsha, xread = worker.raw.evalsha, worker.raw.xread
+    scripts = {
+        worker.scripts.intake.sha.encode(): "intake",
+        worker.scripts.commit.sha.encode(): "commit",
+    }
+    writes: list[tuple[str, ...]] = []
+    pool = worker.raw.connection_pool
+    base = pool.connection_class
 
-    async def recorded_evalsha(sha: str, *args: object) -> object:
-        calls.append(names.get(sha, "script"))
-        return await evalsha(sha, *args)
+    class Recording(base):  # type: ignore[misc,valid-type]  # the pool's own class
+        async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            chunks = [command] if isinstance(command, bytes | str) else command
+            packed = b"".join(c.encode() if isinstance(c, str) else bytes(c) for c in chunks)
+            writes.append(_command_names(packed, scripts))
+            await super().send_packed_command(command, check_health)
 
-    async def recorded_xread(*args: object, **kwargs: object) -> object:
-        calls.append("xread")
-        return await xread(*args, **kwargs)
-
-    worker.raw.evalsha = recorded_evalsha  # type: ignore[method-assign]
-    worker.raw.xread = recorded_xread  # type: ignore[method-assign]
+    pool.connection_class = Recording
+    blocked = ("xread", "intake") if worker.settings.concurrency > 1 else ("xread",)
     async with anyio.create_task_group() as tg:
         tg.start_soon(worker.run)
-        await anyio.to_thread.run_sync(lambda: wait_until(lambda: "xread" in calls, 20))
-        del calls[:]
+        await anyio.to_thread.run_sync(lambda: wait_until(lambda: blocked in writes, 20))
+        del writes[:]
         r.xadd("dialog", {"session_id": "lone", "text": "halo"})
         await anyio.to_thread.run_sync(lambda: wait_until(lambda: r.xlen("dialog-replies"), 20))
+        await anyio.to_thread.run_sync(lambda: wait_until(lambda: len(writes) >= 2, 20))
         worker.stop()
-    assert calls[:3] == ["intake", "commit", "xread"], calls
+    return [w for w in writes if w[0] in ("xread", "intake", "commit")]
+
+
+async def test_a_lone_message_costs_the_worker_two_round_trips_its_read_and_its_commit(env):
+    """An idle worker blocks on the inbound stream with its intake call queued behind the read
+    in the same write: Redis runs the intake as the message arrives, with no round trip back
+    to the worker in between. The commit then goes out before the next read (the sessions the
+    intake started run first), so it is not queued behind a blocking read on its way."""
+    writes = await _writes_for_a_lone_message(env)
+    assert writes[:2] == [("commit",), ("xread", "intake")], writes
+
+
+async def test_with_one_slot_the_reader_blocks_without_an_intake_call_behind_its_read(env):
+    """With one message slot the reader holds none while it blocks (the resumer must be able
+    to take it): it reads, then calls intake, then the session commits, before the reader's
+    next call."""
+    writes = await _writes_for_a_lone_message({**env, "DIALOG_CONCURRENCY": "1"})
+    assert ("xread", "intake") not in writes, writes
+    assert writes[:2] == [("intake",), ("commit",)], writes
+    assert ("xread",) in writes, writes
+
+
+def _read_ahead_worker(env: dict[str, str], concurrency: int) -> Any:
+    from dialog_worker.config import load_settings
+    from dialog_worker.daemon import Worker
+    from dialog_worker.engine import load_engine
+
+    settings = load_settings(
+        environ={**env, "DIALOG_CONCURRENCY": str(concurrency), "DIALOG_READ_BLOCK_MS": "3000"}
+    )
+    return Worker(settings, load_engine(None))
+
+
+async def _until(check: Any) -> None:
+    await anyio.to_thread.run_sync(lambda: wait_until(check, 20))
+
+
+async def test_a_blocked_read_leaves_a_message_slot_free_for_the_resumer(env):
+    """The read that carries an intake call holds the slots that call may fill while it
+    blocks, all but one: a session that falls due meanwhile (a crashed holder's lease ran out,
+    a retry's backoff is over) is taken up without waiting for the read to time out."""
+    worker = _read_ahead_worker(env, 4)
+    shard = worker.shards[0]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        await _until(lambda: shard.slots.free == 1)
+        # The read blocks (3 s) with three slots taken; the fourth is there for the taking.
+        shard.slots.acquire_nowait()
+        shard.slots.release()
+        worker.stop()
+
+
+async def test_a_read_whose_intake_call_fails_gives_its_slots_back(env):
+    """Redis lost the scripts (a restart, a failover) while the worker's read blocked: the
+    intake call behind it fails with NOSCRIPT, the plain intake call loads the script and takes
+    the message, and no slot is lost, then or when the worker stops in the middle of a read."""
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    worker = _read_ahead_worker(env, 4)
+    shard = worker.shards[0]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        await _until(lambda: shard.slots.free == 1)
+        r.script_flush()
+        r.xadd("dialog", {"session_id": "noscript", "text": "halo"})
+        await _until(lambda: r.xlen("dialog-replies") == 1)
+        await _until(lambda: shard.slots.free == 1)
+        # The blocked read's connection breaks (Redis restarted, a proxy dropped it).
+        [blocked] = [c for c in r.client_list() if c["cmd"] == "xread" and "b" in c["flags"]]
+        r.client_kill_filter(_id=blocked["id"])
+        await _until(lambda: shard.slots.free == 1 and r.client_list()[-1]["id"] != blocked["id"])
+        r.xadd("dialog", {"session_id": "reconnected", "text": "halo"})
+        await _until(lambda: r.xlen("dialog-replies") == 2)
+        await _until(lambda: shard.slots.free == 1)
+        worker.stop()
+    assert shard.slots.free == 4
+
+
+async def test_a_worker_stops_at_once_while_its_read_blocks(env):
+    """A read with an intake call behind it is never cancelled (the call could run after the
+    worker gave up on its reply); shutdown ends it through the wake stream instead of waiting
+    for it to time out."""
+    worker = _read_ahead_worker(env, 4)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        await _until(lambda: worker.shards[0].reading_ahead)
+        await anyio.sleep(0.2)  # well inside the read's 3 s
+        stopped = time.monotonic()
+        worker.stop()
+    assert time.monotonic() - stopped < 1.5
+
+
+def test_a_worker_short_of_slots_reads_the_backlog_in_one_call_when_a_slot_frees(
+    workers, env, tmp_path
+):
+    """All slots busy and a backlog waiting: the next free slot makes one intake call read a
+    batch (one session takes the slot; the others it locks wait in the worker for the next
+    free one, their leases kept), not one entry per call while the rest wait in the stream.
+    The batch is taken up in order, one slot at a time."""
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    steps = tmp_path / "steps.jsonl"
+    workers.start(
+        1,
+        DIALOG_CONCURRENCY="1",
+        DIALOG_ENGINE="timer_engines:Timers",
+        DIALOG_LOCK_TTL_MS="1000",
+        TIMER_ENGINE_LOG=str(steps),
+    )
+    r.xadd("dialog", {"session_id": "first", "text": "sleep 1", "msg_id": "first"})
+    wait_until(lambda: r.exists("dialog:{dialog}:s:{first}:lock"), 20, what="the first step")
+    for i in range(30):
+        r.xadd("dialog", {"session_id": f"s{i}", "text": "sleep 0.1", "msg_id": f"m{i}"})
+    assert r.xlen("dialog") == 30  # the one slot is taken: nothing read yet
+    # The first step ends: one call reads the 30 entries and locks their sessions.
+    wait_until(lambda: r.xlen("dialog") == 0, 5, what="the backlog read")
+    locks = [f"dialog:{{dialog}}:s:{{s{i}}}:lock" for i in range(30)]
+    assert r.exists(*locks) >= 29  # held while they wait (s0 may be done already)
+    # 30 x 0.1 s one after another, each lease (1 s) renewed while it waits.
+    wait_until(lambda: all(int(r.hget(f"dialog:{{dialog}}:s:{{s{i}}}:state", "a") or 0) == 1
+                           for i in range(30)), 20, what="every session applied")  # fmt: skip
+    applied = [e for _, e in r.xrange("dialog-replies") if e[b"session_id"] != b"first"]
+    assert [e[b"session_id"].decode() for e in applied] == [f"s{i}" for i in range(30)]
+    log = workers.procs[0].log_text()
+    assert "lease_lost" not in log and "commit_fenced" not in log
+    # Each step ran once: no lease ran out while its session waited for the slot.
+    ran = [json.loads(line)["msg_id"] for line in steps.read_text().splitlines()]
+    assert sorted(ran) == sorted(["first", *(f"m{i}" for i in range(30))])
+
+
+async def test_a_session_waiting_for_a_slot_whose_message_is_cancelled_ends_without_a_step(
+    client: DialogClient, workers, env, tmp_path
+):
+    """A session read ahead and held while it waits for a slot is a queued message to its
+    user: cancelled meanwhile, it ends cancelled in its turn and its step never runs."""
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    steps = tmp_path / "steps.jsonl"
+    workers.start(
+        1, DIALOG_CONCURRENCY="1", DIALOG_ENGINE="timer_engines:Timers", TIMER_ENGINE_LOG=str(steps)
+    )
+    r.xadd("dialog", {"session_id": "first", "text": "sleep 1", "msg_id": "first"})
+    wait_until(lambda: r.exists("dialog:{dialog}:s:{first}:lock"), 20, what="the first step")
+    for i in range(5):
+        r.xadd("dialog", {"session_id": f"s{i}", "text": "sleep 0.3", "msg_id": f"m{i}"})
+    locks = [f"dialog:{{dialog}}:s:{{s{i}}}:lock" for i in range(5)]
+    wait_until(lambda: r.exists(*locks) == 5, 10, what="the five read ahead and locked")
+    assert (await client.cancel("s4", "m4")).status == "cancelled"
+
+    def ended() -> list[bytes]:
+        return [e[b"outcome"] for _, e in r.xrange("dialog-replies") if e[b"msg_id"] == b"m4"]
+
+    assert wait_until(ended, 20, what="m4's reply event") == [b"cancelled"]
+    ran = [json.loads(line)["msg_id"] for line in steps.read_text().splitlines()]
+    assert "m4" not in ran

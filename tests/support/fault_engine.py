@@ -5,6 +5,9 @@ per message:
     "fatal ..."     raises PermanentError (dead-letter at once)
     "exit ..."      kills its worker process with os._exit (a poison message)
     "sleep S ..."   sleeps S seconds, then behaves as the default rules
+    "pause ..."     on its first attempt, stops its own worker process (SIGSTOP) as the step
+                    ends, so a test can resume it (SIGCONT) after its lease ran out: the
+                    commit is the first thing it sends when it wakes; then the default rules
     "flaky ..."     raises while the file named by FAULT_FLAG_FILE exists
     "hold ..."      waits while the file named by FAULT_FLAG_FILE exists, then default rules
     "big N ..."     returns a state whose memory holds N more bytes
@@ -14,6 +17,7 @@ per message:
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 import anyio
@@ -44,6 +48,10 @@ class FaultEngine:
             await anyio.sleep(0.02)
         if text.startswith("sleep "):
             await anyio.sleep(float(text.split()[1]))
+        if text.startswith("pause") and message["attempt"] == 1:
+            # Synchronously, inside the event loop: when the process wakes, the step returns
+            # and its commit is queued before any timer (the lease heartbeat) can run.
+            os.kill(os.getpid(), signal.SIGSTOP)
         if text.startswith("big "):
             size = int(text.split()[1])
             return {**state, "memory": {**state["memory"], "blob": "x" * size}}, "big"

@@ -104,3 +104,28 @@ async def test_no_turn_without_anyone_waiting() -> None:
     with anyio.fail_after(1):
         await take_turns(gate, 10.0)
     assert gate.free == 1
+
+
+async def test_slots_given_back_together_go_to_the_waiters_first_then_become_free() -> None:
+    """An intake call gives back at once the slots it did not fill: the waiting resumer and
+    reader get one each (the resumer first), the rest are free."""
+    gate = SlotGate(4)
+    assert gate.take(10) == 4
+    order: list[str] = []
+
+    async def take(name: str, priority: bool) -> None:
+        await gate.acquire(priority=priority)
+        order.append(name)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(take, "reader", False)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(take, "resumer", True)
+        await anyio.wait_all_tasks_blocked()
+        gate.release(1)
+        await anyio.wait_all_tasks_blocked()
+        assert order == ["resumer"]
+        gate.release(3)
+    assert order == ["resumer", "reader"]
+    assert gate.free == 2
+    assert gate.take(1) == 1 and gate.take(5) == 1 and gate.take(1) == 0

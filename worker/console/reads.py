@@ -86,7 +86,7 @@ async def overview(client: DialogClient) -> dict[str, Any]:
         for group, lag in (await reply_group_lags(client.redis, keys)).items():
             reply_lag[group] = reply_lag.get(group, 0) + lag
         workers += await _consumers(client.redis, keys)
-    workers.sort(key=lambda w: (w["idle_ms"], w["name"]))
+    workers.sort(key=lambda w: (not w["waiting"], w["idle_ms"] or 0, w["name"]))
     return {
         "at_ms": int(time.time() * 1000),
         "headline": [{"key": k, "label": label, "value": stats.get(k)} for k, label in HEADLINE],
@@ -97,22 +97,42 @@ async def overview(client: DialogClient) -> dict[str, Any]:
 
 
 async def _consumers(redis: Redis, keys: Keys) -> list[dict[str, Any]]:
-    """The workers' consumers: `idle_ms` is the time since each last read the stream, which a
-    live worker does at least every DIALOG_READ_BLOCK_MS: its heartbeat as Redis sees it."""
+    """The workers' consumers: `idle_ms` is the time since each was last handed entries of
+    the stream. That is no heartbeat: an idle pool has one worker per shard waiting for
+    messages (`waiting`: it holds the shard's waiter role, a lease it renews while it lives);
+    the others wait on the shard's wake stream, and Redis moves `idle` only when a read
+    delivers something. A worker with pending entries whose `idle_ms` keeps growing is stuck
+    or gone."""
     try:
         rows = await redis.xinfo_consumers(keys.stream, keys.group)
     except ResponseError:
-        return []  # no stream or group yet
-    return [
+        rows = []  # no stream or group yet
+    waiter = await redis.get(keys.waiter)
+    consumers = [
         {
             "name": str(r.get("name")),
             "shard": keys.shard,
             "pending": int(r.get("pending", 0)),
             "idle_ms": int(r.get("idle", 0)),
             "inactive_ms": r.get("inactive"),
+            "waiting": waiter is not None and str(r.get("name")) == str(waiter),
         }
         for r in rows
     ]
+    if waiter is not None and not any(c["waiting"] for c in consumers):
+        # Its consumer was deleted as idle (DIALOG_CONSUMER_IDLE_DELETE_S) or it has never
+        # been handed an entry: it is live all the same.
+        consumers.append(
+            {
+                "name": str(waiter),
+                "shard": keys.shard,
+                "pending": 0,
+                "idle_ms": None,
+                "inactive_ms": None,
+                "waiting": True,
+            }
+        )
+    return consumers
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@
       const tr = document.createElement("tr");
       tr.className = "empty";
       const td = document.createElement("td");
-      td.colSpan = 4;
+      td.colSpan = tbody.parentElement.querySelectorAll("thead th").length || 1;
       td.textContent = empty;
       tr.appendChild(td);
       tbody.appendChild(tr);
@@ -50,7 +50,9 @@
       }
       const workers = document.querySelector("#workers tbody");
       if (workers) {
-        fillRows(workers, data.workers.map((w) => [w.name, w.shard, (w.idle_ms / 1000).toFixed(1), w.pending]),
+        fillRows(workers, data.workers.map((w) => [
+          w.name, w.shard, w.idle_ms === null ? "–" : (w.idle_ms / 1000).toFixed(1), w.pending,
+          w.waiting ? "waiting for messages" : ""]),
           "No worker has read the stream yet.");
       }
       const lags = document.querySelector("#reply-lag tbody");
