@@ -94,13 +94,37 @@ class StreamEvent:
         return dataclasses.asdict(self)
 
 
-def _field(fields: Mapping[bytes, bytes], name: bytes) -> str | None:
-    value = fields.get(name)
+# An entry's fields: a mapping, or a flat list of names and values as Redis sent them.
+Fields = Mapping[bytes, bytes] | list[bytes]
+
+
+def _values(fields: Fields) -> tuple[bytes | None, ...]:
+    """The raw ``a``, ``p``, ``s``, ``k``, ``t``, ``f`` and ``o`` of an entry. A text entry as
+    lua/emit-2.lua writes it (those five names, in that order) is read by position: no dict per
+    entry; any other list (an end, a snapshot, anything forged) goes through a dict (the last
+    of repeated names wins, as in a mapping)."""
+    if not fields:
+        return (None,) * 7
+    if type(fields) is list:
+        if (
+            len(fields) == 10
+            and fields[0] == b"a"
+            and fields[2] == b"p"
+            and fields[4] == b"s"
+            and fields[6] == b"k"
+            and fields[8] == b"t"
+        ):
+            return fields[1], fields[3], fields[5], fields[7], fields[9], None, None
+        fields = _pairs(fields)
+    get = cast(Mapping[bytes, bytes], fields).get
+    return get(b"a"), get(b"p"), get(b"s"), get(b"k"), get(b"t"), get(b"f"), get(b"o")
+
+
+def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode("utf-8", "replace")
 
 
-def _number(fields: Mapping[bytes, bytes], name: bytes) -> int | None:
-    value = fields.get(name)
+def _int(value: bytes | None) -> int | None:
     if value is None or not 0 < len(value) <= _MAX_NUMBER_DIGITS or not value.isdigit():
         return None
     return int(value)
@@ -119,17 +143,17 @@ class Tracker:
         self.behind = False  # a gap: waiting for a snapshot
         self.top = (0, -1)  # the newest (attempt, pos) of the stream, whatever the cursor
 
-    def feed(self, fields: Mapping[bytes, bytes]) -> Iterator[StreamEvent]:
-        attempt, pos, kind = _number(fields, b"a"), _number(fields, b"p"), _field(fields, b"k")
-        seq = _number(fields, b"s")
-        if attempt is None or pos is None or kind not in ("d", "e"):
+    def feed(self, fields: Fields) -> Iterator[StreamEvent]:
+        a, p, s, kind, t, f, o = _values(fields)
+        attempt, pos, seq = _int(a), _int(p), _int(s)
+        if attempt is None or pos is None or (kind != b"d" and kind != b"e"):
             return  # not ours (anyone with XADD can write anything): skipped
         if seq is not None and seq > 0:
             self.seq = seq
-        if kind == "d":
+        if kind == b"d":
             self.top = max(self.top, (attempt, pos))
-        if kind == "e":
-            yield self.end(_field(fields, b"o") or "applied", _field(fields, b"t") or "")
+        else:
+            yield self.end(_text(o) or "applied", _text(t) or "")
             return
         if self.attempt is not None and attempt < self.attempt:
             return
@@ -139,12 +163,12 @@ class Tracker:
             self.attempt, self.pos, self.behind = attempt, -1, False
         if pos <= self.pos:
             return
-        text = _field(fields, b"t") or ""
+        text = _text(t) or ""
         if pos == self.pos + 1:
             self.pos, self.behind = pos, False
             yield StreamEvent("delta", self.msg_id, attempt, text, self._cursor(), pos)
             return
-        full = _field(fields, b"f")
+        full = _text(f)
         if full is None:
             self.behind = True  # trimmed past our place: wait for the next snapshot
             return
@@ -207,6 +231,12 @@ PAGE = 64
 # While nothing arrives, how often a reader looks at the session's state for the commit (the
 # reply event and the end entry normally end it sooner).
 IDLE_CHECK_S = 2.0
+# Once the reply says the message is finished, how long a follower waits for the router to
+# bring the rest of its text (normally the end entry comes within milliseconds) before it
+# reads the rest itself.
+SYNC_WAIT_S = 0.3
+
+Entry = tuple[bytes, Fields]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -234,7 +264,13 @@ async def follow(
     before this is called (so a commit that lands meanwhile cannot be missed). ``deadline``
     (``loop.time()``) bounds the wait: `TimeoutError` after it. ``redis`` returns bytes.
     ``just_sent``: the message was sent just now under a new msg_id, so it cannot be finished
-    yet: the state is first looked at after `IDLE_CHECK_S` without news, not at once.
+    yet: the state is first looked at after `IDLE_CHECK_S` without news, not at once, and
+    its stream (empty or nearly) is read from its start by the router, not by an XRANGE.
+
+    Once the message is known to be finished, every piece its step emitted is in the stream
+    already (they are written before the commit): the follower takes them from the router's
+    next read (usually with the end entry) or, failing that within `SYNC_WAIT_S`, reads them
+    itself.
     """
     tracker = Tracker(msg_id, after)
     last_id: tuple[int, int] | None = None  # the newest entry handled
@@ -243,18 +279,21 @@ async def follow(
     # without new entries (not every IDLE_CHECK_S of a long answer).
     checked = just_sent
     next_check = loop.time() + IDLE_CHECK_S if just_sent else 0.0
-    catch_up = True
+    catch_up = not just_sent
     read_to_end = False
     ended: tuple[str, str] | None = None  # (outcome, reply) once the message is finished
+    sync: tuple[int, float] | None = None  # (router read, give up at) once ended
     watch = router.watch(keys.partial)
     reply.add_done_callback(lambda _: watch.wake())
+    if just_sent:
+        watch.listen_after(None)
     try:
         while True:
-            rows: list[tuple[bytes, dict[bytes, bytes]]] = []
+            rows: list[Entry] = []
             if catch_up:
                 start = "-" if last_id is None else f"({last_id[0]}-{last_id[1]}"
                 rows = cast(
-                    list[tuple[bytes, dict[bytes, bytes]]],
+                    list[Entry],
                     await redis.xrange(keys.partial, min=start, max="+", count=PAGE),
                 )
                 catch_up = len(rows) == PAGE
@@ -262,7 +301,10 @@ async def follow(
                     watch.listen_after(last_id if not rows else _entry_id(rows[-1][0]))
             else:
                 rows, behind = watch.take()
-                catch_up = behind
+                if behind:
+                    catch_up = True
+                    # Finished already: this reading reaches the end.
+                    read_to_end = ended is not None
             if rows and checked:
                 next_check = loop.time() + IDLE_CHECK_S
             for entry_id, fields in rows:
@@ -288,18 +330,31 @@ async def follow(
             if ended is None and loop.time() >= next_check:
                 ended = await _finished(redis, keys, msg_id, tracker.seq)
                 next_check, checked = loop.time() + IDLE_CHECK_S, True
-            if ended is not None:
-                if not read_to_end:
-                    # Everything the step emitted was written before its commit: read it
-                    # all first (the router may not have delivered the last of it yet).
+            wait_until = next_check
+            if ended is not None and not read_to_end:
+                # Everything the step emitted was written before its commit: take it all
+                # before the end. From the router, when it read this stream after now (the
+                # end entry, written just after the commit, usually comes first and ends the
+                # loop above); else read it here. A step that streamed nothing seen so far
+                # is read at once (it may leave no end entry to wake the router with).
+                if sync is None and watch.listening and tracker.top != (0, -1):
+                    sync = (router.sync(watch), loop.time() + SYNC_WAIT_S)
+                if sync is not None and router.synced(watch, sync[0]):
+                    read_to_end = True
+                elif sync is None or loop.time() >= sync[1] or not watch.listening:
                     read_to_end = catch_up = True
                     watch.close()
                     continue
+                else:
+                    if router.done >= sync[0]:  # it left some unread: the next read then
+                        sync = (router.sync(watch), sync[1])
+                    wait_until = sync[1]
+            if ended is not None and read_to_end:
                 end = tracker.end(*ended)
                 if not tracker.resumed_at_end():
                     yield end
                 return
-            wait_s = max(0.0, next_check - loop.time())
+            wait_s = max(0.0, wait_until - loop.time())
             if deadline is not None:
                 left = deadline - loop.time()
                 if left <= 0:
@@ -334,18 +389,20 @@ class Watch:
     def __init__(self, router: PartialRouter, key: str) -> None:
         self.router = router
         self.key = key
-        self._entries: list[tuple[bytes, dict[bytes, bytes]]] = []
+        self.raw_key = key.encode()  # as XREAD answers it
+        self._entries: list[Entry] = []
         self._behind = False
         self._event = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None  # ends a `wait` at the latest
         self.listening = False
+        self.full_at = 0  # the router's last read that left entries of this stream unread
 
     def listen_after(self, last: tuple[int, int] | None) -> None:
         """Caught up to ``last``: the router delivers what comes after it."""
         self.router.listen(self, last)
         self.listening = True
 
-    def push(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    def push(self, entries: list[Entry]) -> None:
         if self._behind:
             return
         if len(self._entries) + len(entries) > WATCH_BACKLOG:
@@ -358,7 +415,7 @@ class Watch:
         self._entries, self._behind = [], True
         self._event.set()
 
-    def take(self) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], bool]:
+    def take(self) -> tuple[list[Entry], bool]:
         entries, behind = self._entries, self._behind
         self._entries, self._behind = [], False
         self._event.clear()
@@ -391,41 +448,77 @@ class Watch:
             self._timer.cancel()
             self._timer = None
         self.router.unlisten(self)
+        self.listening = False
 
 
 class PartialRouter:
     """One blocking XREAD for every partial stream a client follows (of one shard: their keys
     share its slot), its entries handed to each stream's followers in memory. A thousand
-    followed answers cost one read loop, not a thousand blocked connections."""
+    followed answers cost one read loop, not a thousand blocked connections.
+
+    Its reads are numbered: a follower that knows its message is finished asks for the number
+    of the next read (`sync`); once that read is done and left nothing of its stream unread
+    (`synced`), the follower has every entry written before it asked."""
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
-        self._watches: dict[str, set[Watch]] = {}
-        self._positions: dict[str, tuple[int, int]] = {}
+        self._unparsed = _unparsed(redis)
+        self._watches: dict[bytes, set[Watch]] = {}
+        # Where the next read of each stream starts: the id of the last entry handed out.
+        self._positions: dict[bytes, bytes] = {}
+        self._started = 0  # reads started
+        self._done = 0  # the last read whose entries were handed out
+        self._reading = False
+        self._moved_back: set[bytes] = set()  # streams a follower joined behind, mid-read
+        self._syncing: dict[Watch, int] = {}  # followers woken when that read is done
         self._task: asyncio.Task[None] | None = None
 
     def watch(self, key: str) -> Watch:
         return Watch(self, key)
 
     def listen(self, watch: Watch, last: tuple[int, int] | None) -> None:
-        self._watches.setdefault(watch.key, set()).add(watch)
-        mine = last or (0, 0)
-        known = self._positions.get(watch.key)
+        key = watch.raw_key
+        self._watches.setdefault(key, set()).add(watch)
+        mine = b"%d-%d" % (last or (0, 0))
+        known = self._positions.get(key)
         # Read from the oldest place any follower needs: the others skip what they have.
-        self._positions[watch.key] = mine if known is None else min(known, mine)
+        if known is None or _entry_id(mine) < _entry_id(known):
+            self._positions[key] = mine
+            if self._reading:
+                # The read under way may start after this follower's place: what it brings
+                # for this stream is not handed out (it could leave a gap); the next read
+                # starts from here.
+                self._moved_back.add(key)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name="dialog-partial-router"
             )
 
     def unlisten(self, watch: Watch) -> None:
-        watches = self._watches.get(watch.key)
+        self._syncing.pop(watch, None)
+        watches = self._watches.get(watch.raw_key)
         if watches is None:
             return
         watches.discard(watch)
         if not watches:
-            del self._watches[watch.key]
-            self._positions.pop(watch.key, None)
+            del self._watches[watch.raw_key]
+            self._positions.pop(watch.raw_key, None)
+
+    def sync(self, watch: Watch) -> int:
+        """The number of the next read to start: ``watch`` is woken when it is done."""
+        read = self._started + 1
+        self._syncing[watch] = read
+        return read
+
+    @property
+    def done(self) -> int:
+        """The number of the last read whose entries were handed out."""
+        return self._done
+
+    def synced(self, watch: Watch, read: int) -> bool:
+        """Read ``read`` (or a later one) is done and left nothing of ``watch``'s stream
+        unread: the follower has taken every entry written before it asked."""
+        return self._done >= read and watch.full_at != self._done and watch.listening
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -436,42 +529,101 @@ class PartialRouter:
     async def _run(self) -> None:
         pause = 0.05
         while self._watches:
-            streams: dict[Any, Any] = {
-                key: f"{ms}-{seq}" for key, (ms, seq) in self._positions.items()
-            }
+            keys = list(self._positions)
+            self._started += 1
+            number = self._started
+            self._reading = True
             try:
-                got = await self.redis.xread(streams, count=PAGE, block=ROUTER_BLOCK_MS)
+                got = await self._read([*keys, *self._positions.values()])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # followers read by themselves meanwhile
                 log.warning("partial_router_read_failed", error=str(exc))
+                self._moved_back.clear()  # every follower reads by itself, then listens again
                 for watches in self._watches.values():
                     for watch in watches:
                         watch.fell_behind()
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 2.0)
                 continue
+            finally:
+                self._reading = False
             pause = 0.05
-            for raw_key, entries in _streams(got):
-                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
-                if not entries or key not in self._watches:
+            for key, entries in _streams(got):
+                followers = self._watches.get(key)
+                if not entries or followers is None:
                     continue
-                self._positions[key] = max(
-                    self._positions.get(key, (0, 0)), _entry_id(entries[-1][0])
-                )
-                for watch in list(self._watches.get(key, ())):
+                if key in self._moved_back:
+                    for watch in followers:
+                        watch.full_at = number
+                    continue
+                self._positions[key] = entries[-1][0]
+                full = len(entries) >= PAGE
+                for watch in followers:
                     watch.push(entries)
+                    if full:
+                        watch.full_at = number
+            self._moved_back.clear()
+            self._done = number
+            if self._syncing:
+                for watch in [w for w, read in self._syncing.items() if read <= number]:
+                    del self._syncing[watch]
+                    watch.wake()
             if got:
                 await asyncio.sleep(ROUTER_GATHER_S)
 
+    async def _read(self, streams: list[bytes]) -> Any:
+        """XREAD of ``streams`` (keys, then the id to read after for each)."""
+        if self._unparsed is not None:
+            return await self._unparsed.execute_command(  # type: ignore[no-untyped-call]  # redis-py: untyped
+                "XREAD", "COUNT", PAGE, "BLOCK", ROUTER_BLOCK_MS, "STREAMS", *streams
+            )
+        half = len(streams) // 2
+        return await self.redis.xread(
+            dict(zip(streams[:half], streams[half:], strict=True)),
+            count=PAGE,
+            block=ROUTER_BLOCK_MS,
+        )
 
-def _streams(got: Any) -> list[tuple[bytes | str, list[tuple[bytes, dict[bytes, bytes]]]]]:
-    """XREAD's answer as (key, entries) pairs, in RESP2 (a list) or RESP3 (a dict) form."""
+
+def _unparsed(redis: Redis) -> Redis | None:
+    """A client on ``redis``'s connections whose XREAD answers stay as Redis sent them: the
+    router takes each entry's fields from the flat list itself, instead of redis-py making a
+    dict and a tuple per entry and then reshaping the answer again (5-13% of the reading
+    process's samples in profiles at a thousand answers). None for a cluster client (its
+    answers come reshaped; the router reads both forms)."""
+    if type(redis) is not Redis:
+        return None
+    unparsed = Redis(connection_pool=redis.connection_pool)
+    unparsed.set_response_callback("XREAD", _as_sent)
+    return unparsed
+
+
+def _as_sent(response: Any, **options: Any) -> Any:
+    return response
+
+
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    it = iter(flat)
+    return dict(zip(it, it, strict=False))
+
+
+def _streams(got: Any) -> list[tuple[bytes, list[Any]]]:
+    """XREAD's answer as (key, entries) pairs: a list of pairs (RESP2, or reshaped by
+    redis-py) or a dict (RESP3), whose values older redis-py versions wrap in one more list.
+    An entry is ``[id, [field, value, ...]]`` as sent, or ``(id, {field: value})``."""
     if not got:
         return []
     if isinstance(got, dict):
-        return [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in got.items()]
+        return [(k, _unwrapped(v)) for k, v in got.items()]
     return [(k, v) for k, v in got]
+
+
+def _unwrapped(entries: list[Any]) -> list[Any]:
+    first = entries[0] if entries else None
+    if isinstance(first, list) and first and not isinstance(first[0], bytes | str):
+        return first  # [[entry, entry, ...]]
+    return entries
 
 
 async def _finished(

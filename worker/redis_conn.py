@@ -19,10 +19,16 @@ from redis.asyncio.connection import (
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import NoBackoff
+from redis.driver_info import DriverInfo
 
 from dialog_worker.config import Settings
 from dialog_worker.errors import ConfigError
 from dialog_worker.keys import shards_key
+
+# What every connection tells the server in CLIENT SETINFO, built once: redis-py otherwise looks
+# its own version up in the installed package's metadata for each new connection (about 2 ms of
+# CPU each, this machine: a client opening its pool of 64 spent 0.15 s on it).
+DRIVER_INFO = DriverInfo()
 
 
 def connect(
@@ -68,6 +74,7 @@ def connect(
         "socket_timeout": 5,
         "socket_connect_timeout": 5,
         "retry": Retry(NoBackoff(), 0),
+        "driver_info": DRIVER_INFO,
         **kwargs,
     }
     # What ConnectionPool.from_url does (the URL's options win), with the connection class
@@ -167,6 +174,7 @@ def _connect_cluster(
         max_connections=max(max_connections, CLUSTER_MAX_CONNECTIONS_PER_NODE),
         socket_timeout=5,
         socket_connect_timeout=5,
+        driver_info=DRIVER_INFO,
         **kwargs,
     )
     return cast(Redis, cluster)
@@ -240,7 +248,11 @@ def _connect_sentinel(settings: Settings, max_connections: int, decode_responses
     promoted replica. Its pool raises instead of waiting when `max_connections` are in use (no
     blocking variant), hence the margin for clients with unbounded callers."""
     url = parse_sentinel_url(settings.redis_url)
-    sentinel_kwargs: dict[str, Any] = {"socket_timeout": 1, "socket_connect_timeout": 1}
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_timeout": 1,
+        "socket_connect_timeout": 1,
+        "driver_info": DRIVER_INFO,
+    }
     if url.sentinel_password is not None:
         sentinel_kwargs["password"] = url.sentinel_password
         sentinel_kwargs["username"] = url.sentinel_username
@@ -257,6 +269,7 @@ def _connect_sentinel(settings: Settings, max_connections: int, decode_responses
         socket_connect_timeout=5,
         retry=Retry(NoBackoff(), 0),
         connection_class=PackedSentinelConnection,
+        driver_info=DRIVER_INFO,
     )
     return master
 

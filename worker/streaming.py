@@ -231,6 +231,8 @@ class PartialReplies:
         # fenced or failed, must not leak its entry).
         self._written: collections.OrderedDict[tuple[str, int], _Ended] = collections.OrderedDict()
         self._written_cap = 4 * settings.concurrency + 16
+        # End entries of committed messages, written by the next flush: (shard, keys, args).
+        self._ends: list[tuple[int, list[str], list[str | int]]] = []
 
     def wake(self, writer: PartialWriter, urgent: bool) -> None:
         """From the loop or a step's thread: ``writer`` has text to write."""
@@ -241,6 +243,9 @@ class PartialReplies:
 
     def _mark(self, writer: PartialWriter, urgent: bool) -> None:
         self._dirty[writer] = None
+        self._want_flush(urgent)
+
+    def _want_flush(self, urgent: bool) -> None:
         if self._task is None or self._task.done():
             self._wakeup, self._urgent = asyncio.Event(), asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(
@@ -265,8 +270,10 @@ class PartialReplies:
             self._wakeup.clear()
             self._urgent.clear()
             writers, self._dirty = list(self._dirty), {}
+            ends, self._ends = self._ends, []
             try:
                 await self._flush(writers)
+                await self._write_ends(ends)
             except Exception:  # never let the writer task die: log, and go on
                 log.exception("partial_flush_failed")
 
@@ -363,8 +370,11 @@ class PartialReplies:
 
     async def committed(self, job: Job, msg_id: str, outcome: str, reply: str) -> None:
         """The commit of ``job`` was written: end its partial stream, if its step wrote one
-        (a dead letter always looks, since earlier attempts may have written). A failure is
-        logged only: readers derive the end from the commit."""
+        (a dead letter always looks, since earlier attempts may have written). The end goes
+        with the ends of every other message committed meanwhile, in one call at once (a
+        thousand answers finishing together were a thousand concurrent calls, each on a
+        connection of its own). A failure is logged only: readers derive the end from the
+        commit."""
         ended = self._written.pop((job.token, job.seq), None)
         if ended is None:
             if outcome == "applied":
@@ -373,10 +383,25 @@ class PartialReplies:
             ended = _Ended([session.lock, session.partial(msg_id)], job.attempts, 0, job.seq)
         args: list[str | int] = ["e", "", ended.attempt, ended.pos, ended.seq, reply, ""]
         args += [outcome, ""]  # no refresh asked: an end always sets the expiry
-        try:
-            await self.call(ended.keys, args)
-        except (redis.exceptions.RedisError, OSError) as exc:
-            log.warning("partial_end_failed", error=str(exc), note="readers take the commit")
+        self._ends.append((job.keys.shard, ended.keys, args))
+        self._want_flush(urgent=True)
+
+    async def _write_ends(self, ends: list[tuple[int, list[str], list[str | int]]]) -> None:
+        by_shard: dict[int, list[tuple[list[str], list[str | int]]]] = {}
+        for shard, keys, args in ends:
+            by_shard.setdefault(shard, []).append((keys, args))
+        for batch in by_shard.values():
+            for i in range(0, len(batch), FLUSH_BATCH):
+                chunk = batch[i : i + FLUSH_BATCH]
+                try:
+                    await self.call(
+                        [k for keys, _ in chunk for k in keys],
+                        [a for _, args in chunk for a in args],
+                    )
+                except (redis.exceptions.RedisError, OSError) as exc:
+                    log.warning(
+                        "partial_end_failed", error=str(exc), note="readers take the commit"
+                    )
 
 
 def current_writer() -> Any:

@@ -273,26 +273,30 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_streaming_bench_stopped_with_sigterm_leaves_no_process_behind() -> None:
-    """`timeout`, a CI runner or `kill` stop a bench with SIGTERM: its workers and its
-    redis-server stop with it instead of running on."""
+def _sigterm_stops_its_children(
+    args: list[str], started_s: float, running: str = "", tmp: Path | None = None
+) -> None:
+    """Start a bench (`python -m` args), wait until it has started redis-server and two
+    workers (and, with `running`, until its progress on stderr says that: the run itself,
+    not the workers' first milliseconds, is what a CI runner or `timeout` stops), SIGTERM it:
+    it exits non-zero and every one of them stops with it."""
+    err = (tmp / "bench.err") if tmp is not None else None
     bench = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dialog_worker.bench.streaming",
-            *("--answers", "2", "--tokens", "200", "--rate", "10"),
-        ],
+        [sys.executable, "-m", *args],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=err.open("wb") if err is not None else subprocess.DEVNULL,
     )
+
+    def started() -> set[int] | None:
+        kids = _children(bench.pid)
+        if len(kids) < 3 or (err is not None and running not in err.read_text(errors="replace")):
+            return None
+        return kids
+
     children: set[int] = set()
     try:
-        # redis-server and the two workers are its children once they are started.
-        children = wait_until(
-            lambda: (kids := _children(bench.pid)) and len(kids) >= 3 and kids, timeout_s=30
-        )
+        children = wait_until(started, timeout_s=started_s)
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(60) != 0
         wait_until(lambda: not any(_alive(pid) for pid in children), timeout_s=30)
@@ -303,3 +307,28 @@ def test_a_streaming_bench_stopped_with_sigterm_leaves_no_process_behind() -> No
         for pid in children:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_streaming_bench_stopped_with_sigterm_leaves_no_process_behind() -> None:
+    """`timeout`, a CI runner or `kill` stop a bench with SIGTERM: its workers and its
+    redis-server stop with it instead of running on."""
+    _sigterm_stops_its_children(
+        ["dialog_worker.bench.streaming", "--answers", "2", "--tokens", "200", "--rate", "10"],
+        started_s=30,
+    )
+
+
+def test_the_bench_command_stopped_with_sigterm_leaves_no_process_behind(tmp_path: Path) -> None:
+    """The same for `dialog-worker bench`: its embedded redis-server and its workers stop
+    with it."""
+    _sigterm_stops_its_children(
+        [
+            "dialog_worker",
+            "bench",
+            *("--redis", "embedded", "--workers", "2", "--step-ms", "200"),
+            *("--sessions", "20", "--burst", "200", "--timeout", "300"),
+        ],
+        started_s=60,
+        running="warm-up",
+        tmp=tmp_path,
+    )

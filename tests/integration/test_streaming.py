@@ -513,3 +513,64 @@ async def _emit_to(client: DialogClient, session, msg_id: str, pos: int, text: s
     args = [1000, 600, 1, "d", "tok", 1, pos, 1, text, "", "", ""]
     [code] = await script(keys=keys, args=args)
     assert int(code) == 1
+
+
+class OwnReads:
+    """The follower's own reads of Redis (its catch-up XRANGEs), counted."""
+
+    def __init__(self, redis) -> None:
+        self.redis = redis
+        self.xranges = 0
+
+    async def xrange(self, *args, **kwargs):
+        self.xranges += 1
+        return await self.redis.xrange(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.redis, name)
+
+
+@pytest.mark.parametrize("end_entry", [True, False])
+async def test_a_follower_of_a_message_just_sent_takes_every_piece_from_the_router(
+    client: DialogClient, end_entry: bool
+):
+    """A message just sent has (nearly) nothing streamed yet: its follower is not worth an
+    XRANGE at start. When the reply says it is finished, the rest of its text comes from the
+    router's next read (with the end entry, or without one) instead of an XRANGE each: at a
+    thousand answers those were two thousand reads."""
+    import json
+
+    from dialog_worker import partials
+    from dialog_worker.replies import Reply
+
+    session = client.keys.session(f"st-14{end_entry}")
+    await client.redis.set(session.lock, "tok", px=5000)
+    await client.redis.set(session.dedupe("m14"), 1)
+    await client.redis.hset(session.state, mapping={"a": 0, "s": 1})
+    keys = partials.MessageKeys(session.partial("m14"), session.state, session.dedupe("m14"))
+    own = OwnReads(client.raw)
+    router = partials.PartialRouter(client.raw)
+    reply: asyncio.Future = asyncio.get_running_loop().create_future()
+    events = partials.follow(own, router, keys, "m14", None, reply, None, just_sent=True)  # type: ignore[arg-type]
+    first = asyncio.ensure_future(anext(events))
+    for pos in range(3):
+        await _emit_to(client, session, "m14", pos, f"p{pos} ")
+    got = [await asyncio.wait_for(first, 5)]
+    got += [await asyncio.wait_for(anext(events), 5) for _ in range(2)]
+    for pos in range(3, 6):
+        await _emit_to(client, session, "m14", pos, f"p{pos} ")
+    text = "".join(f"p{i} " for i in range(6))
+    turn = {"seq": 1, "msg_id": "m14", "user": "u", "bot": text}
+    await client.redis.hset(session.state, mapping={"a": 1, "d": json.dumps({"history": [turn]})})
+    reply.set_result(Reply(f"st-14{end_entry}", "m14", 1, "applied", text, "0-1"))
+    if end_entry:
+        from dialog_worker.scripts import Script, source
+
+        script = Script(client.redis, source("emit"))
+        end = ["e", "", 1, 6, 1, text, "", "applied", ""]
+        await script(keys=[session.lock, session.partial("m14")], args=[1000, 600, 1, *end])
+    got += [e async for e in events]
+    await router.aclose()
+    assert [e.kind for e in got] == ["delta"] * 6 + ["end"]
+    assert streamed(got) == text == got[-1].text
+    assert own.xranges == 0

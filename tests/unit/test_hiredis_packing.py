@@ -11,6 +11,7 @@ from redis.exceptions import DataError
 
 from dialog_worker.config import Settings
 from dialog_worker.redis_conn import (
+    DRIVER_INFO,
     HiredisPacking,
     PackedConnection,
     PackedSentinelConnection,
@@ -72,3 +73,30 @@ def test_connect_packs_with_hiredis_for_every_scheme(
         assert kwargs["ssl_check_hostname"] is True
     if url.startswith("redis://"):
         assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("h", 6379, 0)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://h:6379/0", "rediss://h:6379/0", "unix:///tmp/r.sock", "redis+sentinel://s1:26379/m"],
+)
+def test_new_connections_do_not_look_up_the_library_version(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py reads its version from the installed package's metadata (about 2 ms) for every
+    connection unless it is given one DriverInfo: a pool that grows under load paid that per
+    connection. The server still learns the version (CLIENT SETINFO)."""
+    import redis.utils
+
+    looked_up: list[str] = []
+    real = redis.utils.get_lib_version
+    monkeypatch.setattr(redis.utils, "get_lib_version", lambda: looked_up.append("v") or real())
+    pool = connect(Settings(redis_url=url), max_connections=4).connection_pool
+    made = [pool.make_connection() for _ in range(3)]
+    assert looked_up == []
+    assert all(c.driver_info is DRIVER_INFO for c in made)
+    assert DRIVER_INFO.lib_version == real()
+
+
+def test_cluster_nodes_share_the_driver_info() -> None:
+    cluster = connect(Settings(redis_url="redis://h:7000/0", redis_mode="cluster"), 4)
+    assert cluster.nodes_manager.connection_kwargs["driver_info"] is DRIVER_INFO  # type: ignore[attr-defined]

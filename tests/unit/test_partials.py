@@ -298,6 +298,14 @@ class QuietRouter:
     def unlisten(self, watch: Watch) -> None:
         pass
 
+    done = 0
+
+    def sync(self, watch: Watch) -> int:
+        return 1
+
+    def synced(self, watch: Watch, read: int) -> bool:
+        return False
+
 
 @pytest.mark.parametrize("just_sent", [False, True])
 async def test_the_state_is_read_at_start_and_after_a_silence_not_while_entries_come(
@@ -392,3 +400,174 @@ async def test_ask_stream_skips_the_state_read_at_start_only_for_a_msg_id_of_its
     finally:
         await client.aclose()
     assert followed[0][1] is True and followed[1] == ("given", False)
+
+
+class GatedStream:
+    """One partial stream held in memory, read by the router through XREAD calls the test
+    lets through one at a time, and by followers' XRANGE (which sees ``visible`` entries)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key.encode()
+        self.entries: list[tuple[bytes, dict[bytes, bytes]]] = []
+        self.visible = 0
+        self.reads: list[bytes] = []  # the id each XREAD read after
+        self.gate: asyncio.Queue[None] = asyncio.Queue()
+
+    def add(self, pos: int) -> None:
+        self.entries.append((f"2-{pos}".encode(), entry(1, pos, f"t{pos} ")))
+
+    def _after(self, raw: bytes | str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        after = partials._entry_id(raw.encode() if isinstance(raw, str) else raw)
+        return [e for e in self.entries if partials._entry_id(e[0]) > after]
+
+    async def xread(self, streams: dict, count: int, block: int) -> list:
+        after = streams.get(self.key, streams.get(self.key.decode()))
+        self.reads.append(after)
+        await self.gate.get()
+        got = self._after(after)[:count]
+        return [[self.key, got]] if got else []
+
+    async def xrange(self, key: str, min: str, max: str, count: int) -> list:
+        start = b"0-0" if min == "-" else min.lstrip("(").encode()
+        return [e for e in self.entries[: self.visible] if e in self._after(start)][:count]
+
+    async def get(self, key: str) -> None:
+        return None  # no seq known: the state (none) is read
+
+    async def hget(self, key: str, field: str) -> None:
+        return None
+
+    async def hmget(self, key: str, fields: list[str]) -> list[bytes | None]:
+        return [b"0", b"3", None]  # seq 3 outstanding
+
+
+async def test_a_follower_joining_behind_a_read_under_way_still_gets_every_piece_once() -> None:
+    """A second follower of the same answer catches up (XRANGE) to a place older than the
+    router's, while the router's next read is on its way: that read's pieces would leave it
+    a gap (before: it waited for a snapshot that never came); the router reads again from
+    the older place, and each follower gets every piece once."""
+    stream = GatedStream("P")
+    router = partials.PartialRouter(stream)  # type: ignore[arg-type]
+    keys = MessageKeys("P", "S", "D")
+    loop = asyncio.get_running_loop()
+    reply_a: asyncio.Future = loop.create_future()
+    reply_b: asyncio.Future = loop.create_future()
+    a = follow(stream, router, keys, "m", None, reply_a, None, True)  # type: ignore[arg-type]
+    first = asyncio.ensure_future(anext(a))
+    for pos in range(3):
+        stream.add(pos)
+    stream.gate.put_nowait(None)  # read 1: p0-p2 for A
+    got_a = [await first, await anext(a), await anext(a)]
+    await asyncio.sleep(0.02)  # the router's read 2 (after p2) is under way
+    stream.visible = 3  # B's XRANGE sees p0-p2 ...
+    stream.add(3)
+    stream.gate.put_nowait(None)  # ... while read 2 hands p3 to A
+    got_a.append(await anext(a))
+    await asyncio.sleep(0.02)  # read 3 (after p3) under way
+    b = follow(stream, router, keys, "m", Cursor("m", 1, 0), reply_b, None)  # type: ignore[arg-type]
+    got_b = [await anext(b), await anext(b)]  # p1, p2 by its XRANGE; it listens after p2
+    stream.add(4)
+    for _ in range(3):
+        stream.gate.put_nowait(None)
+    got_a.append(await asyncio.wait_for(anext(a), 2))
+    got_b += [await asyncio.wait_for(anext(b), 2), await asyncio.wait_for(anext(b), 2)]
+    assert [e.text for e in got_a] == ["t0 ", "t1 ", "t2 ", "t3 ", "t4 "]
+    assert [e.text for e in got_b] == ["t1 ", "t2 ", "t3 ", "t4 "]
+    assert [e.kind for e in got_a + got_b] == ["delta"] * 9
+    await a.aclose()
+    await b.aclose()
+    await router.aclose()
+
+
+async def test_a_finished_answer_waits_for_a_read_that_left_nothing_of_its_stream_unread() -> None:
+    """The reply says the message is finished while more than two reads' worth of its pieces
+    are still unread: the read after the reply brings a full page, so the follower waits for
+    the next one before its end (its text complete), instead of ending after the first."""
+    stream = GatedStream("P")
+    router = partials.PartialRouter(stream)  # type: ignore[arg-type]
+    keys = MessageKeys("P", "S", "D")
+    reply: asyncio.Future = asyncio.get_running_loop().create_future()
+    pieces = 2 * partials.PAGE + 2
+    for pos in range(pieces):
+        stream.add(pos)
+    events = follow(stream, router, keys, "m", None, reply, None, True)  # type: ignore[arg-type]
+    first = asyncio.ensure_future(anext(events))
+    await asyncio.sleep(0.02)  # read 1 under way
+    text = "".join(f"t{pos} " for pos in range(pieces))
+    reply.set_result(Reply("s", "m", 3, "applied", text, "0-1"))
+    for _ in range(4):
+        stream.gate.put_nowait(None)
+    got = [await asyncio.wait_for(first, 2)]
+    got += [e async for e in events]
+    assert [e.kind for e in got] == ["delta"] * pieces + ["end"]
+    assert "".join(e.text for e in got[:-1]) == text == got[-1].text
+    await router.aclose()
+
+
+def flat(fields: dict[bytes, bytes], order: list[bytes] | None = None) -> list[bytes]:
+    return [x for name in (order or list(fields)) for x in (name, fields[name])]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        flat(entry(1, 0, "hi"), [b"a", b"p", b"s", b"k", b"t"]),  # as emit-2.lua writes it
+        flat(entry(1, 0, "hi")),  # another order
+        [*flat(entry(1, 0, "hi"), [b"a", b"p", b"s", b"k", b"t"]), b"t", b"forged"],
+        [b"a", b"1", b"p", b"0", b"s", b"3", b"k", b"d", b"x", b"hi"],  # no text field
+        [b"a", b"1", b"p", b"0", b"s", b"3", b"k", b"e", b"t", b"bye"],  # an end
+        flat(entry(1, 4, "x", f="whole text"), [b"a", b"p", b"s", b"k", b"t", b"f"]),
+        [],
+    ],
+)
+def test_an_entry_as_redis_sent_it_reads_as_its_mapping(raw: list[bytes]) -> None:
+    """The router hands entries on as Redis sent them (a flat list): read by position when
+    laid out as the emit script writes them, else through a mapping; the same events either
+    way, repeated names included (the last wins)."""
+    it = iter(raw)
+    mapping = dict(zip(it, it, strict=False))
+    assert run(Tracker("m"), [raw]) == run(Tracker("m"), [mapping])
+
+
+class CountingReplies(PartialReplies):
+    """The worker's partial writer with Redis replaced by a call that counts its calls."""
+
+    def __init__(self) -> None:
+        super().__init__(None, load_settings(environ={"DIALOG_PARTIAL_FLUSH_MS": "40"}))  # type: ignore[arg-type]
+        self.calls: list[list[str | int]] = []
+
+    async def call(self, keys: list[str], args: list[str | int]) -> list[int]:
+        self.calls.append(args)
+        await asyncio.sleep(0)
+        return [1] * (len(args) // BATCH_WIDTH)
+
+
+async def test_the_ends_of_messages_committed_together_go_in_one_call() -> None:
+    """A thousand answers finishing together were a thousand concurrent script calls for
+    their end entries, each taking a connection of its own (the worker's pool grew by
+    hundreds, each connection a handshake): now one call carries them all, at once, not
+    after a flush interval."""
+    replies = CountingReplies()
+    keys = SimpleNamespace(
+        shard=0, session=lambda sid: SimpleNamespace(lock=f"L{sid}", partial=lambda m: f"P{m}")
+    )
+    jobs = [
+        SimpleNamespace(keys=keys, token=f"t{i}", seq=i + 1, session_id=f"s{i}", attempts=1)
+        for i in range(50)
+    ]
+    started = asyncio.get_running_loop().time()
+    await asyncio.gather(
+        *(
+            replies.committed(job, f"m{i}", "dead_lettered", "sorry")  # type: ignore[arg-type]
+            for i, job in enumerate(jobs)
+        )
+    )
+    for _ in range(100):
+        if replies.calls:
+            break
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)
+    assert asyncio.get_running_loop().time() - started < 0.04  # not a flush interval later
+    assert len(replies.calls) == 1
+    ends = [replies.calls[0][i : i + BATCH_WIDTH] for i in range(0, 50 * BATCH_WIDTH, BATCH_WIDTH)]
+    assert [(e[0], e[4], e[7]) for e in ends] == [("e", i + 1, "dead_lettered") for i in range(50)]

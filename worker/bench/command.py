@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
+import threading
 import uuid
 from typing import Any
 
@@ -50,6 +52,10 @@ from dialog_worker.errors import ValidationError
 from dialog_worker.redis_conn import connect
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def add_parser(sub: Any) -> None:
@@ -209,6 +215,11 @@ async def bench_command(settings: Settings, args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if settings.redis_mode != "standalone" or settings.shards != 1:
         raise ValidationError("bench supports the plain (standalone, one shard) layout only")
+    if threading.current_thread() is threading.main_thread():
+        # Stopped with SIGTERM (`timeout`, a CI runner, `kill`): exit through the cleanup
+        # below, which stops the workers and the embedded redis-server, instead of leaving
+        # them running.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     COUNTER.install()
     embedded: EmbeddedRedis | None = None
     if args.redis == "embedded":
