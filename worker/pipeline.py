@@ -105,6 +105,8 @@ class Job:
     partial: PartialWriter | None = None
     # What the step asked for with dialog_worker.schedule / cancel_timer (its last attempt).
     timer_ops: timers.TimerOps | None = None
+    # Its cancel mark's key, built once: the cancel watch asks for it every interval.
+    _mark: str = ""
 
     @classmethod
     def from_script(cls, keys: Keys, row: Sequence[Any], gap: bool = False) -> Job:
@@ -125,6 +127,12 @@ class Job:
             gap=gap,
             ending=text(ending),
         )
+
+    def cancel_mark(self) -> str:
+        """The key of this message's cancel mark (needs `msg_id`)."""
+        if not self._mark:
+            self._mark = self.keys.session(self.session_id).cancel_mark(self.msg_id)
+        return self._mark
 
     def load_state(self) -> dict[str, Any]:
         if self.state is None:
@@ -385,9 +393,7 @@ class Pipeline:
             if job.scope is not None and job.msg_id and not job.cancel_flag.is_set():
                 by_shard.setdefault(job.keys.shard, []).append(job)
         for jobs in by_shard.values():
-            marks = await redis.mget(
-                [j.keys.session(j.session_id).cancel_mark(j.msg_id) for j in jobs]
-            )
+            marks = await redis.mget([j.cancel_mark() for j in jobs])
             for job, mark in zip(jobs, marks, strict=True):
                 if mark is not None and job.scope is not None:
                     job.cancel_flag.set()

@@ -345,3 +345,17 @@ def test_state_json_is_utf8_and_writes_a_lone_surrogate_as_visible_text() -> Non
     out = json_bytes({"t": "cut \ud83d here", "k": ["\udfff"]})
     assert out == b'{"t": "cut \\\\ud83d here", "k": ["\\\\udfff"]}'
     assert json.loads(out) == {"t": "cut \\ud83d here", "k": ["\\udfff"]}
+
+
+@pytest.mark.parametrize("session_id", TRICKY_IDS)
+def test_a_jobs_cancel_mark_is_the_sessions_mark_of_its_message(session_id: str) -> None:
+    """The cancel watch asks each running job for its mark's key every interval; the job
+    builds it once, and it is the key `cancel` writes."""
+    from dialog_worker.pipeline import Job
+
+    keys = KEYS
+    job = Job(keys, session_id, "t", 1, "1-0", {}, b"", 0, 1, "", "")
+    job.msg_id = "m{1}%"
+    want = keys.session(session_id).cancel_mark("m{1}%")
+    assert job.cancel_mark() == want
+    assert job.cancel_mark() is job.cancel_mark()  # built once
