@@ -129,9 +129,12 @@ class Job:
         )
 
     def cancel_mark(self) -> str:
-        """The key of this message's cancel mark (needs `msg_id`)."""
+        """The key of this message's cancel mark, built once its `msg_id` is known."""
         if not self._mark:
-            self._mark = self.keys.session(self.session_id).cancel_mark(self.msg_id)
+            mark = self.keys.session(self.session_id).cancel_mark(self.msg_id)
+            if not self.msg_id:
+                return mark  # not decoded yet: nothing to keep
+            self._mark = mark
         return self._mark
 
     def load_state(self) -> dict[str, Any]:

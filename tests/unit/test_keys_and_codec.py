@@ -353,9 +353,8 @@ def test_a_jobs_cancel_mark_is_the_sessions_mark_of_its_message(session_id: str)
     builds it once, and it is the key `cancel` writes."""
     from dialog_worker.pipeline import Job
 
-    keys = KEYS
-    job = Job(keys, session_id, "t", 1, "1-0", {}, b"", 0, 1, "", "")
+    job = Job(KEYS, session_id, "t", 1, "1-0", {}, b"", 0, 1, "", "")
+    assert job.cancel_mark() == KEYS.session(session_id).cancel_mark("")  # not kept
     job.msg_id = "m{1}%"
-    want = keys.session(session_id).cancel_mark("m{1}%")
-    assert job.cancel_mark() == want
+    assert job.cancel_mark() == KEYS.session(session_id).cancel_mark("m{1}%")
     assert job.cancel_mark() is job.cancel_mark()  # built once
