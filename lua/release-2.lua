@@ -1,13 +1,16 @@
 --[[
   release: give a message we hold back to its session's queue: after a failed attempt (the
   error is recorded, the attempt stays counted) or at shutdown (a hand-back: the attempt is
-  given back). The message stays where it is (the stream); the session comes back through the
-  ready set after the delay. Nothing happens unless the lock is still ours for that seq.
+  given back, unless the step had streamed partial text: those entries' ids carry the attempt
+  number, so the next attempt needs a new one for readers to start over). The message stays
+  where it is (the stream); the session comes back through the ready set after the delay.
+  Nothing happens unless the lock is still ours for that seq.
 
   KEYS[1] ready set   KEYS[2] session key prefix
 
   ARGV[1] token   ARGV[2] session_id   ARGV[3] seq   ARGV[4] delay (ms)
-  ARGV[5] error text ("" for a hand-back)   ARGV[6] "1": a failed attempt | "0": a hand-back
+  ARGV[5] error text ("" for a hand-back)
+  ARGV[6] "1": a failed attempt | "0": a hand-back | "2": a hand-back keeping the attempt
 
   Returns 7 (RELEASED) or -1 (FENCED_TOKEN).
 ]]
@@ -31,7 +34,7 @@ local now = now_ms()
 if ARGV[6] == '1' then
   rcall('HSETNX', state, 'f', now)
   rcall('HSET', state, 'e', ARGV[5])
-else
+elseif ARGV[6] == '0' then
   rcall('HINCRBY', state, 'n', -1)
 end
 rcall('DEL', lock)

@@ -565,10 +565,15 @@ class Pipeline:
             log.warning("retry_fenced", outcome="fenced", error=error)
 
     async def hand_back(self, job: Job) -> None:
-        """Shutdown: give a message we hold back at once, its attempt not counted."""
-        await self._release(job, 0, "", counts=False)
+        """Shutdown: give a message we hold back at once, its attempt not counted, unless its
+        step streamed text: those entries carry the attempt's number, and the next attempt
+        must have a new one, or readers would take its first pieces for ones they have."""
+        streamed = job.partial is not None and job.partial.used
+        await self._release(job, 0, "", counts=False, keep_attempt=streamed)
 
-    async def _release(self, job: Job, delay_ms: int, error: str, counts: bool) -> Code:
+    async def _release(
+        self, job: Job, delay_ms: int, error: str, counts: bool, keep_attempt: bool = False
+    ) -> Code:
         keys = job.keys
         raw = await _shielded(
             oom.call(  # out of memory: wait for room (the release writes the error)
@@ -581,7 +586,7 @@ class Pipeline:
                         job.seq,
                         delay_ms,
                         redis_text(error),
-                        "1" if counts else "0",
+                        "1" if counts else "2" if keep_attempt else "0",
                     ],
                 ),
             )

@@ -107,3 +107,59 @@ async def test_readers_dropping_at_random_through_kill9_and_a_paused_worker_see_
     assert total_connections > 12 * 5
     assert resets >= 1, "a fault hit an answer mid-way"
     print(f"connections {total_connections}, resets {resets}")
+
+
+async def test_an_answer_handed_back_at_shutdown_mid_stream_starts_over_for_its_readers(
+    client: DialogClient, workers: WorkerPool
+):
+    """A step past the shutdown grace is handed back after it streamed part of its answer.
+    The next worker's answer differs (its words name its process): a reader that watched the
+    first attempt, and one that reads the whole stream after the end, are each told to start
+    over and shown the new answer alone, never the first pieces of the old one followed by
+    the rest of the new one."""
+    engine = {"DIALOG_ENGINE": "stream_engines:PerProcessWords"}
+    [first] = workers.start(1, DIALOG_SHUTDOWN_GRACE_S="0.3", **engine)
+    await client.send("handed", "60 50", msg_id="hb1")
+    partial = client.keys.session("handed").partial("hb1")
+    live: list[StreamEvent] = []
+
+    async def watch() -> None:
+        async for event in client.stream("handed", "hb1", timeout=60):
+            live.append(event)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        for _ in range(400):
+            if await client.redis.xlen(partial) >= 3:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the first attempt streamed nothing within 20 s")
+        first.signal(signal.SIGTERM)
+        assert first.proc is not None
+        assert await asyncio.to_thread(first.proc.wait, 15) == 0, first.log_text()[-3000:]
+        # Handed back with its attempt kept: the next one writes under a new attempt number.
+        assert await client.redis.hget(client.keys.session("handed").state, "n") == "1"
+        assert await client.redis.exists(client.keys.session("handed").lock) == 0
+        shown_before = "".join(e.text for e in live if e.kind == "delta")
+        assert shown_before.startswith(f"p{first.pid}.")  # the reader saw the first attempt
+        [heir] = workers.start(1, **engine)
+        await asyncio.wait_for(watcher, 60)
+    finally:
+        watcher.cancel()  # a failed assertion does not leave it waiting a minute
+    after = [e async for e in client.stream("handed", "hb1", timeout=60)]
+    state = await client.state("handed")
+    assert state is not None
+    reply = state["history"][-1]["bot"]
+    assert reply.startswith(f"p{heir.pid}.")
+    for events in (live, after):
+        text = ""
+        for event in events:
+            if event.kind == "delta":
+                text += event.text
+            elif event.kind == "reset":
+                text = ""
+            elif event.kind == "resync":
+                text = event.text
+        assert text == reply, [(e.kind, e.attempt, e.pos, e.text[:20]) for e in events]
+        assert (events[-1].kind, events[-1].text) == ("end", reply)

@@ -66,12 +66,15 @@ class Harness:
             keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args
         )
 
-    async def release(self, token: str, sid: str, seq: int, delay: int, counts: bool) -> int:
+    async def release(
+        self, token: str, sid: str, seq: int, delay: int, counts: bool, keep: bool = False
+    ) -> int:
         k = self.k
+        mode = "1" if counts else "2" if keep else "0"
         return int(
             await self.s.release(
                 keys=[k.ready, k.session_prefix],
-                args=[token, sid, seq, delay, "boom" if counts else "", "1" if counts else "0"],
+                args=[token, sid, seq, delay, "boom" if counts else "", mode],
             )
         )
 
@@ -759,6 +762,14 @@ async def test_release_records_the_error_or_gives_the_attempt_back(h):
     assert int(row[8]) == 2 and row[10] == b"boom"
     assert await h.release(row[2].decode(), "rel", 1, 0, False) == Code.RELEASED
     assert (await h.state("rel"))[b"n"] == b"1"
+    # A hand-back of a step that streamed keeps its attempt (and records no error).
+    [[row], _] = await h.resume()
+    assert int(row[8]) == 2
+    assert await h.release(row[2].decode(), "rel", 1, 0, False, keep=True) == Code.RELEASED
+    state = await h.state("rel")
+    assert (state[b"n"], state[b"e"]) == (b"2", b"boom")
+    assert await h.r.exists(h.k.session("rel").lock) == 0
+    assert await h.r.zscore(h.k.ready, "rel") <= await server_ms(h)
 
 
 async def test_renew_extends_only_locks_that_are_still_ours(h):

@@ -347,12 +347,15 @@ class Scripts:
             args += [*c, *[""] * (13 - len(c))]  # reply extras, timer operations (when left out)
         return self.commit(keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args)
 
-    def call_release(self, job: Job, delay_ms: int, error: str, counts: bool) -> int:
+    def call_release(
+        self, job: Job, delay_ms: int, error: str, counts: bool, keep: bool = False
+    ) -> int:
         k = self.k
+        mode = "1" if counts else "2" if keep else "0"
         return int(
             self.release(
                 keys=[k.ready, k.session_prefix],
-                args=[job.token, job.sid, job.seq, delay_ms, error, "1" if counts else "0"],
+                args=[job.token, job.sid, job.seq, delay_ms, error, mode],
             )
         )
 
@@ -418,6 +421,7 @@ class Commit(NamedTuple):
 
 class HandBack(NamedTuple):
     i: int
+    streamed: bool  # its step had streamed partial text: the attempt stays counted
 
 
 class Renew(NamedTuple):
@@ -472,7 +476,7 @@ ACTIONS: list[tuple[int, st.SearchStrategy[Any]]] = [
     (2, st.builds(Resume, workers, rarely)),
     (4, st.builds(Step, pick, st.booleans())),
     (4, st.builds(Commit, workers, st.integers(0, 255), rarely)),
-    (1, st.builds(HandBack, pick)),
+    (1, st.builds(HandBack, pick, st.booleans())),
     (1, st.builds(Renew, workers)),
     (1, st.builds(Crash, workers)),
     (2, st.builds(TimePasses, sessions, st.sampled_from([True, True, False]))),
@@ -893,21 +897,27 @@ class DialogScripts(RuleBasedStateMachine):
         ]  # fmt: skip
         note(f"step {w.name} {job} -> {outcome} {kind}")
 
-    def hand_back(self, i: int) -> None:
-        """Shutdown: a job goes back unfinished, its attempt not counted."""
+    def hand_back(self, i: int, streamed: bool) -> None:
+        """Shutdown: a job goes back unfinished, its attempt not counted unless its step had
+        streamed text."""
         held = self._held_jobs()
         if not held:
             return
         w, job = held[i % len(held)]
-        self._release(w, job, 0, counts=False)
+        self._release(w, job, 0, counts=False, keep=streamed)
 
-    def _release(self, w: SimWorker, job: Job, delay_ms: int, counts: bool) -> None:
+    def _release(
+        self, w: SimWorker, job: Job, delay_ms: int, counts: bool, keep: bool = False
+    ) -> None:
         ss = self.sessions[job.sid]
         ours = ss.lock == job.token and ss.applied == job.seq - 1
         before = self._session_keys(ss.sid)
-        code = self.sc.call_release(job, delay_ms, "boom" if counts else "", counts)
+        code = self.sc.call_release(job, delay_ms, "boom" if counts else "", counts, keep)
         w.jobs.remove(job)
-        note(f"release {w.name} {job} delay={delay_ms} counts={counts} -> {Code(code).name}")
+        note(
+            f"release {w.name} {job} delay={delay_ms} counts={counts} keep={keep} "
+            f"-> {Code(code).name}"
+        )
         if not ours:
             assert code == Code.FENCED_TOKEN, f"release of {job} without the lock: {code}"
             assert self._session_keys(ss.sid) == before, f"a fenced release of {job} wrote"
@@ -915,7 +925,7 @@ class DialogScripts(RuleBasedStateMachine):
         assert code == Code.RELEASED, f"release of {job} holding the lock: {code}"
         if counts:
             ss.failed, ss.last_error = True, "boom"
-        else:
+        elif not keep:
             ss.attempts -= 1
         ss.lock = None
         ss.ready = "due" if delay_ms == 0 else "later"

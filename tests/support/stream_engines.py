@@ -122,3 +122,18 @@ class TaggedThread:
             emit(word)
             time.sleep(delay)
         return {**state, "step": "STREAMED"}, "".join(words)
+
+
+class PerProcessWords:
+    """AsyncWords whose words name the worker process (``p<pid>.<i>``): two workers' answers to
+    the same message differ, so a reader shown pieces of both would notice."""
+
+    async def step(
+        self, state: dict[str, Any], message: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        words, delay = _plan(message)
+        words = [f"p{os.getpid()}.{word}" for word in words]
+        for word in words:
+            emit(word)
+            await asyncio.sleep(delay)
+        return {**state, "step": "STREAMED"}, "".join(words)
