@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 from queue_checks import lock_holders
+from stream_views import streamed
 from worker_procs import WorkerPool, WorkerProc
 
 from dialog_worker import StreamEvent
@@ -153,13 +154,6 @@ async def test_an_answer_handed_back_at_shutdown_mid_stream_starts_over_for_its_
     reply = state["history"][-1]["bot"]
     assert reply.startswith(f"p{heir.pid}.")
     for events in (live, after):
-        text = ""
-        for event in events:
-            if event.kind == "delta":
-                text += event.text
-            elif event.kind == "reset":
-                text = ""
-            elif event.kind == "resync":
-                text = event.text
+        text = streamed(events)
         assert text == reply, [(e.kind, e.attempt, e.pos, e.text[:20]) for e in events]
         assert (events[-1].kind, events[-1].text) == ("end", reply)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from redis_server import wait_until, wait_until_async
+from stream_views import shown, streamed
 from worker_procs import WorkerPool
 
 from dialog_worker import StreamEvent
@@ -17,24 +18,6 @@ from dialog_worker.client import DialogClient
 from dialog_worker.errors import ReplyTimeout
 
 pytestmark = pytest.mark.integration
-
-
-def shown(events: list[StreamEvent]) -> str:
-    """What a UI shows after these events, honouring reset, resync and end."""
-    text = ""
-    for event in events:
-        if event.kind == "delta":
-            text += event.text
-        elif event.kind == "reset":
-            text = ""
-        elif event.kind in ("resync", "end"):
-            text = event.text
-    return text
-
-
-def streamed(events: list[StreamEvent]) -> str:
-    """The text built from the partial events only (no end)."""
-    return shown([e for e in events if e.kind != "end"])
 
 
 async def collect(client: DialogClient, session: str, text: str, **kw) -> list[StreamEvent]:
