@@ -3,6 +3,9 @@ and a waiter cancelled while (or just after) being handed a slot loses none."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import anyio
 import pytest
 
@@ -16,9 +19,10 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def test_a_freed_slot_goes_to_the_priority_waiter_before_an_earlier_plain_one() -> None:
-    gate = SlotGate(1)
-    gate.acquire_nowait()
+@contextlib.asynccontextmanager
+async def reader_then_resumer_waiting(gate: SlotGate) -> AsyncIterator[list[str]]:
+    """A plain waiter ("reader") then a priority one ("resumer") wait on ``gate``; yields the
+    order in which they got their slots, and leaves once both have one."""
     order: list[str] = []
 
     async def take(name: str, priority: bool) -> None:
@@ -30,6 +34,13 @@ async def test_a_freed_slot_goes_to_the_priority_waiter_before_an_earlier_plain_
         await anyio.wait_all_tasks_blocked()
         tg.start_soon(take, "resumer", True)
         await anyio.wait_all_tasks_blocked()
+        yield order
+
+
+async def test_a_freed_slot_goes_to_the_priority_waiter_before_an_earlier_plain_one() -> None:
+    gate = SlotGate(1)
+    gate.acquire_nowait()
+    async with reader_then_resumer_waiting(gate) as order:
         gate.release()
         await anyio.wait_all_tasks_blocked()
         assert order == ["resumer"]
@@ -111,17 +122,7 @@ async def test_slots_given_back_together_go_to_the_waiters_first_then_become_fre
     reader get one each (the resumer first), the rest are free."""
     gate = SlotGate(4)
     assert gate.take(10) == 4
-    order: list[str] = []
-
-    async def take(name: str, priority: bool) -> None:
-        await gate.acquire(priority=priority)
-        order.append(name)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(take, "reader", False)
-        await anyio.wait_all_tasks_blocked()
-        tg.start_soon(take, "resumer", True)
-        await anyio.wait_all_tasks_blocked()
+    async with reader_then_resumer_waiting(gate) as order:
         gate.release(1)
         await anyio.wait_all_tasks_blocked()
         assert order == ["resumer"]
