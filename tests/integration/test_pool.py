@@ -74,18 +74,23 @@ async def test_two_processes_share_one_scrape_survive_kill_9_and_stop_within_the
     sup = supervisor(env, tmp_path)
     try:
         first = sup.wait_ready()
-        sessions = [f"pool-{i}" for i in range(40)]
-        sent = await send_bursts(client, sessions, ["sleep 0.05 nama", "pesan 2", "pesan 3"])
+        # Every message takes 50 ms: 240 of them are 1.5 s of work for one child's 8 slots,
+        # more than a child holds at once (its slots and one batch read ahead), so both take
+        # part. (With one slow message of three, one child could keep up with the sends alone,
+        # and once did.)
+        sessions = [f"pool-{i}" for i in range(80)]
+        texts = ["sleep 0.05 nama", "sleep 0.05 pesan 2", "sleep 0.05 pesan 3"]
+        sent = await send_bursts(client, sessions, texts)
         assert await wait_applied(client, sent, timeout_s=30)
         assert await check(client, sent) == []
 
         # One scrape holds the counters of both children, and both did part of the work.
         def counted() -> str | None:
             text = sup.metrics_text()
-            return text if metric(text, "dialog_messages_total", outcome="applied") == 120 else None
+            return text if metric(text, "dialog_messages_total", outcome="applied") == 240 else None
 
-        text = await anyio.to_thread.run_sync(lambda: wait_until(counted, 10, what="120"))
-        assert metric(text, "dialog_processing_seconds_count") == 120
+        text = await anyio.to_thread.run_sync(lambda: wait_until(counted, 10, what="240"))
+        assert metric(text, "dialog_processing_seconds_count") == 240
         assert {int(s) for s in _ready_pids(text)} == first
         committed = [e for e in events(sup) if e["event"] == "committed"]
         assert len({e["consumer"] for e in committed}) == 2, "both children applied messages"
@@ -100,7 +105,7 @@ async def test_two_processes_share_one_scrape_survive_kill_9_and_stop_within_the
         assert victim not in after and len(after) == 2 and after & first
         text = sup.metrics_text()
         assert metric(text, "dialog_worker_restarts_total") == 1
-        assert metric(text, "dialog_messages_total", outcome="applied") >= 120 + 40 - 1
+        assert metric(text, "dialog_messages_total", outcome="applied") >= 240 + 40 - 1
         died = [e for e in events(sup) if e["event"] == "worker_process_died"]
         assert [(e["pid"], e["returncode"]) for e in died] == [(victim, -9)]
         # The dead child's live gauges were collected (mark_process_dead): only its counters
