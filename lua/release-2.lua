@@ -15,8 +15,8 @@
   Returns 7 (RELEASED) or -1 (FENCED_TOKEN).
 ]]
 local ready, sprefix = KEYS[1], KEYS[2]
-local sid, seq, delay = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-if not (seq and delay) then
+local sid, seq, delay, mode = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[6]
+if not (seq and delay and (mode == '0' or mode == '1' or mode == '2')) then
   return redis.error_reply('ERR release: bad arguments')
 end
 local err = expect_type(ready, 'zset')
@@ -31,10 +31,10 @@ if type(applied) == 'table' or (tonumber(applied) or 0) ~= seq - 1 then
   return -1
 end
 local now = now_ms()
-if ARGV[6] == '1' then
+if mode == '1' then
   rcall('HSETNX', state, 'f', now)
   rcall('HSET', state, 'e', ARGV[5])
-elseif ARGV[6] == '0' then
+elseif mode == '0' then
   rcall('HINCRBY', state, 'n', -1)
 end
 rcall('DEL', lock)

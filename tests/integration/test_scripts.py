@@ -772,6 +772,21 @@ async def test_release_records_the_error_or_gives_the_attempt_back(h):
     assert await h.r.zscore(h.k.ready, "rel") <= await server_ms(h)
 
 
+async def test_a_release_refuses_a_mode_it_does_not_know_and_writes_nothing(h):
+    await xadd(h, "rm")
+    _, _, [job], _, _ = await h.intake()
+    token, before = job[1].decode(), await h.state("rm")
+    due = await h.r.zscore(h.k.ready, "rm")  # the lease's deadline, for crash recovery
+    for mode in ("", "3", "true", "1.0"):
+        with pytest.raises(ResponseError, match="release: bad arguments"):
+            await h.s.release(
+                keys=[h.k.ready, h.k.session_prefix], args=[token, "rm", 1, 0, "", mode]
+            )
+    assert await h.state("rm") == before
+    assert await h.r.get(h.k.session("rm").lock) == job[1]  # still held
+    assert await h.r.zscore(h.k.ready, "rm") == due
+
+
 async def test_renew_extends_only_locks_that_are_still_ours(h):
     for sid in ["n1", "n2"]:
         await xadd(h, sid)
