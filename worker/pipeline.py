@@ -54,7 +54,7 @@ from dialog_worker.failures import describe_failure, retry_after_of, retry_delay
 from dialog_worker.keys import Keys
 from dialog_worker.metrics import Metrics
 from dialog_worker.redis_checks import ledger, oom
-from dialog_worker.scripts import Code, Scripts
+from dialog_worker.scripts import Code, Release, Scripts
 from dialog_worker.streaming import PartialReplies, PartialWriter
 
 log = structlog.get_logger("dialog_worker.pipeline")
@@ -556,7 +556,7 @@ class Pipeline:
         delay = retry_delay_ms(
             job.attempts, settings.backoff_base_ms, settings.backoff_max_ms, retry_after_s
         )
-        code = await self._release(job, delay, error, counts=True)
+        code = await self._release(job, delay, error, Release.FAILED)
         if code is Code.RELEASED:
             self.metrics.retries.labels("error").inc()
             log.warning("retry", outcome="retry", error=error, delay_ms=delay)
@@ -569,11 +569,11 @@ class Pipeline:
         step streamed text: those entries carry the attempt's number, and the next attempt
         must have a new one, or readers would take its first pieces for ones they have."""
         streamed = job.partial is not None and job.partial.used
-        await self._release(job, 0, "", counts=False, keep_attempt=streamed)
+        await self._release(
+            job, 0, "", Release.HAND_BACK_STREAMED if streamed else Release.HAND_BACK
+        )
 
-    async def _release(
-        self, job: Job, delay_ms: int, error: str, counts: bool, keep_attempt: bool = False
-    ) -> Code:
+    async def _release(self, job: Job, delay_ms: int, error: str, mode: Release) -> Code:
         keys = job.keys
         raw = await _shielded(
             oom.call(  # out of memory: wait for room (the release writes the error)
@@ -586,7 +586,7 @@ class Pipeline:
                         job.seq,
                         delay_ms,
                         redis_text(error),
-                        "1" if counts else "2" if keep_attempt else "0",
+                        mode.value,
                     ],
                 ),
             )

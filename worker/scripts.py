@@ -26,6 +26,14 @@ class Code(enum.IntEnum):
     CANCELLED = -4  # commit-5.lua: the message was cancelled meanwhile; commit it as cancelled
 
 
+class Release(enum.StrEnum):
+    """How release-2.lua gives a held message back (its ARGV[6]; anything else is refused)."""
+
+    FAILED = "1"  # a failed attempt: the error is recorded, the attempt stays counted
+    HAND_BACK = "0"  # shutdown: the attempt is given back
+    HAND_BACK_STREAMED = "2"  # shutdown after partial text: the next attempt needs a new number
+
+
 def lua_dir() -> Path:
     """The installed wheel carries the scripts in dialog_worker/lua; a checkout has them in lua/."""
     installed = Path(__file__).resolve().parent / "lua"

@@ -16,7 +16,7 @@ from redis.exceptions import ResponseError
 from dialog_worker.codec import json_bytes, unpack_custody
 from dialog_worker.config import Settings
 from dialog_worker.keys import Keys, shard_of
-from dialog_worker.scripts import Code, Scripts, source
+from dialog_worker.scripts import Code, Release, Scripts, source
 
 pytestmark = pytest.mark.integration
 
@@ -66,15 +66,12 @@ class Harness:
             keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args
         )
 
-    async def release(
-        self, token: str, sid: str, seq: int, delay: int, counts: bool, keep: bool = False
-    ) -> int:
+    async def release(self, token: str, sid: str, seq: int, delay: int, mode: Release) -> int:
         k = self.k
-        mode = "1" if counts else "2" if keep else "0"
+        error = "boom" if mode is Release.FAILED else ""
         return int(
             await self.s.release(
-                keys=[k.ready, k.session_prefix],
-                args=[token, sid, seq, delay, "boom" if counts else "", mode],
+                keys=[k.ready, k.session_prefix], args=[token, sid, seq, delay, error, mode.value]
             )
         )
 
@@ -696,7 +693,7 @@ async def test_a_commit_clears_the_failure_record_of_the_message_it_applied(h):
     for _ in range(2):
         await xadd(h, "fr")
     _, _, [job], _, _ = await h.intake()
-    assert await h.release(job[1].decode(), "fr", 1, 0, True) == Code.RELEASED
+    assert await h.release(job[1].decode(), "fr", 1, 0, Release.FAILED) == Code.RELEASED
     [[row], _] = await h.resume()
     assert row[10] == b"boom" and row[9] != b""  # the error and when it first failed
     [r] = await h.commit(commit_args(row[1:]))
@@ -749,10 +746,12 @@ async def test_release_records_the_error_or_gives_the_attempt_back(h):
     await xadd(h, "rel")
     _, _, [job], _, _ = await h.intake()
     token = job[1].decode()
-    assert await h.release("not-mine", "rel", 1, 0, True) == Code.FENCED_TOKEN
-    assert await h.release(token, "rel", 2, 0, True) == Code.FENCED_TOKEN  # not the seq in hand
+    assert await h.release("not-mine", "rel", 1, 0, Release.FAILED) == Code.FENCED_TOKEN
+    assert (
+        await h.release(token, "rel", 2, 0, Release.FAILED) == Code.FENCED_TOKEN
+    )  # not the seq in hand
     assert (await h.state("rel")).get(b"e") is None
-    assert await h.release(token, "rel", 1, 60_000, True) == Code.RELEASED
+    assert await h.release(token, "rel", 1, 60_000, Release.FAILED) == Code.RELEASED
     state = await h.state("rel")
     assert (state[b"n"], state[b"e"]) == (b"1", b"boom")
     assert await h.r.exists(h.k.session("rel").lock) == 0
@@ -760,12 +759,14 @@ async def test_release_records_the_error_or_gives_the_attempt_back(h):
     await h.r.zadd(h.k.ready, {"rel": 0})
     [[row], _] = await h.resume()
     assert int(row[8]) == 2 and row[10] == b"boom"
-    assert await h.release(row[2].decode(), "rel", 1, 0, False) == Code.RELEASED
+    assert await h.release(row[2].decode(), "rel", 1, 0, Release.HAND_BACK) == Code.RELEASED
     assert (await h.state("rel"))[b"n"] == b"1"
     # A hand-back of a step that streamed keeps its attempt (and records no error).
     [[row], _] = await h.resume()
     assert int(row[8]) == 2
-    assert await h.release(row[2].decode(), "rel", 1, 0, False, keep=True) == Code.RELEASED
+    assert (
+        await h.release(row[2].decode(), "rel", 1, 0, Release.HAND_BACK_STREAMED) == Code.RELEASED
+    )
     state = await h.state("rel")
     assert (state[b"n"], state[b"e"]) == (b"2", b"boom")
     assert await h.r.exists(h.k.session("rel").lock) == 0
@@ -911,8 +912,8 @@ async def test_release_sent_twice_releases_once(h):
     await xadd(h, "rl")
     _, _, [job], _, _ = await h.intake()
     token = job[1].decode()
-    assert await h.release(token, "rl", 1, 0, False) == Code.RELEASED
-    assert await h.release(token, "rl", 1, 0, False) == Code.FENCED_TOKEN
+    assert await h.release(token, "rl", 1, 0, Release.HAND_BACK) == Code.RELEASED
+    assert await h.release(token, "rl", 1, 0, Release.HAND_BACK) == Code.FENCED_TOKEN
     assert (await h.state("rl"))[b"n"] == b"0"
 
 

@@ -81,7 +81,7 @@ from redis_server import RedisServer
 from dialog_worker.codec import MAX_EXTRA_FIELDS, unpack_custody
 from dialog_worker.config import Settings
 from dialog_worker.keys import Keys
-from dialog_worker.scripts import Code, source
+from dialog_worker.scripts import Code, Release, source
 
 pytestmark = pytest.mark.integration
 
@@ -347,15 +347,12 @@ class Scripts:
             args += [*c, *[""] * (13 - len(c))]  # reply extras, timer operations (when left out)
         return self.commit(keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args)
 
-    def call_release(
-        self, job: Job, delay_ms: int, error: str, counts: bool, keep: bool = False
-    ) -> int:
+    def call_release(self, job: Job, delay_ms: int, error: str, mode: Release) -> int:
         k = self.k
-        mode = "1" if counts else "2" if keep else "0"
         return int(
             self.release(
                 keys=[k.ready, k.session_prefix],
-                args=[job.token, job.sid, job.seq, delay_ms, error, mode],
+                args=[job.token, job.sid, job.seq, delay_ms, error, mode.value],
             )
         )
 
@@ -863,7 +860,7 @@ class DialogScripts(RuleBasedStateMachine):
             if job.attempts >= MAX_ATTEMPTS:
                 self._stepped(w, job, "dead_lettered", "exhausted")
             else:
-                self._release(w, job, 60_000 if backoff else 0, counts=True)
+                self._release(w, job, 60_000 if backoff else 0, Release.FAILED)
         else:
             self._stepped(w, job, "applied", "")
 
@@ -904,28 +901,24 @@ class DialogScripts(RuleBasedStateMachine):
         if not held:
             return
         w, job = held[i % len(held)]
-        self._release(w, job, 0, counts=False, keep=streamed)
+        self._release(w, job, 0, Release.HAND_BACK_STREAMED if streamed else Release.HAND_BACK)
 
-    def _release(
-        self, w: SimWorker, job: Job, delay_ms: int, counts: bool, keep: bool = False
-    ) -> None:
+    def _release(self, w: SimWorker, job: Job, delay_ms: int, mode: Release) -> None:
         ss = self.sessions[job.sid]
         ours = ss.lock == job.token and ss.applied == job.seq - 1
         before = self._session_keys(ss.sid)
-        code = self.sc.call_release(job, delay_ms, "boom" if counts else "", counts, keep)
+        failed = mode is Release.FAILED
+        code = self.sc.call_release(job, delay_ms, "boom" if failed else "", mode)
         w.jobs.remove(job)
-        note(
-            f"release {w.name} {job} delay={delay_ms} counts={counts} keep={keep} "
-            f"-> {Code(code).name}"
-        )
+        note(f"release {w.name} {job} delay={delay_ms} mode={mode.name} -> {Code(code).name}")
         if not ours:
             assert code == Code.FENCED_TOKEN, f"release of {job} without the lock: {code}"
             assert self._session_keys(ss.sid) == before, f"a fenced release of {job} wrote"
             return
         assert code == Code.RELEASED, f"release of {job} holding the lock: {code}"
-        if counts:
+        if failed:
             ss.failed, ss.last_error = True, "boom"
-        elif not keep:
+        elif mode is Release.HAND_BACK:
             ss.attempts -= 1
         ss.lock = None
         ss.ready = "due" if delay_ms == 0 else "later"
