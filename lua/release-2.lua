@@ -9,7 +9,7 @@
   KEYS[1] ready set   KEYS[2] session key prefix
 
   ARGV[1] token   ARGV[2] session_id   ARGV[3] seq   ARGV[4] delay (ms)
-  ARGV[5] error text ("" for a hand-back)
+  ARGV[5] error text (for a hand-back keeping the attempt: why, or "")
   ARGV[6] "1": a failed attempt | "0": a hand-back | "2": a hand-back keeping the attempt
           (worker/scripts.py's Release; any other value is refused, nothing written)
 
@@ -37,6 +37,8 @@ if mode == '1' then
   rcall('HSET', state, 'e', ARGV[5])
 elseif mode == '0' then
   rcall('HINCRBY', state, 'n', -1)
+elseif ARGV[5] ~= '' then
+  rcall('HSET', state, 'e', ARGV[5])  -- why the attempt stays counted, for a later dead letter
 end
 rcall('DEL', lock)
 rcall('ZADD', ready, now + delay, sid)

@@ -928,9 +928,9 @@ class Worker:
         for job in jobs:
             # Taken over from a holder whose lease ran out: an earlier delivery was counted
             # (attempts > 1) and neither committed nor released with an error. A hand-back at
-            # shutdown gives its attempt back and a failed attempt records its error, so
-            # neither counts; nor does a session resumed only because its next entry was
-            # missing at hand-off time.
+            # shutdown gives its attempt back or records why it kept it, and a failed attempt
+            # records its error, so none counts; nor does a session resumed only because its
+            # next entry was missing at hand-off time.
             if not job.gap and job.attempts > 1 and not job.last_error:
                 self.metrics.reclaimed.inc()
             work.start_soon(self._run_session, shard, job)

@@ -59,6 +59,10 @@ from dialog_worker.streaming import PartialReplies, PartialWriter
 
 log = structlog.get_logger("dialog_worker.pipeline")
 
+# The last error a streamed hand-back records: its attempt stays counted, and a dead letter
+# after DIALOG_MAX_ATTEMPTS of them says why rather than blaming a kill or a lost lease.
+HANDED_BACK_STREAMED = "handed back at shutdown after streaming part of its answer"
+
 # How much of a message's text a history turn keeps (the dead letter keeps it whole).
 HISTORY_TEXT_LIMIT = 1024
 # Most text a cancelled message keeps of what its step had streamed (its ending commit is not
@@ -569,9 +573,10 @@ class Pipeline:
         step streamed text: those entries carry the attempt's number, and the next attempt
         must have a new one, or readers would take its first pieces for ones they have."""
         streamed = job.partial is not None and job.partial.used
-        await self._release(
-            job, 0, "", Release.HAND_BACK_STREAMED if streamed else Release.HAND_BACK
-        )
+        if streamed:  # the reason is kept: shutdowns alone can use up the attempts
+            await self._release(job, 0, HANDED_BACK_STREAMED, Release.HAND_BACK_STREAMED)
+        else:
+            await self._release(job, 0, "", Release.HAND_BACK)
 
     async def _release(self, job: Job, delay_ms: int, error: str, mode: Release) -> Code:
         keys = job.keys

@@ -110,6 +110,38 @@ async def test_readers_dropping_at_random_through_kill9_and_a_paused_worker_see_
     print(f"connections {total_connections}, resets {resets}")
 
 
+async def test_an_answer_handed_back_mid_stream_past_the_attempt_limit_says_so_in_its_dead_letter(
+    client: DialogClient, workers: WorkerPool
+):
+    """A streamed hand-back keeps its attempt counted (the next attempt needs a new number),
+    so shutdowns alone can use up DIALOG_MAX_ATTEMPTS. The dead letter names the hand-back,
+    not a kill or a lost lease that never happened."""
+    settings = {"DIALOG_ENGINE": "stream_engines:PerProcessWords", "DIALOG_MAX_ATTEMPTS": "1"}
+    [first] = workers.start(1, DIALOG_SHUTDOWN_GRACE_S="0.3", **settings)
+    await client.send("handed-out", "60 50", msg_id="hx1")
+    partial = client.keys.session("handed-out").partial("hx1")
+    for _ in range(400):
+        if await client.redis.xlen(partial) >= 3:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the first attempt streamed nothing within 20 s")
+    first.signal(signal.SIGTERM)
+    assert first.proc is not None
+    assert await asyncio.to_thread(first.proc.wait, 15) == 0, first.log_text()[-3000:]
+    workers.start(1, **settings)
+    for _ in range(400):
+        letters = [f for _, f in await client.redis.xrange(client.keys.dlq)]
+        if letters:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the message was not dead-lettered within 20 s")
+    [letter] = letters
+    assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "1"), letter
+    assert "handed back at shutdown" in letter["error"], letter["error"]
+
+
 async def test_an_answer_handed_back_at_shutdown_mid_stream_starts_over_for_its_readers(
     client: DialogClient, workers: WorkerPool
 ):

@@ -908,7 +908,8 @@ class DialogScripts(RuleBasedStateMachine):
         ours = ss.lock == job.token and ss.applied == job.seq - 1
         before = self._session_keys(ss.sid)
         failed = mode is Release.FAILED
-        code = self.sc.call_release(job, delay_ms, "boom" if failed else "", mode)
+        error = {Release.FAILED: "boom", Release.HAND_BACK_STREAMED: "handed back"}.get(mode, "")
+        code = self.sc.call_release(job, delay_ms, error, mode)
         w.jobs.remove(job)
         note(f"release {w.name} {job} delay={delay_ms} mode={mode.name} -> {Code(code).name}")
         if not ours:
@@ -920,6 +921,8 @@ class DialogScripts(RuleBasedStateMachine):
             ss.failed, ss.last_error = True, "boom"
         elif mode is Release.HAND_BACK:
             ss.attempts -= 1
+        else:
+            ss.last_error = error  # why the attempt stays counted
         ss.lock = None
         ss.ready = "due" if delay_ms == 0 else "later"
 
