@@ -110,6 +110,20 @@ async def test_readers_dropping_at_random_through_kill9_and_a_paused_worker_see_
     print(f"connections {total_connections}, resets {resets}")
 
 
+async def stop_mid_answer(client: DialogClient, worker: WorkerProc, partial: str) -> None:
+    """SIGTERM the worker once its step has streamed 3 entries, and see it exit 0 (a grace
+    shorter than the step: the step is handed back)."""
+    for _ in range(400):
+        if await client.redis.xlen(partial) >= 3:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the first attempt streamed nothing within 20 s")
+    worker.signal(signal.SIGTERM)
+    assert worker.proc is not None
+    assert await asyncio.to_thread(worker.proc.wait, 15) == 0, worker.log_text()[-3000:]
+
+
 async def test_an_answer_handed_back_mid_stream_past_the_attempt_limit_says_so_in_its_dead_letter(
     client: DialogClient, workers: WorkerPool
 ):
@@ -120,15 +134,7 @@ async def test_an_answer_handed_back_mid_stream_past_the_attempt_limit_says_so_i
     [first] = workers.start(1, DIALOG_SHUTDOWN_GRACE_S="0.3", **settings)
     await client.send("handed-out", "60 50", msg_id="hx1")
     partial = client.keys.session("handed-out").partial("hx1")
-    for _ in range(400):
-        if await client.redis.xlen(partial) >= 3:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("the first attempt streamed nothing within 20 s")
-    first.signal(signal.SIGTERM)
-    assert first.proc is not None
-    assert await asyncio.to_thread(first.proc.wait, 15) == 0, first.log_text()[-3000:]
+    await stop_mid_answer(client, first, partial)
     workers.start(1, **settings)
     for _ in range(400):
         letters = [f for _, f in await client.redis.xrange(client.keys.dlq)]
@@ -162,15 +168,7 @@ async def test_an_answer_handed_back_at_shutdown_mid_stream_starts_over_for_its_
 
     watcher = asyncio.create_task(watch())
     try:
-        for _ in range(400):
-            if await client.redis.xlen(partial) >= 3:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the first attempt streamed nothing within 20 s")
-        first.signal(signal.SIGTERM)
-        assert first.proc is not None
-        assert await asyncio.to_thread(first.proc.wait, 15) == 0, first.log_text()[-3000:]
+        await stop_mid_answer(client, first, partial)
         # Handed back with its attempt kept: the next one writes under a new attempt number.
         assert await client.redis.hget(client.keys.session("handed").state, "n") == "1"
         assert await client.redis.exists(client.keys.session("handed").lock) == 0
