@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 from queue_checks import lock_holders
+from redis_server import wait_until_async
 from stream_views import streamed
 from worker_procs import WorkerPool, WorkerProc
 
@@ -113,12 +114,11 @@ async def test_readers_dropping_at_random_through_kill9_and_a_paused_worker_see_
 async def stop_mid_answer(client: DialogClient, worker: WorkerProc, partial: str) -> None:
     """SIGTERM the worker once its step has streamed 3 entries, and see it exit 0 (a grace
     shorter than the step: the step is handed back)."""
-    for _ in range(400):
-        if await client.redis.xlen(partial) >= 3:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("the first attempt streamed nothing within 20 s")
+
+    async def three_entries() -> bool:
+        return await client.redis.xlen(partial) >= 3
+
+    await wait_until_async(three_entries, 20, "the first attempt to stream 3 entries")
     worker.signal(signal.SIGTERM)
     assert worker.proc is not None
     assert await asyncio.to_thread(worker.proc.wait, 15) == 0, worker.log_text()[-3000:]
@@ -136,14 +136,11 @@ async def test_an_answer_handed_back_mid_stream_past_the_attempt_limit_says_so_i
     partial = client.keys.session("handed-out").partial("hx1")
     await stop_mid_answer(client, first, partial)
     workers.start(1, **settings)
-    for _ in range(400):
-        letters = [f for _, f in await client.redis.xrange(client.keys.dlq)]
-        if letters:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("the message was not dead-lettered within 20 s")
-    [letter] = letters
+
+    async def letters() -> list[dict[str, str]]:
+        return [f for _, f in await client.redis.xrange(client.keys.dlq)]
+
+    [letter] = await wait_until_async(letters, 20, "the dead letter")
     assert (letter["error_kind"], letter["attempts"]) == ("exhausted", "1"), letter
     assert "handed back at shutdown" in letter["error"], letter["error"]
 

@@ -68,7 +68,7 @@ class Harness:
 
     async def release(self, token: str, sid: str, seq: int, delay: int, mode: Release) -> int:
         k = self.k
-        error = "boom" if mode is Release.FAILED else ""
+        error = {Release.FAILED: "boom", Release.HAND_BACK_STREAMED: "handed back"}.get(mode, "")
         return int(
             await self.s.release(
                 keys=[k.ready, k.session_prefix], args=[token, sid, seq, delay, error, mode.value]
@@ -747,9 +747,8 @@ async def test_release_records_the_error_or_gives_the_attempt_back(h):
     _, _, [job], _, _ = await h.intake()
     token = job[1].decode()
     assert await h.release("not-mine", "rel", 1, 0, Release.FAILED) == Code.FENCED_TOKEN
-    assert (
-        await h.release(token, "rel", 2, 0, Release.FAILED) == Code.FENCED_TOKEN
-    )  # not the seq in hand
+    # Not the seq in hand:
+    assert await h.release(token, "rel", 2, 0, Release.FAILED) == Code.FENCED_TOKEN
     assert (await h.state("rel")).get(b"e") is None
     assert await h.release(token, "rel", 1, 60_000, Release.FAILED) == Code.RELEASED
     state = await h.state("rel")
@@ -761,14 +760,13 @@ async def test_release_records_the_error_or_gives_the_attempt_back(h):
     assert int(row[8]) == 2 and row[10] == b"boom"
     assert await h.release(row[2].decode(), "rel", 1, 0, Release.HAND_BACK) == Code.RELEASED
     assert (await h.state("rel"))[b"n"] == b"1"
-    # A hand-back of a step that streamed keeps its attempt (and records no error).
+    # A hand-back of a step that streamed keeps its attempt and records why (not a failure).
     [[row], _] = await h.resume()
     assert int(row[8]) == 2
-    assert (
-        await h.release(row[2].decode(), "rel", 1, 0, Release.HAND_BACK_STREAMED) == Code.RELEASED
-    )
+    streamed = Release.HAND_BACK_STREAMED
+    assert await h.release(row[2].decode(), "rel", 1, 0, streamed) == Code.RELEASED
     state = await h.state("rel")
-    assert (state[b"n"], state[b"e"]) == (b"2", b"boom")
+    assert (state[b"n"], state[b"e"]) == (b"2", b"handed back")
     assert await h.r.exists(h.k.session("rel").lock) == 0
     assert await h.r.zscore(h.k.ready, "rel") <= await server_ms(h)
 
