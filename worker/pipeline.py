@@ -19,7 +19,6 @@ lock token and the state version.
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,6 +36,7 @@ from dialog_worker.codec import (
     decode_message,
     fields_dict,
     json_bytes,
+    json_loads,
     redis_text,
     text,
 )
@@ -143,7 +143,7 @@ class Job:
 
     def load_state(self) -> dict[str, Any]:
         if self.state is None:
-            self.state = json.loads(self.doc) if self.doc else initial_state(self.session_id)
+            self.state = json_loads(self.doc) if self.doc else initial_state(self.session_id)
         return self.state
 
 

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
+from collections.abc import Callable
 from urllib.parse import unquote
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 
-from dialog_worker.codec import MalformedEntry, decode_message, entry_time_ms, json_bytes
+from dialog_worker.codec import (
+    MalformedEntry,
+    decode_message,
+    entry_time_ms,
+    json_bytes,
+    json_loads,
+    redis_text,
+)
 from dialog_worker.config import Settings
 from dialog_worker.failures import retry_delay_ms
 from dialog_worker.keys import Keys, SessionKeys, escape_tag, stream_tag
@@ -341,10 +352,117 @@ def test_backoff_jitter_spreads_values() -> None:
 def test_state_json_is_utf8_and_writes_a_lone_surrogate_as_visible_text() -> None:
     # Non-ASCII stays as UTF-8 (not \u escapes); a lone surrogate, which is not UTF-8 and
     # which Redis' cjson refuses as an escape, becomes the six characters \udXXX.
-    assert json_bytes({"t": "héllo ☕"}) == '{"t": "héllo ☕"}'.encode()
+    assert json_bytes({"t": "héllo ☕"}) == '{"t":"héllo ☕"}'.encode()
     out = json_bytes({"t": "cut \ud83d here", "k": ["\udfff"]})
     assert out == b'{"t": "cut \\\\ud83d here", "k": ["\\\\udfff"]}'
     assert json.loads(out) == {"t": "cut \\ud83d here", "k": ["\\udfff"]}
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal, and of the same types all the way down (2**70 == float(2**70) in Python)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        assert isinstance(b, dict)
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        assert isinstance(b, list)
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return a == b
+
+
+# What a state holds: JSON-safe values, with the integers and texts that a fast JSON library
+# treats differently from the standard library (past 64 bits, lone surrogates).
+_TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=8)
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _TEXT
+)
+_KEYS = _TEXT | st.integers() | st.booleans() | st.none()
+_JSON_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_KEYS, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(_JSON_VALUES)
+def test_a_state_reads_back_as_the_standard_library_writes_and_reads_it(value: object) -> None:
+    # A lone surrogate is stored as visible text (above); everything else reads back as the
+    # standard library would write and read it (integers as integers, keys as strings),
+    # whichever library reads it.
+    expected = json.loads(json.dumps(_visible(value), ensure_ascii=False))
+    assert _same(json_loads(json_bytes(value)), expected)
+    assert _same(json.loads(json_bytes(value)), expected)
+
+
+def _visible(value: object) -> object:
+    """value as json_bytes stores it: lone surrogates as the text \\udXXX."""
+    if isinstance(value, str):
+        return redis_text(value)
+    if isinstance(value, list):
+        return [_visible(v) for v in value]
+    if isinstance(value, dict):
+        return {redis_text(k) if isinstance(k, str) else k: _visible(v) for k, v in value.items()}
+    return value
+
+
+# Documents as anyone may have written them: the standard library's output with NaN,
+# infinities, ASCII escapes of lone surrogates, long numbers; and bytes that are not JSON.
+_DOCS = (
+    st.builds(
+        lambda v, ascii_: json.dumps(v, ensure_ascii=ascii_).encode("utf-8", "surrogatepass"),
+        st.recursive(
+            _SCALARS | st.floats(),
+            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
+            max_leaves=12,
+        ),
+        st.booleans(),
+    )
+    | st.binary(max_size=40)
+    | st.sampled_from(
+        [
+            b"NaN",
+            b"[1e400]",
+            b"[-1e400]",
+            b"[12345678901234567890123]",
+            b'"\\ud800"',
+            b'\xef\xbb\xbf{"a": 1}',
+            b'{"a": 1, "a": 2}',
+            b"[" * 2000 + b"]" * 2000,
+            b'"\xff"',
+            b"[-0]",
+            b"[1.00000000000000000001]",
+            b'"a\x01b"',
+        ]
+    )
+)
+
+
+def _outcome(read: Callable[[bytes], object], doc: bytes) -> tuple[str, object]:
+    try:
+        return "value", read(doc)
+    except (ValueError, RecursionError) as exc:
+        return "error", type(exc)
+
+
+@hypothesis.settings(max_examples=500, deadline=None)
+@hypothesis.given(_DOCS)
+def test_a_document_is_read_exactly_as_the_standard_library_reads_it(doc: bytes) -> None:
+    kind, got = _outcome(json_loads, doc)
+    want_kind, want = _outcome(json.loads, doc)
+    assert kind == want_kind
+    if kind == "value":
+        assert _same(got, want)
+    else:
+        assert got is want
 
 
 @pytest.mark.parametrize("session_id", TRICKY_IDS)
