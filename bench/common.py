@@ -1,5 +1,6 @@
 """What the comparison workers share: settings, the engine, a slot-bounded XREADGROUP loop,
-the state shape of dialog-worker, and a counters file the bench reads.
+the state shape of dialog-worker (read and written with orjson, as dialog-worker does), and a
+counters file the bench reads.
 
 Each worker is one asyncio process (uvloop when available), started by the bench with the
 same environment as a `dialog-worker run` process (REDIS_URL, DIALOG_STREAM, DIALOG_GROUP,
@@ -19,6 +20,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import ResponseError
 
@@ -68,7 +70,7 @@ class Base:
     # -- the state shape dialog-worker writes (contract section 6) ----------------------
 
     def load_state(self, doc: str | None, session_id: str) -> dict[str, Any]:
-        return json.loads(doc) if doc else initial_state(session_id)
+        return orjson.loads(doc) if doc else initial_state(session_id)
 
     def apply(
         self, state: dict[str, Any], fields: dict[str, str]
@@ -93,7 +95,7 @@ class Base:
             "applied_seq": seq,
             "version": int(state.get("version", 0)) + 1,
         }
-        return new_state, json.dumps(new_state, ensure_ascii=False), reply
+        return new_state, orjson.dumps(new_state).decode(), reply
 
     def reply_fields(self, fields: dict[str, str], reply: str, **extra: str) -> dict[str, str]:
         return {
