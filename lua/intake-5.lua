@@ -416,9 +416,16 @@ local function session(sid)
   return s
 end
 
--- The seq a dedupe key recorded (false: none), or nil and why it cannot be read.
-local function dedupe_seen(dkey)
-  local seen = redis.pcall('GET', dkey)
+-- The seq a dedupe key recorded (false: none), or nil and why it cannot be read. With claim
+-- (the seq the message gets if it is new), a key that does not exist is set to it by the same
+-- command: one command instead of a GET and a SET for every new message.
+local function dedupe_seen(dkey, claim)
+  local seen
+  if claim then
+    seen = redis.pcall('SET', dkey, claim, 'EX', dedupe_ttl, 'NX', 'GET')
+  else
+    seen = redis.pcall('GET', dkey)
+  end
   if type(seen) == 'table' and seen['err'] then
     return nil, 'dedupe key ' .. dkey .. ': ' .. seen['err']
   end
@@ -494,7 +501,7 @@ for _, e in ipairs(entries) do
   local id, f = e[1], e[2]
   acks[#acks + 1] = id
   local problem, sid, msg_id, policy, deliver_at, timer = inspect(f)
-  local s, dkey, seen, deferred
+  local s, dkey, seen, deferred, claimed
   if not problem then
     problem = shard_problem(sid)  -- before any key of the session is read or written here
   end
@@ -507,7 +514,9 @@ for _, e in ipairs(entries) do
   end
   if not problem and msg_id then
     dkey = session_key(sprefix, sid, 'msg:' .. msg_id)
-    seen, problem = dedupe_seen(dkey)
+    -- A new message is sequenced below unless it is rejected, which leaves its msg_id free.
+    claimed = s and not (policy == 'reject' and s.last > s.a) and s.last + 1
+    seen, problem = dedupe_seen(dkey, claimed)
   end
   if deferred then
     dels[#dels + 1] = id  -- it waits as a timer now (sequenced when it fires)
@@ -551,8 +560,7 @@ for _, e in ipairs(entries) do
         s.timers_checked = true
       end
       if dkey then
-        rcall('SET', dkey, seq, 'EX', dedupe_ttl)
-        s.msg_ids[seq] = msg_id
+        s.msg_ids[seq] = msg_id  -- its dedupe key was set to seq when it was looked up
       end
       s.writes[#s.writes + 1] = 'q' .. seq
       s.writes[#s.writes + 1] = pack_message(id, f)
