@@ -144,6 +144,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--keep-data", action="store_true", help="keep what the bench wrote (default: removed)"
     )
+    p.add_argument(
+        "--msg-ids",
+        action="store_true",
+        help="ours: every message carries a msg_id, as DialogClient.send gives it (default: a "
+        "plain XADD without one, the entry id standing in)",
+    )
 
 
 def _validate(args: argparse.Namespace) -> list[str]:

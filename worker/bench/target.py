@@ -33,7 +33,9 @@ class Target:
                 "BENCH_STEP_MS": str(args.step_ms),
             }
         self.workers = Workers(system, settings, run, self.tmp, args.concurrency, extra)
-        self.producer = Producer(system, settings, self.redis, run, args.senders)
+        self.producer = Producer(
+            system, settings, self.redis, run, args.senders, msg_ids=args.msg_ids
+        )
 
     @property
     def procs(self) -> list[WorkerProcess]:

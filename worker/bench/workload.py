@@ -50,8 +50,17 @@ class Producer:
     """Enqueues for one system: plain XADDs, pipelined (ours and the comparison workers that
     read its stream), or taskiq's kicker (peer)."""
 
-    def __init__(self, system: str, settings: Settings, redis: Redis, run: str, senders: int):
+    def __init__(
+        self,
+        system: str,
+        settings: Settings,
+        redis: Redis,
+        run: str,
+        senders: int,
+        msg_ids: bool = False,
+    ):
         self.system = system
+        self.msg_ids = msg_ids
         self.settings = settings
         self.redis = redis
         self.run = run
@@ -98,15 +107,19 @@ class Producer:
         return out
 
     def _queue_send(self, pipe: Pipeline, session_id: str, text: str) -> tuple[int, str]:
-        """One send on the pipeline. dialog-worker's is what DialogClient.send makes: a plain
-        XADD (the entry id is the msg_id). The comparison workers, which have no intake that
-        sequences, get the seq and a msg_id from the producer, as their designs need."""
+        """One send on the pipeline. dialog-worker's is a plain XADD, by default without a
+        msg_id (the entry id stands in), as a producer in any language may send it; with
+        --msg-ids with one, as DialogClient.send makes it (intake then looks each one up in
+        the dedupe window). The comparison workers, which have no intake that sequences, get
+        the seq and a msg_id from the producer, as their designs need."""
         seq = self.peer_seq[session_id] = self.peer_seq.get(session_id, 0) + 1
         fields = {"session_id": session_id, "text": text}
         msg_id = ""
-        if self.system != "ours":
+        if self.system != "ours" or self.msg_ids:
             msg_id = uuid.uuid4().hex
-            fields |= {"msg_id": msg_id, "seq": str(seq)}
+            fields["msg_id"] = msg_id
+        if self.system != "ours":
+            fields["seq"] = str(seq)
         pipe.xadd(self.keys.stream, fields)  # type: ignore[arg-type]
         return seq, msg_id
 
