@@ -244,8 +244,15 @@ class Shard:
 
 
 class Worker:
-    def __init__(self, settings: Settings, engine: Engine, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        metrics: Metrics | None = None,
+        freeze_startup: bool = False,
+    ) -> None:
         self.settings = settings
+        self.freeze_startup = freeze_startup  # the process is the worker's (run_worker)
         self.topology = Topology.from_settings(settings)
         per_shard = max(1, -(-settings.concurrency // len(self.topology.shards)))
         self.shards = [Shard(k, SlotGate(per_shard)) for k in self.topology.shards]
@@ -348,8 +355,11 @@ class Worker:
                 # long as the process: frozen, a full collection no longer walks it. At a
                 # steady 1,500 msg/s per worker that collection ran about once a second and
                 # stopped the loop for 20-25 ms, the p99 of the latency (docs/benchmarks.md).
-                gc.collect()  # startup's garbage is freed, not kept frozen
-                gc.freeze()
+                # Only where the process is the worker's: frozen objects are never collected
+                # as cycles, which a process embedding a worker would not expect.
+                if self.freeze_startup:
+                    gc.collect()  # startup's garbage is freed, not kept frozen
+                    gc.freeze()
                 for committer in self.committers.values():
                     side.start_soon(committer.run)
                 side.start_soon(self._loop, "heartbeat", self._heartbeat_once)
@@ -1090,4 +1100,5 @@ def run_worker(settings: Settings, engine: Engine, **kwargs: Any) -> None:
         backend_options["use_uvloop"] = True
     except ImportError:
         pass
-    anyio.run(Worker(settings, engine, **kwargs).run, backend_options=backend_options)
+    worker = Worker(settings, engine, freeze_startup=True, **kwargs)
+    anyio.run(worker.run, backend_options=backend_options)
