@@ -256,7 +256,8 @@ def _connect_sentinel(settings: Settings, max_connections: int, decode_responses
     if url.sentinel_password is not None:
         sentinel_kwargs["password"] = url.sentinel_password
         sentinel_kwargs["username"] = url.sentinel_username
-    manager = Sentinel(url.sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]  # redis-py: untyped
+    # Called through Any: redis-py before 8.2 leaves Sentinel's constructor untyped.
+    manager = cast(Any, Sentinel)(url.sentinels, sentinel_kwargs=sentinel_kwargs)
     master: Redis = manager.master_for(
         url.master,
         redis_class=Redis,
