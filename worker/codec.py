@@ -221,8 +221,8 @@ def redis_text(value: str) -> str:
 def json_bytes(value: Any) -> bytes:
     """JSON for Redis: UTF-8 (not ASCII escapes), lone surrogates as the text ``\\udXXX``.
 
-    orjson writes the common case (a session's state is most of a step's CPU when written by
-    the standard library); what it refuses (a lone surrogate, an integer past 64 bits, a key
+    orjson writes the common case (the standard library's encoding of a session's state was a
+    large share of a step's CPU); what it refuses (a lone surrogate, an integer past 64 bits, a key
     that is not a string) the standard library writes as before. Values are JSON-safe here
     (engine states are checked): orjson would write NaN as null."""
     try:
