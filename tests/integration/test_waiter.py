@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 import redis
-from redis_server import wait_until
+from redis_server import wait_until, wait_until_async
 
 from dialog_worker.client import DialogClient
 
@@ -322,3 +322,53 @@ async def test_a_session_waiting_for_a_slot_whose_message_is_cancelled_ends_with
     assert wait_until(ended, 20, what="m4's reply event") == [b"cancelled"]
     ran = [json.loads(line)["msg_id"] for line in steps.read_text().splitlines()]
     assert "m4" not in ran
+
+
+async def test_an_idle_reader_makes_the_group_check_another_loop_asked_for(env):
+    """A side loop that meets a Redis failure marks the worker not ready and every shard for a
+    fresh group check, which only the reader makes. An idle reader waiting on the stream must
+    come back out of its wait to make it at its next blocking read's end, not at the end of its
+    idle period (IDLE_RECHECK_S): until then the worker answers 503 on /readyz and the resumer
+    and the timers wait. (With redis-py 8.2 a connection Redis closed while it sat idle in the
+    pool is replaced when next taken, so cutting every connection no longer makes such a
+    failure come late: here a loop fails by itself, just after the reader's wait began.)"""
+    from dialog_worker.config import load_settings
+    from dialog_worker.daemon import IDLE_RECHECK_S, Worker
+    from dialog_worker.engine import load_engine
+
+    settings = load_settings(
+        environ={**env, "DIALOG_METRICS_PORT": "0", "DIALOG_READ_BLOCK_MS": "200"}
+    )
+    worker = Worker(settings, load_engine(None))
+    fail_next = anyio.Event()
+    failed_at: list[float] = []
+    sample_once, idle_wait = worker._sample_once, worker._idle_wait
+
+    async def sampler() -> float:
+        if fail_next.is_set() and not failed_at:
+            failed_at.append(time.monotonic())
+            raise redis.exceptions.ConnectionError("cut (injected)")
+        await sample_once()
+        return 0.05
+
+    async def waiting(*args: Any, **kwargs: Any) -> None:
+        if worker.ready and not fail_next.is_set():
+            fail_next.set()  # this wait has just begun: the failure comes 0.05 s into it
+        await idle_wait(*args, **kwargs)
+
+    worker._sample_once = sampler  # type: ignore[method-assign]
+    worker._idle_wait = waiting  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+
+        async def has_failed() -> bool:
+            return bool(failed_at)
+
+        async def ready() -> bool:
+            return bool(worker.ready)
+
+        await wait_until_async(has_failed, 10, what="the injected failure", interval_s=0.01)
+        await wait_until_async(ready, 10, what="ready again", interval_s=0.01)
+        again = time.monotonic() - failed_at[0]
+        worker.stop()
+    assert again < IDLE_RECHECK_S / 2, f"ready again {again:.2f} s after the failure"
