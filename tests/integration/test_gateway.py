@@ -318,3 +318,36 @@ async def test_session_events_refuse_a_cursor_that_is_not_a_seq(gateway: Gateway
         bad = await http.get("/sessions/a/events?after=x:1:2", headers=AUTH)
         assert bad.status_code == 400
         assert (await http.get("/sessions/a/events")).status_code == 401
+
+
+async def test_a_session_id_that_is_not_utf8_is_refused_not_merged(gateway: GatewayProc):
+    """%FF and %FE both decode to U+FFFD: answering them would give two users one session."""
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        for path in (
+            "/sessions/%FF/messages",
+            "/sessions/ab%FE/messages",
+            "/sessions/%C3/messages",
+        ):
+            response = await http.post(path, json={"text": "x"}, headers=AUTH)
+            assert response.status_code == 400, (path, response.text)
+            assert "UTF-8" in response.json()["error"]
+        for path in (
+            "/sessions/%FF/events",
+            "/sessions/%FF/messages/m/stream",
+            "/sessions/a/messages/%FF/stream",
+            "/sessions/%FE/messages/m/cancel",
+        ):
+            method = "POST" if path.endswith("cancel") else "GET"
+            response = await http.request(method, path, headers=AUTH)
+            assert response.status_code == 400, (path, response.text)
+        # A real U+FFFD, sent encoded as UTF-8, is an ordinary character.
+        fine = await http.post("/sessions/a%EF%BF%BDb/messages", json={"text": "x"}, headers=AUTH)
+        assert fine.status_code == 202, fine.text
+
+
+async def test_deeply_nested_json_is_a_400_like_any_malformed_body(gateway: GatewayProc):
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        for body in (b"[" * 30_000, b'{"text": ' + b"[" * 30_000):
+            response = await http.post("/sessions/a/messages", content=body, headers=AUTH)
+            assert response.status_code == 400, response.text
+            assert response.json() == {"error": "the body must be JSON"}

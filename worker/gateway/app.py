@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, cast
@@ -124,6 +125,21 @@ def _authorized(request: Request) -> bool:
 def _refused(request: Request) -> JSONResponse | None:
     if not _authorized(request):
         return _error(401, "missing or wrong token (Authorization: Bearer <token>)")
+    return _undecodable(request)
+
+
+def _undecodable(request: Request) -> JSONResponse | None:
+    """A 400 when a path parameter is not UTF-8 once percent-decoded. The router decodes the
+    path with replacement characters, so ``%FF`` and ``%FE`` would both name the session
+    ``\ufffd`` (two users in one conversation): the raw path is checked instead."""
+    raw = request.scope.get("raw_path")
+    if not isinstance(raw, bytes):
+        return None
+    for segment in raw.split(b"?", 1)[0].split(b"/"):
+        try:
+            urllib.parse.unquote_to_bytes(segment).decode("utf-8")
+        except UnicodeDecodeError:
+            return _error(400, "the path must be UTF-8 once percent-decoded")
     return None
 
 
@@ -210,7 +226,8 @@ async def _read_json(request: Request) -> dict[str, Any] | Response:
             return _error(413, f"the body must be at most {limit} bytes")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        # RecursionError: nesting deeper than the parser's stack (a body of "[[[[...").
         return _error(400, "the body must be JSON")
     if not isinstance(body, dict):
         return _error(400, "the body must be a JSON object")
