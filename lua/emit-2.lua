@@ -11,7 +11,9 @@
 
   Safe to send twice: a batch whose position the stream already has for that attempt is not
   written again, nothing is appended after an end entry, and a batch of an attempt older than
-  the stream's newest one is refused. Redis itself checks all three: entry ids are explicit,
+  the stream's newest one is refused. A stream whose newest entry has a lower seq belongs to
+  an earlier message sent under the same msg_id (it ended unapplied, which frees the msg_id):
+  the first refused batch of the new one deletes it and starts the stream again. Redis itself checks all three: entry ids are explicit,
   <attempt + 1>-<pos> for text and 18446744073709551615-0 for the end (above every text id),
   so such a batch has an id at or below the stream's newest and XADD refuses it. Only then is
   the newest entry read, to say which case it was. A stream written by an earlier version of
@@ -89,11 +91,21 @@ end
 local function refused(e)
   local last = rcall('XREVRANGE', e.partial, '+', '-', 'COUNT', 1)[1]
   if last then
-    local f, la, lp, lk = last[2], nil, nil, nil
+    local f, la, lp, lk, ls = last[2], nil, nil, nil, nil
     for j = 1, #f - 1, 2 do
       if f[j] == 'a' then la = tonumber(f[j + 1])
       elseif f[j] == 'p' then lp = tonumber(f[j + 1])
-      elseif f[j] == 'k' then lk = f[j + 1] end
+      elseif f[j] == 'k' then lk = f[j + 1]
+      elseif f[j] == 's' then ls = tonumber(f[j + 1]) end
+    end
+    if ls and e.seq > ls then
+      -- The stream is an earlier message's under the same msg_id (it ended without being
+      -- applied, which frees its msg_id, and was sent again): this message starts it anew.
+      rcall('DEL', e.partial)
+      local got = xadd(e, e.kind == 'e' and END_ID or string.format('%d-%d', e.attempt + 1, e.pos), true)
+      if type(got) == 'table' and got.err then return -4 end
+      rcall('EXPIRE', e.partial, ttl)
+      return 1
     end
     if lk == 'e' then return 0 end
     if e.kind == 'd' and la and lp then

@@ -381,7 +381,9 @@ class DialogClient:
         try:
             await router.start()
             await self.send(session_id, text, msg_id=msg_id, meta=meta, expires_at=expires_at)
-            async for event in self._follow(session_id, msg_id, None, waiter, deadline, new):
+            async for event in self._follow(
+                session_id, msg_id, None, waiter, deadline, new, sent=True
+            ):
                 yield event
         except TimeoutError:
             raise ReplyTimeout(session_id, msg_id, timeout, router.problem()) from None
@@ -404,15 +406,23 @@ class DialogClient:
         waiter: asyncio.Future[Reply],
         deadline: float | None,
         just_sent: bool = False,
+        sent: bool = False,
     ) -> AsyncIterator[StreamEvent]:
         shard = self.keys_for(session_id)
         session = shard.session(session_id)
-        keys = MessageKeys(session.partial(msg_id), session.state, session.dedupe(msg_id))
+        keys = MessageKeys(
+            session.partial(msg_id),
+            session.state,
+            session.dedupe(msg_id),
+            inbound=shard.stream,
+            ids=session.ids,
+            timers=session.timers,
+        )
         router = self._partial_routers.get(shard.shard)
         if router is None:
             router = self._partial_routers[shard.shard] = PartialRouter(self._reader_client())
         reader = self._reader_client()
-        return follow(reader, router, keys, msg_id, after, waiter, deadline, just_sent)
+        return follow(reader, router, keys, msg_id, after, waiter, deadline, just_sent, sent)
 
     @property
     def waiting_replies(self) -> int:

@@ -140,25 +140,43 @@ class Tracker:
         self.pos = after.pos if after else -1
         self.after = after
         self.seq: int | None = None
+        self.end_seq: int | None = None  # the seq the last end entry named
         self.behind = False  # a gap: waiting for a snapshot
         self.top = (0, -1)  # the newest (attempt, pos) of the stream, whatever the cursor
+        # Entries of a lower seq belong to an earlier message sent under the same msg_id
+        # (see `forget_older`): skipped.
+        self.min_seq = 0
+        self.shown = False  # an earlier message's pieces were yielded: reset before ours
+
+    def forget_older(self, seq: int) -> None:
+        """Everything read so far (up to an end of ``seq``) was an earlier message's, sent
+        under the same msg_id before it ended unapplied: from now on only entries of a later
+        seq count, and the first of them is preceded by a ``reset`` if anything was shown."""
+        self.min_seq = seq + 1
+        self.shown = self.shown or self.attempt is not None
+        self.attempt, self.pos, self.seq, self.end_seq = None, -1, None, None
+        self.behind, self.top, self.after = False, (0, -1), None
 
     def feed(self, fields: Fields) -> Iterator[StreamEvent]:
         a, p, s, kind, t, f, o = _values(fields)
         attempt, pos, seq = _int(a), _int(p), _int(s)
         if attempt is None or pos is None or (kind != b"d" and kind != b"e"):
             return  # not ours (anyone with XADD can write anything): skipped
+        if self.min_seq and (seq is None or seq < self.min_seq):
+            return  # an earlier message's, under the same msg_id
         if seq is not None and seq > 0:
             self.seq = seq
         if kind == b"d":
             self.top = max(self.top, (attempt, pos))
         else:
+            self.end_seq = seq
             yield self.end(_text(o) or "applied", _text(t) or "")
             return
         if self.attempt is not None and attempt < self.attempt:
             return
         if self.attempt is None or attempt > self.attempt:
-            if self.attempt is not None:
+            if self.attempt is not None or self.shown:
+                self.shown = False
                 yield StreamEvent("reset", self.msg_id, attempt, "", None)
             self.attempt, self.pos, self.behind = attempt, -1, False
         if pos <= self.pos:
@@ -239,11 +257,22 @@ SYNC_WAIT_S = 0.3
 Entry = tuple[bytes, Fields]
 
 
+# While the partial stream holds an earlier message's answer under the same msg_id (see
+# `Tracker.forget_older`), how often it is read again for this message's first pieces (the
+# writer starts the stream anew with them, below the ids already read).
+STALE_POLL_S = 0.2
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class MessageKeys:
     partial: str
     state: str
     dedupe: str
+    # Where a message without a known seq may be (`_finished`): the inbound stream (unread),
+    # the session's msg_id index (sequenced) and its timers (deliver_at). Empty: not looked at.
+    inbound: str = ""
+    ids: str = ""
+    timers: str = ""
 
 
 async def follow(
@@ -255,6 +284,7 @@ async def follow(
     reply: asyncio.Future[Reply],
     deadline: float | None,
     just_sent: bool = False,
+    sent: bool = False,
 ) -> AsyncIterator[StreamEvent]:
     """The events of one message's answer from ``after`` on, ending with ``end``.
 
@@ -266,6 +296,14 @@ async def follow(
     ``just_sent``: the message was sent just now under a new msg_id, so it cannot be finished
     yet: the state is first looked at after `IDLE_CHECK_S` without news, not at once, and
     its stream (empty or nearly) is read from its start by the router, not by an XRANGE.
+    ``sent``: this caller sent the message just now (``ask_stream``): an end entry already in
+    the stream may be an earlier message's under the same msg_id, so it counts only once the
+    message's seq (its dedupe key, or its reply event) says it is this message's.
+
+    An end entry names its message's seq: one of a lower seq than the msg_id's current one
+    belongs to an earlier message sent under the same msg_id (it ended unapplied, which frees
+    the msg_id): its pieces are dropped (`Tracker.forget_older`) and the stream is read again
+    for this message's.
 
     Once the message is known to be finished, every piece its step emitted is in the stream
     already (they are written before the commit): the follower takes them from the router's
@@ -283,6 +321,8 @@ async def follow(
     read_to_end = False
     ended: tuple[str, str] | None = None  # (outcome, reply) once the message is finished
     sync: tuple[int, float] | None = None  # (router read, give up at) once ended
+    stale = False  # the stream holds an earlier message's answer: read it again from its start
+    held_end: StreamEvent | None = None  # an end not known yet to be this message's (``sent``)
     watch = router.watch(keys.partial)
     reply.add_done_callback(lambda _: watch.wake())
     if just_sent:
@@ -297,7 +337,7 @@ async def follow(
                     await redis.xrange(keys.partial, min=start, max="+", count=PAGE),
                 )
                 catch_up = len(rows) == PAGE
-                if not catch_up and not read_to_end:
+                if not catch_up and not read_to_end and not stale:
                     watch.listen_after(last_id if not rows else _entry_id(rows[-1][0]))
             else:
                 rows, behind = watch.take()
@@ -307,17 +347,38 @@ async def follow(
                     read_to_end = ended is not None
             if rows and checked:
                 next_check = loop.time() + IDLE_CHECK_S
+            restart = False
             for entry_id, fields in rows:
                 parsed = _entry_id(entry_id)
                 if last_id is not None and parsed <= last_id:
                     continue  # the router's read overlapped what we had
                 last_id = parsed
                 for event in tracker.feed(fields):
-                    if event.kind == "end":
+                    if event.kind != "end":
+                        yield event
+                        continue
+                    own = await _own_end(redis, keys, tracker.end_seq, sent, reply)
+                    if own:
                         if not tracker.resumed_at_end():
                             yield event
                         return
-                    yield event
+                    # An earlier message's end (or, for ``sent``, not known yet to be ours).
+                    held_end = event if own is None else None
+                    tracker.forget_older(tracker.end_seq or 0)
+                    stale = restart = True
+                    next_check = loop.time()
+                    watch.close()
+                    watch = router.watch(keys.partial)
+                    break
+                if restart:
+                    break
+            if stale and tracker.seq is not None:
+                stale = False  # this message's own entries are there now: follow them
+                watch.listen_after(last_id)
+            if restart:
+                last_id, catch_up = None, True
+                await asyncio.sleep(0)
+                continue
             if catch_up or rows:
                 continue
             # Nothing new: is the message finished?
@@ -326,9 +387,12 @@ async def follow(
                 reply = loop.create_future()
             if ended is None and reply.done():
                 got = reply.result()
+                if held_end is not None and got.seq == tracker.min_seq - 1:
+                    yield held_end  # it was this message's end after all
+                    return
                 ended = (got.outcome, got.text)
             if ended is None and loop.time() >= next_check:
-                ended = await _finished(redis, keys, msg_id, tracker.seq)
+                ended = await _finished(redis, keys, msg_id, tracker.seq, tracker.min_seq)
                 next_check, checked = loop.time() + IDLE_CHECK_S, True
             wait_until = next_check
             if ended is not None and not read_to_end:
@@ -355,12 +419,16 @@ async def follow(
                     yield end
                 return
             wait_s = max(0.0, wait_until - loop.time())
+            if stale:
+                wait_s = min(wait_s, STALE_POLL_S)
             if deadline is not None:
                 left = deadline - loop.time()
                 if left <= 0:
                     raise TimeoutError
                 wait_s = min(wait_s, left)
             await watch.wait(wait_s)
+            if stale:
+                last_id, catch_up = None, True
     finally:
         watch.close()
 
@@ -626,22 +694,85 @@ def _unwrapped(entries: list[Any]) -> list[Any]:
     return entries
 
 
+async def _own_end(
+    redis: Redis, keys: MessageKeys, end_seq: int | None, sent: bool, reply: asyncio.Future[Reply]
+) -> bool | None:
+    """Is an end entry of ``end_seq`` this message's? True, False (an earlier message's under
+    the same msg_id: its msg_id now names a later seq), or None (``sent``: the message is not
+    sequenced yet, or it ended unapplied, which frees its msg_id: its reply event will say)."""
+    if end_seq is None:
+        return True  # written by an earlier version: no seq to tell
+    current = await _dedupe_seq(redis, keys)
+    if current is not None:
+        return current == end_seq
+    if not sent:
+        return True
+    if reply.done() and not reply.cancelled() and reply.exception() is None:
+        return reply.result().seq == end_seq
+    return None
+
+
+async def _dedupe_seq(redis: Redis, keys: MessageKeys) -> int | None:
+    raw = cast(bytes | None, await redis.get(keys.dedupe))
+    return int(raw) if raw is not None and 0 < len(raw) <= 18 and raw.isdigit() else None
+
+
+def _looks_like_entry_id(value: str) -> bool:
+    ms, sep, seq = value.partition("-")
+    return bool(sep) and _digits(ms) and _digits(seq)
+
+
 async def _finished(
-    redis: Redis, keys: MessageKeys, msg_id: str, seq: int | None
+    redis: Redis, keys: MessageKeys, msg_id: str, seq: int | None, min_seq: int = 0
 ) -> tuple[str, str] | None:
     """(outcome, reply) when the session's state says the message was applied (two O(1)
-    reads while it is not; its history is read once, at the end)."""
+    reads while it is not; its history is read once, at the end). ``min_seq``: an earlier
+    message under the same msg_id had a lower seq (its turn does not answer for this one)."""
     if seq is None:
-        raw = cast(bytes | None, await redis.get(keys.dedupe))
-        seq = int(raw) if raw is not None and 0 < len(raw) <= 18 and raw.isdigit() else None
+        seq = await _dedupe_seq(redis, keys)
+        if seq is None and min_seq:
+            return None  # sent again and not sequenced yet: its dedupe key will say
         if seq is None:
-            # No seq known (an answer that emitted nothing, sent without an explicit msg_id):
-            # the history alone can tell.
-            doc = cast(bytes | None, await redis.hget(keys.state, "d"))
-            return reply_from_history(doc, msg_id, None)
+            return await _finished_without_seq(redis, keys, msg_id)
     applied, last, doc = cast(list[bytes | None], await redis.hmget(keys.state, ["a", "s", "d"]))
     applied_seq = int(applied) if applied is not None and applied.isdigit() else 0
     if applied_seq < seq and last is not None:
         return None  # the session has it outstanding
     # A state that expired, or a turn no longer kept: finished, its text is gone.
     return reply_from_history(doc, msg_id, seq) or ("expired", "")
+
+
+async def _finished_without_seq(
+    redis: Redis, keys: MessageKeys, msg_id: str
+) -> tuple[str, str] | None:
+    """(outcome, reply) of a message whose seq nobody recorded: one sent by a plain XADD
+    without a msg_id (its msg_id is its entry id, and no dedupe key is kept for it), or one
+    whose dedupe key outlived `DIALOG_DEDUPE_TTL_S`. Its history turn answers while it is kept;
+    past that, it is finished unless it is still somewhere a message waits: unread in the
+    inbound stream (looked at first: intake moves an entry into its session atomically, so a
+    message missing there is in the session's keys by the time they are read), a timer of its
+    session (deliver_at), or among its session's outstanding messages. Finished with its turn
+    gone, it ends ``expired`` with no text, as one with a known seq does."""
+    if keys.inbound and _looks_like_entry_id(msg_id):
+        unread = cast(list[Any], await redis.xrange(keys.inbound, min=msg_id, max=msg_id, count=1))
+        if unread:
+            return None
+    applied, last, doc = cast(list[bytes | None], await redis.hmget(keys.state, ["a", "s", "d"]))
+    found = reply_from_history(doc, msg_id, None)
+    if found is not None or not (keys.ids and keys.timers):
+        return found
+    if await redis.hexists(keys.timers, "t:msg:" + msg_id):
+        return None  # delivered later (deliver_at)
+    indexed = await redis.zscore(keys.ids, msg_id) is not None
+    outstanding = (
+        last is not None
+        and applied is not None
+        and applied.isdigit()
+        and last.isdigit()
+        and int(applied) < int(last)
+    )
+    if indexed and outstanding:
+        return None  # it may be one of the session's waiting messages
+    if not indexed and not _looks_like_entry_id(msg_id):
+        return None  # a msg_id of its own may still be unread: nothing here tells
+    return "expired", ""

@@ -14,11 +14,13 @@ from typing import Any
 import anyio
 import pytest
 import redis
-from redis_server import wait_for
+from redis_server import wait_for, wait_until_async
+from stream_views import shown
 from worker_procs import run_cli
 
 from dialog_worker.client import DialogClient
 from dialog_worker.config import load_settings
+from dialog_worker.errors import ReplyTimeout
 
 pytestmark = pytest.mark.integration
 
@@ -330,3 +332,58 @@ async def test_a_cancelled_answer_keeps_the_text_it_showed_in_its_history_turn(
     # A later reader learns the same from the history.
     again = [e async for e in client.stream("s-shown", "c1", timeout=10) if e.kind == "end"]
     assert [(e.outcome, e.text) for e in again] == [("cancelled", end.text)]
+
+
+async def test_a_msg_id_sent_again_after_its_cancel_streams_its_new_answer_not_the_old_end(
+    workers: Any, client: DialogClient
+) -> None:
+    """The first message ends cancelled mid-answer and leaves its end in its partial stream;
+    the same msg_id sent again is applied: its readers (ask_stream, and a reader that comes
+    after it ended) get the new answer's pieces and its `applied` end, never the old end."""
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    got: list[Any] = []
+    async for event in client.ask_stream("s-again", "200 20", msg_id="r1", timeout=30):
+        got.append(event)
+        if len(got) == 2:
+            assert (await client.cancel("s-again", "r1")).status == "cancelled"
+    assert (got[-1].kind, got[-1].outcome) == ("end", "cancelled")
+    again = [e async for e in client.ask_stream("s-again", "6 5", msg_id="r1", timeout=30)]
+    answer = "".join(f"w{i} " for i in range(6))
+    assert (again[-1].kind, again[-1].outcome, again[-1].text) == ("end", "applied", answer)
+    # Read before the new message was sequenced, the old pieces may show first: a reset
+    # then clears them, and the new answer streams whole, each piece once.
+    kinds = [e.kind for e in again]
+    start = kinds.index("reset") + 1 if "reset" in kinds else 0
+    assert "end" not in kinds[:-1] and "reset" not in kinds[start:]
+    assert "".join(e.text for e in again[start:-1]) == answer
+    assert shown(again) == answer
+    late = [e async for e in client.stream("s-again", "r1", timeout=10)]
+    assert (late[-1].outcome, late[-1].text) == ("applied", answer)
+    assert "".join(e.text for e in late[:-1] if e.kind == "delta") == answer
+
+
+async def test_ask_stream_of_a_msg_id_sent_again_waits_for_its_own_end_while_unread(
+    workers: Any, client: DialogClient
+) -> None:
+    """With no worker to take it, a msg_id sent again (after its message ended cancelled) is
+    not answered by the old end still in its partial stream: ask_stream waits, then, once a
+    worker runs, gets the new answer."""
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    got: list[Any] = []
+    async for event in client.ask_stream("s-wait", "200 20", msg_id="w1", timeout=30):
+        got.append(event)
+        if len(got) == 2:
+            assert (await client.cancel("s-wait", "w1")).status == "cancelled"
+    assert (got[-1].kind, got[-1].outcome) == ("end", "cancelled")
+    workers.stop_all()
+    with pytest.raises(ReplyTimeout):
+        [e async for e in client.ask_stream("s-wait", "3 5", msg_id="w1", timeout=1.5)]
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    await wait_until_async(lambda: _applied(client, "s-wait", 2), 20, what="w1 applied again")
+    late = [e async for e in client.stream("s-wait", "w1", timeout=20)]
+    assert (late[-1].outcome, late[-1].text) == ("applied", "w0 w1 w2 ")
+
+
+async def _applied(client: DialogClient, session: str, seq: int) -> bool:
+    state = await client.state(session)
+    return state is not None and state["applied_seq"] >= seq

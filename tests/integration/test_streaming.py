@@ -557,3 +557,54 @@ async def test_a_follower_of_a_message_just_sent_takes_every_piece_from_the_rout
     assert [e.kind for e in got] == ["delta"] * 6 + ["end"]
     assert streamed(got) == text == got[-1].text
     assert own.xranges == 0
+
+
+async def test_a_plain_xadd_message_whose_turn_left_the_history_ends_expired_at_once(
+    client: DialogClient, workers: WorkerPool
+):
+    """Sent without a msg_id, a message's msg_id is its entry id and no dedupe key records its
+    seq: once its turn left the history its stream must still end (as one with a msg_id does),
+    while one still unread in the inbound stream is waited for."""
+    unread = await client.raw.xadd(client.keys.stream, {"session_id": "st-px", "text": "first"})
+    with pytest.raises(ReplyTimeout):  # no worker yet: it waits, it does not end
+        [e async for e in client.stream("st-px", unread.decode(), timeout=2.5)]
+    workers.start(1, DIALOG_HISTORY_LIMIT="2")
+    for i in range(4):
+        await client.raw.xadd(client.keys.stream, {"session_id": "st-px", "text": f"m{i}"})
+    await wait_until_async(lambda: _applied(client, "st-px", 5), 20, what="5 messages applied")
+    started = time.monotonic()
+    events = [e async for e in client.stream("st-px", unread.decode(), timeout=5)]
+    assert [(e.kind, e.outcome, e.text) for e in events] == [("end", "expired", "")]
+    assert time.monotonic() - started < 1.5  # the state is looked at once, at start
+    # The newest message's turn is still kept: its reply, as before.
+    state = await client.state("st-px")
+    assert state is not None
+    kept = state["history"][-1]
+    events = [e async for e in client.stream("st-px", kept["msg_id"], timeout=20)]
+    assert [(e.kind, e.outcome, e.text) for e in events] == [("end", "applied", kept["bot"])]
+
+
+async def _applied(client: DialogClient, session: str, seq: int) -> bool:
+    state = await client.state(session)
+    return state is not None and state["applied_seq"] >= seq
+
+
+async def test_a_msg_id_sent_again_starts_its_partial_stream_anew(client: DialogClient):
+    """Message seq 1 ended cancelled (its msg_id freed) and left its end; the same msg_id sent
+    again is seq 2: its first batch replaces the old stream instead of being answered 'already
+    there', and its readers see only its own answer."""
+    session = client.keys.session("st-9")
+    await client.redis.set(session.lock, "tok", px=5000)
+    assert await _emit(client, "d", "tok", 1, 0, 1, "old ", "", "") == 1
+    assert await _emit(client, "e", "", 1, 1, 1, "old ", "", "cancelled") == 1
+    assert await _emit(client, "d", "tok", 1, 0, 2, "new ", "", "") == 1
+    assert await _emit(client, "d", "tok", 1, 1, 2, "text", "", "") == 1
+    assert await _entries(client) == [("2-0", "new "), ("2-1", "text")]
+    assert await client.redis.ttl(session.partial("m9")) > 0
+    assert await _emit(client, "e", "", 1, 2, 2, "new text", "", "applied") == 1
+    events = [e async for e in client.stream("st-9", "m9", timeout=5)]
+    assert [(e.kind, e.text) for e in events] == [
+        ("delta", "new "),
+        ("delta", "text"),
+        ("end", "new text"),
+    ]

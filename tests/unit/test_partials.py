@@ -387,7 +387,9 @@ async def test_ask_stream_skips_the_state_read_at_start_only_for_a_msg_id_of_its
         waiter: object,
         deadline: object,
         just_sent: bool = False,
+        sent: bool = False,
     ):
+        assert sent  # ask_stream sent it: an end already in its stream may be an earlier one's
         followed.append((msg_id, just_sent))
         yield StreamEvent("end", msg_id, 0, "", f"{msg_id}:0:0", 0, "applied")
 
