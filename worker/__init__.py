@@ -22,6 +22,7 @@ from dialog_worker.errors import (
 )
 from dialog_worker.partials import StreamEvent
 from dialog_worker.replies import Reply
+from dialog_worker.session_events import SessionEvent
 from dialog_worker.streaming import emit
 from dialog_worker.sync_client import SyncDialogClient
 from dialog_worker.timers import cancel_timer, schedule
@@ -35,6 +36,7 @@ __all__ = [
     "ReplyStreamError",
     "ReplyTimeout",
     "SendResult",
+    "SessionEvent",
     "StreamEvent",
     "SyncDialogClient",
     "TransientError",

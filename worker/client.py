@@ -43,6 +43,7 @@ from dialog_worker.partials import (
 from dialog_worker.redis_conn import check_topology, connect, prepare
 from dialog_worker.replies import Reply, ReplyRouter, ReplySubscription
 from dialog_worker.scripts import Script, source
+from dialog_worker.session_events import SessionEvent, follow_session, parse_session_cursor
 from dialog_worker.streams import StreamReader
 from dialog_worker.timers import deliver_at_ms
 
@@ -389,6 +390,27 @@ class DialogClient:
             raise ReplyTimeout(session_id, msg_id, timeout, router.problem()) from None
         finally:
             router.forget(session_id, msg_id, waiter)
+
+    async def events(
+        self, session_id: str, after: str | None = None
+    ) -> AsyncIterator[SessionEvent]:
+        """Every turn of the session as it lands, from ``after`` (the ``cursor`` of the last
+        event you handled) on, until you stop iterating: `SessionEvent`s ``turn``, ``resync``
+        (replace what you show) and ``idle`` (nothing new for a while). See
+        worker/session_events.py; the HTTP gateway's ``/events`` is this."""
+        check_id("session_id", session_id)
+        cursor = parse_session_cursor(after) if after is not None else None
+        shard = self.keys_for(session_id)
+        await self._prepare_reader()
+        async for event in follow_session(
+            self._reader_client(),
+            self._router(shard.replies),
+            shard.replies,
+            shard.session(session_id).state,
+            session_id,
+            cursor,
+        ):
+            yield event
 
     async def follow_replies(self) -> None:
         """Start reading every shard's reply stream now, not at the first `ask` or `stream`:

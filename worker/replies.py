@@ -70,6 +70,8 @@ _RETRY_FIRST_S, _RETRY_MAX_S = 0.05, 2.0
 # follow one a moment later (the HTTP gateway: POST, then GET its stream). A rejection leaves
 # no other trace: the message was never sequenced and its msg_id is free again.
 REJECTED_KEPT, REJECTED_KEPT_S = 4096, 60.0
+# Events one `SessionFeed` holds for its reader before it tells it to read the stream itself.
+FEED_EVENTS = 256
 
 RawFields = Mapping[bytes, bytes]
 
@@ -211,6 +213,7 @@ class ReplyRouter:
         self._prepare = prepare
         self._waiters: dict[tuple[str, str], list[asyncio.Future[Reply]]] = {}
         self._rejected: dict[tuple[str, str], tuple[float, bytes, RawFields]] = {}
+        self._feeds: dict[str, set[SessionFeed]] = {}
         self._cursor: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._starting = asyncio.Lock()
@@ -237,6 +240,23 @@ class ReplyRouter:
             futures.remove(future)
         if not futures:
             del self._waiters[key]
+
+    def subscribe(self, session_id: str) -> SessionFeed:
+        """Every event of ``session_id`` this router reads from now on (`DialogClient.events`).
+        `unsubscribe` when done."""
+        if self.closed:
+            raise ReplyStreamError("the client is closed")
+        feed = SessionFeed()
+        self._feeds.setdefault(session_id, set()).add(feed)
+        return feed
+
+    def unsubscribe(self, session_id: str, feed: SessionFeed) -> None:
+        feeds = self._feeds.get(session_id)
+        if feeds is None:
+            return
+        feeds.discard(feed)
+        if not feeds:
+            del self._feeds[session_id]
 
     def rejected(self, session_id: str, msg_id: str) -> Reply | None:
         """The ``rejected`` event of ``msg_id`` if this router read it in the last
@@ -314,6 +334,8 @@ class ReplyRouter:
         if not fields:
             return
         key = (_text(fields.get(b"session_id")), _text(fields.get(b"msg_id")))
+        for feed in self._feeds.get(key[0], ()):
+            feed.push(event_id, fields)
         futures = self._waiters.pop(key, None)
         if not futures:
             if fields.get(b"outcome") == b"rejected":
@@ -328,11 +350,59 @@ class ReplyRouter:
                 future.set_result(reply)
 
     def _fail_all(self, error: BaseException) -> None:
+        for feeds in self._feeds.values():
+            for feed in feeds:
+                feed.fail(error)
         waiters, self._waiters = self._waiters, {}
         for futures in waiters.values():
             for future in futures:
                 if not future.done():
                     future.set_exception(error)
+
+
+class SessionFeed:
+    """The events of one session that a `ReplyRouter` read since `ReplyRouter.subscribe`, for
+    one reader. Bounded: a reader that falls more than `FEED_EVENTS` behind is told so
+    (``behind``) and reads the stream itself from where it stopped."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[bytes, RawFields]] = []
+        self.behind = False
+        self.error: BaseException | None = None
+        self._news = asyncio.Event()
+
+    def push(self, event_id: bytes, fields: RawFields) -> None:
+        if len(self.items) >= FEED_EVENTS:
+            self.items.clear()
+            self.behind = True
+        else:
+            self.items.append((event_id, fields))
+        self._news.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._news.set()
+
+    def take(self) -> tuple[list[tuple[bytes, RawFields]], bool]:
+        items, behind = self.items, self.behind
+        self.items, self.behind = [], False
+        self._news.clear()
+        if self.error is not None:
+            raise self.error
+        return items, behind
+
+    async def wait(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._news.wait(), timeout_s)
+
+
+def entry_key(event_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id as a pair to compare ((-1, -1) when it is not one)."""
+    raw = event_id.decode("ascii", "replace") if isinstance(event_id, bytes) else event_id
+    ms, sep, n = raw.partition("-")
+    if not (sep and ms.isdigit() and n.isdigit() and len(ms) <= 20 and len(n) <= 20):
+        return (-1, -1)
+    return (int(ms), int(n))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -280,7 +280,7 @@ async def test_a_bad_cursor_is_a_400(gateway: GatewayProc):
             assert "cursor" in response.json()["error"]
 
 
-async def test_session_events_replay_kept_turns_after_the_cursor_then_follow_new_ones(
+async def test_session_events_replay_kept_turns_then_follow_new_ones_and_resume(
     gateway: GatewayProc, workers: WorkerPool
 ):
     workers.start(1)  # the built-in rules
@@ -289,35 +289,123 @@ async def test_session_events_replay_kept_turns_after_the_cursor_then_follow_new
             sent = await http.post("/sessions/ev-1/messages", json={"text": text}, headers=AUTH)
             assert sent.status_code == 202
             await read_sse(http, sent.json()["stream"])  # until it is answered
-        turns: list[SSE] = []
-        parser = SSEParser()
-        async with http.stream(
-            "GET", "/sessions/ev-1/events", headers={**AUTH, "Last-Event-ID": "1"}
-        ) as response:
+
+        async def on_event(events: list[SSE]) -> bool:
+            if len(events) == 2:  # the kept turns; now a new one lands
+                await http.post("/sessions/ev-1/messages", json={"text": "ketiga"}, headers=AUTH)
+            return len(events) == 3
+
+        turns = await read_events(http, "/sessions/ev-1/events", on_event)
+        assert [(t.kind, t.data["seq"], t.data["user"]) for t in turns] == [
+            ("turn", 1, "nama saya Budi"),
+            ("turn", 2, "internet mati"),
+            ("turn", 3, "ketiga"),
+        ]
+        assert turns[0].id is None and turns[1].id and turns[2].id
+        assert turns[1].data["bot"].startswith("Mencatat keluhan Anda")
+        assert turns[2].data["outcome"] == "applied"
+        # Resumed from the second turn's cursor: the third, and nothing before it.
+        await http.post("/sessions/ev-1/messages", json={"text": "keempat"}, headers=AUTH)
+        again = await read_events(
+            http, "/sessions/ev-1/events", lambda e: len(e) == 2, {"Last-Event-ID": turns[1].id}
+        )
+        assert [t.data["seq"] for t in again] == [3, 4]
+
+
+async def read_events(
+    http: httpx.AsyncClient, url: str, done, headers: dict[str, str] | None = None
+) -> list[SSE]:
+    """The events of an /events stream until ``done(events)`` (a function or a coroutine
+    function) says so, within 20 s."""
+    parser = SSEParser()
+
+    async def read() -> list[SSE]:
+        async with http.stream("GET", url, headers={**AUTH, **(headers or {})}) as response:
+            assert response.status_code == 200, await response.aread()
             assert response.headers["x-accel-buffering"] == "no"
             async for line in response.aiter_lines():
-                event = parser.line(line)
-                if event is None:
+                if parser.line(line) is None:
                     continue
-                turns.append(event)
-                if len(turns) == 1:  # the kept turn after seq 1; now a new one lands
-                    await http.post(
-                        "/sessions/ev-1/messages", json={"text": "ketiga"}, headers=AUTH
-                    )
-                if len(turns) == 2:
+                verdict = done(parser.events)
+                if asyncio.iscoroutine(verdict):
+                    verdict = await verdict
+                if verdict:
                     break
-    assert [(t.id, t.data["seq"], t.data["user"]) for t in turns] == [
-        ("2", 2, "internet mati"),
-        ("3", 3, "ketiga"),
-    ]
-    assert turns[0].data["bot"].startswith("Mencatat keluhan Anda")
+        return parser.events
+
+    return await asyncio.wait_for(read(), 20)
 
 
-async def test_session_events_refuse_a_cursor_that_is_not_a_seq(gateway: GatewayProc):
+async def test_session_events_refuse_a_cursor_they_cannot_read(gateway: GatewayProc):
     async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
-        bad = await http.get("/sessions/a/events?after=x:1:2", headers=AUTH)
-        assert bad.status_code == 400
+        for cursor in ("x:1:2", "1-2", "1-2:x", "9" * 40):
+            bad = await http.get(f"/sessions/a/events?after={cursor}", headers=AUTH)
+            assert bad.status_code == 400, cursor
+            assert "cursor" in bad.json()["error"]
         assert (await http.get("/sessions/a/events")).status_code == 401
+
+
+async def test_session_events_miss_no_turn_of_a_burst_larger_than_the_history(
+    gateway: GatewayProc, workers: WorkerPool, env: dict[str, str]
+):
+    """40 messages applied at once with a history of 5 turns: an open stream gets every one of
+    them, in order (the reply stream has them all), and so does a reader that comes back
+    from a cursor taken before the burst."""
+    workers.start(1, DIALOG_HISTORY_LIMIT="5")
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        for text in ("satu", "dua"):
+            sent = await http.post("/sessions/ev-b/messages", json={"text": text}, headers=AUTH)
+            await read_sse(http, sent.json()["stream"])
+
+        def on_event(events: list[SSE]) -> bool:
+            if len(events) == 2:
+                for i in range(40):
+                    r.xadd("dialog", {"session_id": "ev-b", "text": f"burst {i}"})
+            return bool(events[-1].data.get("seq") == 42)
+
+        live = await read_events(http, "/sessions/ev-b/events", on_event)
+        assert [e.kind for e in live] == ["turn"] * 42
+        assert [e.data["seq"] for e in live] == list(range(1, 43))
+        rest = await read_events(
+            http, "/sessions/ev-b/events", lambda e: len(e) >= 40, {"Last-Event-ID": live[1].id}
+        )
+    assert [e.data["seq"] for e in rest] == list(range(3, 43))
+    assert [e.data["user"] for e in rest[-5:]] == [f"burst {i}" for i in range(35, 40)]
+    assert rest[0].data["user"] is None  # its turn left the history; its reply did not
+
+
+async def test_session_events_follow_a_session_deleted_and_started_again(
+    gateway: GatewayProc, workers: WorkerPool, env: dict[str, str]
+):
+    """After a delete the seq starts again at 1: an open stream, and a reader resuming with an
+    earlier cursor, are told the session restarted and get its new turns."""
+    workers.start(1)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        for text in ("nama saya Budi", "internet mati"):
+            sent = await http.post("/sessions/ev-d/messages", json={"text": text}, headers=AUTH)
+            await read_sse(http, sent.json()["stream"])
+        before = await read_events(http, "/sessions/ev-d/events", lambda e: len(e) == 2)
+
+        async def on_event(events: list[SSE]) -> bool:
+            if len(events) == 2:
+                from dialog_worker.client import DialogClient
+
+                async with DialogClient(env["REDIS_URL"]) as client:
+                    await client.delete("ev-d")
+                await http.post(
+                    "/sessions/ev-d/messages", json={"text": "nama saya Sari"}, headers=AUTH
+                )
+            return any(e.kind == "turn" and e.data["user"] == "nama saya Sari" for e in events)
+
+        live = await read_events(http, "/sessions/ev-d/events", on_event)
+        assert [(e.kind, e.data.get("seq")) for e in live[2:]] == [("resync", None), ("turn", 1)]
+        assert live[2].data == {"reason": "restart", "turns": []}
+        assert live[3].data["bot"] == "Halo Sari, ada yang bisa dibantu?"
+        resumed = await read_events(
+            http, "/sessions/ev-d/events", lambda e: len(e) == 2, {"Last-Event-ID": before[-1].id}
+        )
+        assert [(e.kind, e.data.get("seq")) for e in resumed] == [("resync", None), ("turn", 1)]
 
 
 async def test_a_session_id_that_is_not_utf8_is_refused_not_merged(gateway: GatewayProc):
@@ -351,3 +439,35 @@ async def test_deeply_nested_json_is_a_400_like_any_malformed_body(gateway: Gate
             response = await http.post("/sessions/a/messages", content=body, headers=AUTH)
             assert response.status_code == 400, response.text
             assert response.json() == {"error": "the body must be JSON"}
+
+
+async def test_session_events_resync_a_reader_whose_cursor_fell_behind_the_reply_stream(
+    gateway: GatewayProc, workers: WorkerPool, env: dict[str, str]
+):
+    """Events after the reader's cursor were trimmed from the reply stream: it gets a resync
+    with the turns the session keeps, never a silent hole, then the new turns."""
+    workers.start(1)
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        sent = await http.post(
+            "/sessions/ev-g/messages", json={"text": "nama saya Budi"}, headers=AUTH
+        )
+        await read_sse(http, sent.json()["stream"])
+        first = await read_events(http, "/sessions/ev-g/events", lambda e: len(e) == 1)
+        sent = await http.post("/sessions/ev-g/messages", json={"text": "kedua"}, headers=AUTH)
+        await read_sse(http, sent.json()["stream"])
+        r.xtrim("dialog-replies", maxlen=0, approximate=False)  # MAXLEN, to a reader long away
+        sent = await http.post("/sessions/ev-g/messages", json={"text": "ketiga"}, headers=AUTH)
+        await read_sse(http, sent.json()["stream"])
+        back = await read_events(
+            http, "/sessions/ev-g/events", lambda e: len(e) == 1, {"Last-Event-ID": first[0].id}
+        )
+        assert back[0].kind == "resync" and back[0].data["reason"] == "gap"
+        assert [t["seq"] for t in back[0].data["turns"]] == [1, 2, 3]
+
+        # Resumed from the resync's cursor: nothing it showed again, then the next turn.
+        await http.post("/sessions/ev-g/messages", json={"text": "empat"}, headers=AUTH)
+        after = await read_events(
+            http, "/sessions/ev-g/events", lambda e: len(e) == 1, {"Last-Event-ID": back[0].id}
+        )
+    assert [(e.kind, e.data["seq"]) for e in after] == [("turn", 4)]

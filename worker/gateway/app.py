@@ -23,7 +23,7 @@ import json
 import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, cast
+from typing import Any
 
 import redis.exceptions
 import structlog
@@ -37,6 +37,7 @@ from dialog_worker.codec import check_id
 from dialog_worker.config import Settings
 from dialog_worker.errors import ReplyStreamError, ValidationError
 from dialog_worker.partials import StreamEvent
+from dialog_worker.session_events import parse_session_cursor
 
 log = structlog.get_logger("dialog_worker.gateway")
 
@@ -333,72 +334,49 @@ def _public(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-# How often an open /events stream looks at the session's state (one HGET while nothing
-# changed).
-EVENTS_POLL_S = 0.5
-
-
 async def session_events(request: Request) -> Response:
-    """The session's turns (message and reply, in seq order) as server-sent events ``turn``,
-    ``id:`` the turn's seq: from ``Last-Event-ID`` / ``?after=`` on (the turns the history
-    still keeps), then each new one as it is applied, for every device of the user."""
+    """The session's turns as server-sent events (`DialogClient.events`): ``turn`` (a message's
+    end: ``seq``, ``msg_id``, ``outcome``, ``user``, ``bot``) and ``resync`` (replace what you
+    show with ``turns``: after a gap in the reply stream, or when the session started over).
+    ``id:`` is the cursor (``<ms>-<n>:<seq>``); ``Last-Event-ID`` / ``?after=`` resumes from it
+    (a bare seq, the cursor of earlier versions, starts from the kept turns above it)."""
     refused = _refused(request)
     if refused is not None:
         return refused
     client: DialogClient = request.app.state.client
     session_id = request.path_params["session_id"]
-    raw_after = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
-    if not (raw_after.isascii() and raw_after.isdigit() and len(raw_after) <= 18):
-        return _error(400, f"the cursor of /events is a seq (a whole number), got {raw_after!r}")
+    raw_after = request.headers.get("last-event-id") or request.query_params.get("after") or None
     try:
         check_id("session_id", session_id)
+        if raw_after is not None:
+            parse_session_cursor(raw_after)
     except ValidationError as exc:
         return _error(400, str(exc))
-    state_key = client.keys_for(session_id).session(session_id).state
     return StreamingResponse(
-        _turns(client, state_key, int(raw_after)),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
+        _turns(client, session_id, raw_after), media_type="text/event-stream", headers=SSE_HEADERS
     )
 
 
-async def _turns(client: DialogClient, state_key: str, after: int) -> AsyncIterator[str]:
+async def _turns(client: DialogClient, session_id: str, after: str | None) -> AsyncIterator[str]:
     yield f"retry: {RETRY_MS}\n\n"
     loop = asyncio.get_running_loop()
     ends = loop.time() + CONNECTION_MAX_S
     quiet_since = loop.time()
-    seen_applied = -1
-    while loop.time() < ends:
-        applied = cast(bytes | None, await client.raw.hget(state_key, "a"))
-        applied_seq = int(applied) if applied is not None and applied.isdigit() else 0
-        if applied_seq != seen_applied:
-            seen_applied = applied_seq
-            if applied_seq > after:
-                doc = cast(bytes | None, await client.raw.hget(state_key, "d"))
-                for turn in _history_after(doc, after):
-                    after = int(turn["seq"])
-                    data = json.dumps(turn, ensure_ascii=False)
-                    yield f"id: {after}\nevent: turn\ndata: {data}\n\n"
-                    quiet_since = loop.time()
-        if loop.time() - quiet_since >= HEARTBEAT_S:
-            yield ": keep-alive\n\n"
-            quiet_since = loop.time()
-        await asyncio.sleep(EVENTS_POLL_S)
-
-
-def _history_after(doc: bytes | None, after: int) -> list[dict[str, Any]]:
-    """The kept turns with a seq above ``after``, oldest first (nothing read from Redis is
-    trusted to be well-formed)."""
+    events = client.events(session_id, after)
     try:
-        state = json.loads(doc) if doc else {}
-    except (ValueError, UnicodeDecodeError):
-        return []
-    history = state.get("history") if isinstance(state, dict) else None
-    if not isinstance(history, list):
-        return []
-    turns = [
-        {k: t.get(k) for k in ("seq", "msg_id", "user", "bot")}
-        for t in history
-        if isinstance(t, dict) and isinstance(t.get("seq"), int) and t["seq"] > after
-    ]
-    return sorted(turns, key=lambda t: int(t["seq"]))
+        async for event in events:
+            if event.kind != "idle":
+                data = json.dumps(event.data, ensure_ascii=False)
+                head = f"id: {event.cursor}\n" if event.cursor is not None else ""
+                yield f"{head}event: {event.kind}\ndata: {data}\n\n"
+                quiet_since = loop.time()
+            elif loop.time() - quiet_since >= HEARTBEAT_S:
+                yield ": keep-alive\n\n"
+                quiet_since = loop.time()
+            if loop.time() >= ends:
+                return  # the browser reconnects from its cursor
+    except (redis.exceptions.RedisError, OSError, ReplyStreamError) as exc:
+        log.warning("session_events_stopped", error=str(exc))
+    finally:
+        with contextlib.suppress(Exception):
+            await events.aclose()  # type: ignore[attr-defined]
