@@ -18,7 +18,8 @@
                            dead-lettered)
     'pending', 0, ''       no message with this msg_id is outstanding that this script can
                            find (not arrived yet, or sent without a msg_id): the mark ends it
-                           cancelled if it is outstanding or arrives while the mark is kept
+                           cancelled if it is outstanding or arrives while the mark is kept;
+                           one waiting as a timer (deliver_at) keeps it until it is due + ttl
 ]]
 local sprefix = KEYS[1]
 local sid, msg_id, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -64,6 +65,15 @@ end
 if seq and seq <= applied then
   return {'finished', seq, ''}
 end
-rcall('SET', mark, now_ms(), 'EX', ttl)
-index_msg_id(sprefix, sid, msg_id, 1, now_ms() + ttl * 1000, ttl * 1000)  -- found by delete
+-- A message waiting as a timer (deliver_at) is sequenced only when it is due, maybe later
+-- than ttl from now: its mark is kept until then, and ttl after.
+local keep = ttl
+local ok, due = pcall(cmsgpack.unpack,
+                      redis.pcall('HGET', session_key(sprefix, sid, 'timers'), 't:msg:' .. msg_id)
+                      or '')
+if ok and type(due) == 'number' and due > now_ms() then
+  keep = ttl + math.ceil((due - now_ms()) / 1000)
+end
+rcall('SET', mark, now_ms(), 'EX', keep)
+index_msg_id(sprefix, sid, msg_id, 1, now_ms() + keep * 1000, keep * 1000)  -- found by delete
 return {'pending', 0, ''}

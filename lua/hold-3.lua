@@ -6,7 +6,8 @@
   set, and a commit hands nothing on (commit-5.lua; a dead letter holds the session by itself
   under DIALOG_ON_DEAD_LETTER=hold). A step already running finishes and commits.
 
-    hold     set h (kept while the state hash lives)
+    hold     set h (kept while the state hash lives; a state made by the hold expires as an
+             idle one does)
     release  remove h; the session goes back to the ready set if anything waits
     redrive  (held sessions only) put the listed dead letters back in front of the waiting
              messages, in the order given: they take seqs applied + 1.., each waiting
@@ -20,7 +21,8 @@
 
   ARGV[1] hold | release | redrive   ARGV[2] session_id
   ARGV[3] hold: the note kept in h; redrive: dedupe ttl (s)
-  ARGV[4] redrive: number of letters N (1..200), then N groups of 3:
+  ARGV[4] hold: the idle state's ttl (s), set when the session has no state yet (optional);
+          redrive: number of letters N (1..200), then N groups of 3:
           dead-letter entry id, msg_id, fields (JSON array of names and values, strings)
 
   Returns
@@ -42,7 +44,12 @@ local state, lock = session_key(sprefix, sid, 'state'), session_key(sprefix, sid
 local now = now_ms()
 
 if op == 'hold' then
+  -- A session with no state yet (held before its first message) gets the idle expiry an
+  -- idle state has: nothing keeps an operator's hold of a session that never comes alive.
+  local new = rcall('EXISTS', state) == 0
   rcall('HSET', state, 'h', ARGV[3] or '')
+  local ttl = tonumber(ARGV[4])
+  if new and ttl and ttl > 0 then rcall('EXPIRE', state, ttl) end
   return {'held'}
 end
 

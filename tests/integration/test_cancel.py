@@ -387,3 +387,21 @@ async def test_ask_stream_of_a_msg_id_sent_again_waits_for_its_own_end_while_unr
 async def _applied(client: DialogClient, session: str, seq: int) -> bool:
     state = await client.state(session)
     return state is not None and state["applied_seq"] >= seq
+
+
+async def test_a_cancel_of_a_message_due_later_than_the_dedupe_window_is_kept_until_it_is_due(
+    workers: Any, client: DialogClient
+) -> None:
+    """A deliver_at message waits as a timer, not as a sequenced message: cancelled now, its
+    mark must outlive its due time (plus the window), or it is applied when it fires."""
+    workers.start(1)
+    due = time.time() + 3 * client.settings.dedupe_ttl_s
+    await client.send("s-due", "later", msg_id="due1", deliver_at=due)
+    timers = client.keys.session("s-due").timers
+    await wait_until_async(
+        lambda: client.redis.hexists(timers, "t:msg:due1"), 10, what="the timer set"
+    )
+    assert (await client.cancel("s-due", "due1")).status == "pending"
+    mark = client.keys.session("s-due").cancel_mark("due1")
+    ttl = await client.redis.ttl(mark)
+    assert ttl >= 3 * client.settings.dedupe_ttl_s + client.settings.dedupe_ttl_s - 60

@@ -1217,3 +1217,22 @@ async def test_a_user_message_cancels_a_nudge_after_the_state_that_noted_none_is
     await h.r.config_resetstat()
     await h.intake()
     assert "hget" not in await commands_run(h)  # noted: no look at the timers
+
+
+async def test_holding_a_session_that_does_not_exist_leaves_a_key_that_expires(
+    client: DialogClient,
+):
+    """An operator holds a session id before (or without) any message: the held state hash
+    lives DIALOG_STATE_TTL_S like an idle session's, not for ever; a message arriving for it
+    makes it persistent as any outstanding work does."""
+    from dialog_worker.console import actions
+
+    await actions.hold(client, "never-seen", "ops")
+    state = client.keys.session("never-seen").state
+    assert await client.redis.hget(state, "h")
+    ttl = await client.redis.ttl(state)
+    assert 0 < ttl <= client.settings.state_ttl_s
+    # Held again (an existing session): its expiry is left as it is.
+    await client.redis.expire(state, 50)
+    await actions.hold(client, "never-seen", "ops")
+    assert 0 < await client.redis.ttl(state) <= 50

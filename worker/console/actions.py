@@ -133,7 +133,8 @@ async def _hold_call(client: DialogClient, session_id: str, args: list[Any]) -> 
 async def hold(client: DialogClient, session_id: str, who: str) -> Outcome:
     """Hold a session: its next messages wait (sequenced) until a release or a redrive."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    await _hold_call(client, session_id, ["hold", f"held by {who} at {when} UTC"])
+    note = f"held by {who} at {when} UTC"
+    await _hold_call(client, session_id, ["hold", note, client.settings.state_ttl_s])
     return Outcome(done=1)
 
 
