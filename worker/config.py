@@ -281,8 +281,44 @@ def _echo_fields(name: str, raw: Any) -> str:
     return ",".join(names)
 
 
+def cluster_startup_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """``redis://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/DB][?OPTIONS]``: the URL with its
+    first node only (what redis-py parses) and every node, in order (a Cluster client starts
+    from whichever answers). Raises ValueError naming what is wrong, never the URL."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    if "?" in netloc:  # no path: the options follow the hosts
+        netloc, _, query = netloc.partition("?")
+        tail, slash = "?" + query + (slash + tail if slash else ""), ""
+    creds, at, hosts = netloc.rpartition("@")
+    nodes: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, colon, port = (
+            item.rpartition(":") if "]" not in item.rpartition(":")[2] else ("", "", "")
+        )
+        host = host.strip("[]")
+        if not item or not colon or not host:
+            raise ValueError("each startup node must be HOST:PORT (a host is missing)")
+        if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError("each startup node's port must be a number between 1 and 65535")
+        nodes.append((host, int(port)))
+    first = hosts.split(",")[0]
+    return f"{scheme}{sep}{creds}{at}{first}{slash}{tail}", nodes
+
+
 def _url(name: str, raw: Any) -> str:
     value = str(raw).strip()
+    if (
+        value.startswith(("redis://", "rediss://"))
+        and "," in value.partition("://")[2].split("/")[0]
+    ):
+        # Several startup nodes (a Cluster): each is checked, then the URL with the first.
+        try:
+            first, _ = cluster_startup_nodes(value)
+        except ValueError as exc:
+            raise ConfigError(name, str(exc)) from None
+        _url(name, first)
+        return value
     if value.startswith("redis+sentinel://"):
         from dialog_worker.redis_conn import parse_sentinel_url  # it imports this module
 
@@ -476,6 +512,12 @@ def _read_config_file(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _check_relations(s: Settings) -> None:
+    if s.redis_mode != "cluster" and "," in s.redis_url.partition("://")[2].split("/")[0]:
+        raise ConfigError(
+            "REDIS_URL",
+            "several startup nodes (HOST:PORT,HOST:PORT) are for a Cluster: set "
+            "DIALOG_REDIS_MODE=cluster",
+        )
     if s.redis_ca_path and s.redis_url.startswith("rediss://"):
         # Fail at start, not with a TLS error at every connection attempt.
         if not Path(s.redis_ca_path).is_file():

@@ -50,7 +50,7 @@ from dialog_worker.http import serve as serve_http
 from dialog_worker.keys import Keys, Topology
 from dialog_worker.metrics import Metrics
 from dialog_worker.pipeline import Committer, Job, Pipeline
-from dialog_worker.redis_conn import check_topology, connect, prepare
+from dialog_worker.redis_conn import TOPOLOGY_LISTENERS, check_topology, connect, prepare
 from dialog_worker.scripts import Scripts
 from dialog_worker.views import queue_stats, reply_group_lags
 
@@ -257,6 +257,8 @@ class Worker:
         per_shard = max(1, -(-settings.concurrency // len(self.topology.shards)))
         self.shards = [Shard(k, SlotGate(per_shard)) for k in self.topology.shards]
         self.metrics = metrics or Metrics()
+        if settings.redis_mode == "cluster":
+            TOPOLOGY_LISTENERS.append(self._topology_refreshed)
         for shard in self.shards:  # so every gauge is exported from the start
             for gauge in self.metrics.queue_gauges():
                 gauge.labels(shard.label)
@@ -321,6 +323,10 @@ class Worker:
                 shard.group_ready = False
 
     # ------------------------------------------------------------------------------------
+
+    def _topology_refreshed(self, masters: int, nodes: int) -> None:
+        self.metrics.topology_refreshes.inc()
+        log.info("redis_topology_refreshed", masters=masters, nodes=nodes)
 
     async def run(self) -> None:
         log.info(
@@ -414,6 +420,8 @@ class Worker:
                 await self.redis.aclose()
             if http is not None:
                 http.close()
+            if self._topology_refreshed in TOPOLOGY_LISTENERS:
+                TOPOLOGY_LISTENERS.remove(self._topology_refreshed)
             log.info("worker_stopped")
             if self.refused is not None:
                 raise self.refused

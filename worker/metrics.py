@@ -60,6 +60,11 @@ class Metrics:
             "Commits refused because the lock or the state version moved on",
             registry=r,
         )
+        self.topology_refreshes = Counter(
+            "dialog_redis_topology_refreshes",
+            "Times a Redis Cluster client learnt the slot map anew (start, failover, MOVED)",
+            registry=r,
+        )
         self.lease_renewals = Counter(
             "dialog_lease_renewals", "Lock lease extensions of long steps", registry=r
         )

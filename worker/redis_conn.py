@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import urllib.parse
+from collections.abc import Callable
 from typing import Any, cast
 
 import hiredis
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, NodesManager, RedisCluster
 from redis.asyncio.connection import (
     AbstractConnection,
     Connection,
@@ -18,10 +20,10 @@ from redis.asyncio.connection import (
 )
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.driver_info import DriverInfo
 
-from dialog_worker.config import Settings
+from dialog_worker.config import Settings, cluster_startup_nodes
 from dialog_worker.errors import ConfigError
 from dialog_worker.keys import shards_key
 
@@ -157,6 +159,8 @@ PACKED_CLASSES: dict[type[AbstractConnection], type[AbstractConnection]] = {
 # client raises instead of waiting when it is reached, so it sits well above any caller's
 # concurrency.
 CLUSTER_MAX_CONNECTIONS_PER_NODE = 1000
+# Retries of one command on a Cluster (see _connect_cluster).
+CLUSTER_RETRIES = 8
 
 
 def _connect_cluster(
@@ -168,16 +172,55 @@ def _connect_cluster(
     twice (send dedupes on msg_id; acquire is re-entrant for the same token; a second commit,
     retry, dead-letter or promote finds its work done and changes nothing). It offers the same
     command API for everything the worker uses, hence the cast."""
+    first, nodes = cluster_startup_nodes(settings.redis_url)
     cluster = RedisCluster.from_url(
-        settings.redis_url,
+        first,
+        # Every node REDIS_URL names (comma-separated): a client that starts, or has to learn
+        # the slots again, while the first one is down asks the others.
+        startup_nodes=[ClusterNode(host, port) for host, port in nodes[1:]],
         decode_responses=decode_responses,
+        # Stated here, not left to redis-py's defaults (which changed between releases): a
+        # command meeting a dead node or a slot without a master is retried up to
+        # CLUSTER_RETRIES times, the slot map refreshed in between, with a jittered backoff
+        # from 50 ms doubling to 1 s: about 5 s in all, enough to ride through a promotion
+        # with cluster-node-timeout up to 2 s, then the error reaches the caller.
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), CLUSTER_RETRIES),
         max_connections=max(max_connections, CLUSTER_MAX_CONNECTIONS_PER_NODE),
         socket_timeout=5,
         socket_connect_timeout=5,
         driver_info=DRIVER_INFO,
         **kwargs,
     )
+    _observe_refreshes(cluster)
     return cast(Redis, cluster)
+
+
+# Called with the number of masters after each refresh of a Cluster client's slot map (the
+# worker counts them in dialog_redis_topology_refreshes_total and logs them).
+TOPOLOGY_LISTENERS: list[Callable[[int, int], None]] = []
+_log = logging.getLogger("dialog_worker.redis")
+
+
+class _ObservedNodesManager(NodesManager):
+    """redis-py's NodesManager that says when it learnt the slot map (its instances have no
+    __dict__, so the client's own manager is given this class: same slots, one method)."""
+
+    __slots__ = ()
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> None:
+        await super().initialize(*args, **kwargs)
+        masters = len({nodes[0].name for nodes in self.slots_cache.values() if nodes})
+        _log.info(
+            "Redis Cluster topology refreshed: %d masters, %d nodes", masters, len(self.nodes_cache)
+        )
+        for listener in TOPOLOGY_LISTENERS:
+            listener(masters, len(self.nodes_cache))
+
+
+def _observe_refreshes(cluster: RedisCluster) -> None:
+    """A log line (and the listeners) each time the client learns the slot map anew: at
+    start, and after a failover or a MOVED answer made it ask again."""
+    cluster.nodes_manager.__class__ = _ObservedNodesManager
 
 
 SENTINEL_SCHEME = "redis+sentinel://"

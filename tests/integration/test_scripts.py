@@ -1220,7 +1220,7 @@ async def test_a_user_message_cancels_a_nudge_after_the_state_that_noted_none_is
 
 
 async def test_holding_a_session_that_does_not_exist_leaves_a_key_that_expires(
-    client: DialogClient,
+    client: Any,
 ):
     """An operator holds a session id before (or without) any message: the held state hash
     lives DIALOG_STATE_TTL_S like an idle session's, not for ever; a message arriving for it

@@ -520,3 +520,29 @@ def test_message_ttl_is_a_number_of_seconds_zero_off() -> None:
     assert load_settings(environ={"DIALOG_MESSAGE_TTL_S": "7200"}).message_ttl_s == 7200
     with pytest.raises(ConfigError, match="DIALOG_MESSAGE_TTL_S"):
         load_settings(environ={"DIALOG_MESSAGE_TTL_S": "-1"})
+
+
+def test_a_cluster_url_may_name_several_startup_nodes() -> None:
+    from dialog_worker.config import cluster_startup_nodes
+
+    url = "redis://user:pw@10.0.0.1:7000,10.0.0.2:7001,[::1]:7002/0?socket_timeout=3"
+    s = load_settings(environ={"REDIS_URL": url, "DIALOG_REDIS_MODE": "cluster"})
+    first, nodes = cluster_startup_nodes(s.redis_url)
+    assert first == "redis://user:pw@10.0.0.1:7000/0?socket_timeout=3"
+    assert nodes == [("10.0.0.1", 7000), ("10.0.0.2", 7001), ("::1", 7002)]
+    assert "pw" not in s.redacted_url() and "10.0.0.2:7001" in s.redacted_url()
+    assert cluster_startup_nodes("redis://h:1/0") == ("redis://h:1/0", [("h", 1)])
+
+
+@pytest.mark.parametrize(
+    ("url", "mode", "says"),
+    [
+        ("redis://a:1,b:x/0", "cluster", "port"),
+        ("redis://a:1,,b:2/0", "cluster", "host"),
+        ("redis://a:1,b:2/0", "standalone", "DIALOG_REDIS_MODE=cluster"),
+    ],
+)
+def test_a_bad_list_of_startup_nodes_is_one_clear_line(url: str, mode: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(environ={"REDIS_URL": url, "DIALOG_REDIS_MODE": mode})
+    assert says in str(caught.value) and "REDIS_URL" in str(caught.value)
