@@ -186,6 +186,21 @@ def _parser() -> argparse.ArgumentParser:
     state = sub.add_parser("state", help="print a session's dialog state (or null)")
     state.add_argument("session", type=_session_id, help="session id")
 
+    token = sub.add_parser(
+        "token",
+        help="mint a session token for a browser (signed with DIALOG_HTTP_SIGNING_KEY) and "
+        "print it with the session and its expiry",
+    )
+    token.add_argument("session", type=_session_id, help="session id")
+    token.add_argument(
+        "--ttl", type=float, default=3600, help="seconds until it expires (default 3600)"
+    )
+    token.add_argument(
+        "--actions",
+        default=None,
+        help="comma-separated, some of send,stream,cancel,events (default: all)",
+    )
+
     session = sub.add_parser(
         "session",
         help="inspect one session: lock, seqs, waiting messages (session SESSION); start it "
@@ -504,6 +519,25 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _token(settings: Settings, args: argparse.Namespace) -> int:
+    from dialog_worker import session_tokens
+
+    actions = args.actions.split(",") if args.actions else None
+    if not settings.http_signing_key:
+        raise ConfigError("DIALOG_HTTP_SIGNING_KEY", "not set: it signs the session tokens")
+    token = session_tokens.mint(settings.http_signing_key, args.session, args.ttl, actions)
+    grant = session_tokens.verify(settings.http_signing_key, token)
+    _emit(
+        {
+            "token": token,
+            "session_id": grant.session_id,
+            "actions": list(grant.actions),
+            "expires_at": grant.expires_at,
+        }
+    )
+    return EXIT_OK
+
+
 async def _state(settings: Settings, args: argparse.Namespace) -> int:
     async with DialogClient(settings=settings) as c:
         _emit(await c.state(args.session))
@@ -688,6 +722,7 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] =
     "replies": _replies,
     "cancel": _cancel,
     "state": _state,
+    "token": _token,
     "session": _session,
     "stats": _stats,
     "verify": _verify,

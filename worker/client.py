@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -20,6 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from dialog_worker import session_tokens
 from dialog_worker.codec import (
     MAX_EXTRA_FIELDS,
     RESERVED_FIELDS,
@@ -390,6 +391,17 @@ class DialogClient:
             raise ReplyTimeout(session_id, msg_id, timeout, router.problem()) from None
         finally:
             router.forget(session_id, msg_id, waiter)
+
+    def session_token(
+        self, session_id: str, ttl_s: float = 3600, actions: Iterable[str] | None = None
+    ) -> str:
+        """A token for a browser that allows ``actions`` (some of ``send``, ``stream``,
+        ``cancel``, ``events``; all when None) on this session only, for ``ttl_s`` seconds,
+        signed with ``DIALOG_HTTP_SIGNING_KEY`` (the gateway checks it with the same key).
+        Mint it in your server for the user you know, hand it to their page; rotate the key to
+        revoke every token. See docs/http.md."""
+        check_id("session_id", session_id)
+        return session_tokens.mint(self.settings.http_signing_key, session_id, ttl_s, actions)
 
     async def events(
         self, session_id: str, after: str | None = None

@@ -105,6 +105,11 @@ class Settings:
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     http_token: str = ""
+    # Session-scoped tokens for browsers (worker/session_tokens.py), the origins allowed to
+    # call the gateway from a page of their own, and a hook for teams that have their users.
+    http_signing_key: str = ""
+    http_cors_origins: str = ""
+    http_authorize: str = ""
 
     def __post_init__(self) -> None:
         for field, suffix in DERIVED_NAMES.items():
@@ -281,6 +286,35 @@ def _echo_fields(name: str, raw: Any) -> str:
     return ",".join(names)
 
 
+def _signing_key(name: str, raw: Any) -> str:
+    value = str(raw).strip()
+    if value and len(value.encode()) < 32:
+        # Never echoed: it is a secret.
+        raise ConfigError(name, "must be at least 32 bytes (for example: openssl rand -hex 32)")
+    return value
+
+
+def _origins(name: str, raw: Any) -> str:
+    """Comma-separated origins (``https://chat.example.com``), or ``*`` for any."""
+    items = [o.strip() for o in str(raw).split(",") if o.strip()]
+    for origin in items:
+        if origin == "*":
+            continue
+        parts = urllib.parse.urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("",):
+            raise ConfigError(
+                name, f"{origin[:80]!r} is not an origin (scheme://host[:port], no path), or *"
+            )
+    return ",".join(items)
+
+
+def _hook(name: str, raw: Any) -> str:
+    value = str(raw).strip()
+    if value and (value.count(":") != 1 or not all(value.split(":"))):
+        raise ConfigError(name, f"must look like package.module:function, got {value[:80]!r}")
+    return value
+
+
 def cluster_startup_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
     """``redis://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/DB][?OPTIONS]``: the URL with its
     first node only (what redis-py parses) and every node, in order (a Cluster client starts
@@ -405,6 +439,9 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "http_host": _name,
     "http_port": _int(0, 65535),
     "http_token": _text,
+    "http_signing_key": _signing_key,
+    "http_cors_origins": _origins,
+    "http_authorize": _hook,
 }
 
 # Environment names that do not follow the DIALOG_<FIELD> pattern.

@@ -26,14 +26,16 @@ import atexit
 import os
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import anyio.from_thread
 
-from dialog_worker.client import DialogClient, SendResult
+from dialog_worker import session_tokens
+from dialog_worker.client import CancelResult, DialogClient, SendResult
+from dialog_worker.codec import check_id
 from dialog_worker.config import Settings, client_settings
 from dialog_worker.erasure import EraseResult
 from dialog_worker.replies import Reply
@@ -52,7 +54,8 @@ def _close_all() -> None:
 
 
 class SyncDialogClient:
-    """`DialogClient`'s `send`, `ask`, `state`, `reset` and `delete`, as plain blocking calls.
+    """`DialogClient`'s `send`, `ask`, `state`, `cancel`, `reset`, `delete` and
+    `session_token`, as plain blocking calls.
 
     ``SyncDialogClient(url=None, *, settings=None, max_connections=64, **overrides)`` takes
     what `DialogClient` takes and reads the same settings (``REDIS_URL``, ``DIALOG_*``) when
@@ -131,6 +134,17 @@ class SyncDialogClient:
         ``replies=True`` its reply events too. Fenced against a running step; one
         ``session_delete`` event in the audit stream (``who``, ``reason``)."""
         return self._call(lambda c: c.delete(session_id, who=who, reason=reason, replies=replies))
+
+    def cancel(self, session_id: str, msg_id: str) -> CancelResult:
+        """Stop one message, waiting or running (`DialogClient.cancel`)."""
+        return self._call(lambda c: c.cancel(session_id, msg_id))
+
+    def session_token(
+        self, session_id: str, ttl_s: float = 3600, actions: Iterable[str] | None = None
+    ) -> str:
+        """A token for a browser, for this session only (`DialogClient.session_token`)."""
+        check_id("session_id", session_id)
+        return session_tokens.mint(self.settings.http_signing_key, session_id, ttl_s, actions)
 
     def close(self) -> None:
         """Close the connections and stop the loop thread; a later call starts them again."""

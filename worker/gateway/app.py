@@ -5,8 +5,13 @@
     POST /sessions/{session_id}/messages/{msg_id}/cancel     stop the answer (idempotent)
     GET  /sessions/{session_id}/events                       the session's turns, as they land
 
-Every request carries the token (``Authorization: Bearer <token>``, or ``?access_token=`` for
-``EventSource``, which cannot set headers) unless the app was built without auth. Bad input is
+Every request carries a token (``Authorization: Bearer <token>``, or ``?access_token=`` for
+``EventSource``, which cannot set headers) unless the app was built without auth: the server
+token (``DIALOG_HTTP_TOKEN``, for the application's servers: any session), or a session token
+minted by the application (worker/session_tokens.py: one session, some actions, until it
+expires), or whatever the ``DIALOG_HTTP_AUTHORIZE`` hook lets through. 401 without a valid
+one, 403 for a valid session token of another session or action. Pages on the origins of
+``DIALOG_HTTP_CORS_ORIGINS`` may call it from their own origin. Bad input is
 a 4xx with ``{"error": "..."}``; Redis out of reach a 503.
 
 Each SSE connection holds one task that follows the answer (`DialogClient.stream`) and a
@@ -19,23 +24,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib
+import inspect
 import json
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, cast
 
 import redis.exceptions
 import structlog
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from dialog_worker import session_tokens
 from dialog_worker.client import DialogClient
 from dialog_worker.codec import check_id
 from dialog_worker.config import Settings
-from dialog_worker.errors import ReplyStreamError, ValidationError
+from dialog_worker.errors import ConfigError, ReplyStreamError, ValidationError
 from dialog_worker.partials import StreamEvent
 from dialog_worker.session_events import parse_session_cursor
 
@@ -61,6 +71,20 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",  # nginx and others would hold the last event otherwise
     "Connection": "keep-alive",
 }
+
+
+def load_hook(spec: str) -> Callable[..., Any]:
+    """``package.module:function`` (DIALOG_HTTP_AUTHORIZE): called as ``function(request,
+    session_id, action)`` when a request carries neither the server token nor a session token
+    that allows it; True (or an awaitable of True) lets it through."""
+    module_name, _, name = spec.partition(":")
+    try:
+        hook = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("DIALOG_HTTP_AUTHORIZE", f"cannot load {spec!r}: {exc}") from None
+    if not callable(hook):
+        raise ConfigError("DIALOG_HTTP_AUTHORIZE", f"{spec!r} is not callable")
+    return cast(Callable[..., Any], hook)
 
 
 def create_app(
@@ -100,8 +124,25 @@ def create_app(
         Route("/healthz", healthz, methods=["GET"]),
         *(extra_routes or []),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = []
+    origins = [o for o in settings.http_cors_origins.split(",") if o]
+    if origins:
+        # Pages on these origins may call the gateway: preflights are answered, and the
+        # answers name the origin. Credentials are tokens in a header, never cookies.
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
+                allow_credentials=False,
+                max_age=600,
+            )
+        )
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.token = token
+    app.state.signing_key = settings.http_signing_key
+    app.state.authorize = load_hook(settings.http_authorize) if settings.http_authorize else None
     app.state.max_body = settings.max_message_bytes + BODY_SLACK_BYTES
     return app
 
@@ -110,23 +151,42 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
 
 
-def _authorized(request: Request) -> bool:
-    token: str | None = request.app.state.token
-    if token is None:
-        return True
-    given = ""
+def _given_token(request: Request) -> str:
     header = request.headers.get("authorization", "")
     if header.lower().startswith("bearer "):
-        given = header[7:].strip()
-    else:
-        given = request.query_params.get("access_token", "")
-    return hmac.compare_digest(given.encode(), token.encode())
+        return header[7:].strip()
+    return request.query_params.get("access_token", "")
 
 
-def _refused(request: Request) -> JSONResponse | None:
-    if not _authorized(request):
-        return _error(401, "missing or wrong token (Authorization: Bearer <token>)")
-    return _undecodable(request)
+async def _refused(request: Request, action: str) -> JSONResponse | None:
+    """None when the request may do ``action`` (one of session_tokens.ACTIONS) on the path's
+    session: the server token (any session), a session token for this session and action,
+    or the ``authorize`` hook's yes. Else 401 (no valid credential) or 403 (a valid session
+    token for another session or action), saying which."""
+    state = request.app.state
+    if state.token is None:
+        return _undecodable(request)  # built without auth (a loopback listener)
+    given = _given_token(request)
+    if state.token and given and hmac.compare_digest(given.encode(), state.token.encode()):
+        return _undecodable(request)
+    session_id = request.path_params.get("session_id", "")
+    refusal = session_tokens.TokenRefused(
+        401, "missing or wrong token (Authorization: Bearer <token>)"
+    )
+    if state.signing_key and given.startswith(session_tokens.VERSION + "."):
+        try:
+            grant = session_tokens.verify(state.signing_key, given)
+            session_tokens.check(grant, session_id, action)
+            return _undecodable(request)
+        except session_tokens.TokenRefused as exc:
+            refusal = exc
+    if state.authorize is not None:
+        verdict = state.authorize(request, session_id, action)
+        if inspect.isawaitable(verdict):
+            verdict = await verdict
+        if verdict is True:
+            return _undecodable(request)
+    return _error(refusal.status, refusal.reason)
 
 
 def _undecodable(request: Request) -> JSONResponse | None:
@@ -153,7 +213,7 @@ async def post_message(request: Request) -> Response:
     "deliver_at"}`` (all but text optional, as for `DialogClient.send`); answers 202
     ``{"session_id", "msg_id", "entry_id", "stream"}``. The msg_id is made before the send: a
     503 names it too, so posting again with it cannot apply the message twice."""
-    refused = _refused(request)
+    refused = await _refused(request, "send")
     if refused is not None:
         return refused
     client: DialogClient = request.app.state.client
@@ -201,7 +261,7 @@ async def cancel_message(request: Request) -> Response:
     "status", "seq", "outcome"}``, ``status`` ``cancelled`` (it will end so), ``finished``
     (it had ended: ``outcome`` says how when the history knows) or ``pending`` (not found yet:
     the cancel is kept and ends it if it comes). No body; as often as you like."""
-    refused = _refused(request)
+    refused = await _refused(request, "cancel")
     if refused is not None:
         return refused
     client: DialogClient = request.app.state.client
@@ -239,7 +299,7 @@ async def stream_answer(request: Request) -> Response:
     """The answer as server-sent events: ``id:`` is the cursor (absent on ``reset``),
     ``event:`` the kind, ``data:`` the event as JSON. Resumes from ``Last-Event-ID`` or
     ``?after=``. 204 when the cursor is already at the end: nothing is live for you."""
-    refused = _refused(request)
+    refused = await _refused(request, "stream")
     if refused is not None:
         return refused
     client: DialogClient = request.app.state.client
@@ -340,7 +400,7 @@ async def session_events(request: Request) -> Response:
     show with ``turns``: after a gap in the reply stream, or when the session started over).
     ``id:`` is the cursor (``<ms>-<n>:<seq>``); ``Last-Event-ID`` / ``?after=`` resumes from it
     (a bare seq, the cursor of earlier versions, starts from the kept turns above it)."""
-    refused = _refused(request)
+    refused = await _refused(request, "events")
     if refused is not None:
         return refused
     client: DialogClient = request.app.state.client

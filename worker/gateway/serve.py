@@ -21,26 +21,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_auth(host: str, token: str, no_auth: bool) -> str | None:
-    """The token to require, or None (no auth) when that was asked for on a loopback
-    address. Anything else open to the network stops the command (exit 2)."""
+def check_auth(host: str, token: str, no_auth: bool, signing_key: str = "") -> str | None:
+    """The server token to require ("" when only session tokens are accepted), or None (no
+    auth) when that was asked for on a loopback address. Anything else open to the network
+    stops the command (exit 2)."""
     if no_auth:
         if not is_loopback(host):
             raise ConfigError(
                 "--no-auth", f"only on a loopback address (127.0.0.1, ::1), not {host!r}"
             )
         return None
-    if not token:
+    if not token and not signing_key:
         raise ConfigError(
             "DIALOG_HTTP_TOKEN",
-            "not set: every request must carry a token; set one, or listen on a loopback "
-            "address with --no-auth",
+            "not set (nor DIALOG_HTTP_SIGNING_KEY): every request must carry a token; set "
+            "one, or listen on a loopback address with --no-auth",
         )
     return token
 
 
 async def serve(settings: Settings, host: str, port: int, no_auth: bool) -> int:
-    token = check_auth(host, settings.http_token, no_auth)
+    token = check_auth(host, settings.http_token, no_auth, settings.http_signing_key)
     _check_port(host, port)
     app = create_app(settings, token)
     config = uvicorn.Config(
