@@ -1,4 +1,4 @@
-"""How fast the console's pages answer on a large Redis (docs/benchmarks.md, "Console").
+"""How fast the console's pages answer on a large Redis (docs/benchmarks.md, "Console pages").
 
     .venv/bin/python tests/console/measure_scale.py [--sessions 100000] [--letters 10000]
         [--history 10]
