@@ -549,7 +549,8 @@ def _read_config_file(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _check_relations(s: Settings) -> None:
-    if s.redis_mode != "cluster" and "," in s.redis_url.partition("://")[2].split("/")[0]:
+    several = "," in s.redis_url.partition("://")[2].split("/")[0]
+    if several and s.redis_mode != "cluster" and s.redis_url.startswith(("redis://", "rediss://")):
         raise ConfigError(
             "REDIS_URL",
             "several startup nodes (HOST:PORT,HOST:PORT) are for a Cluster: set "

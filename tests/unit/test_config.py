@@ -546,3 +546,8 @@ def test_a_bad_list_of_startup_nodes_is_one_clear_line(url: str, mode: str, says
     with pytest.raises(ConfigError) as caught:
         load_settings(environ={"REDIS_URL": url, "DIALOG_REDIS_MODE": mode})
     assert says in str(caught.value) and "REDIS_URL" in str(caught.value)
+
+
+def test_sentinels_listed_with_commas_are_not_cluster_startup_nodes() -> None:
+    url = "redis+sentinel://10.0.0.5:26379,10.0.0.6:26379/mymaster/0"
+    assert load_settings(environ={"REDIS_URL": url}).redis_url == url
