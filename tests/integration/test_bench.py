@@ -223,9 +223,9 @@ def test_bench_refuses_a_namespace_that_a_group_reads_unless_named(
 
 
 def test_streaming_bench_measures_plain_messages_alone_and_alongside_the_answers() -> None:
-    """`python -m dialog_worker.bench.streaming --plain M` (docs/benchmarks.md, "Streamed answers"): a
-    small run answers every streamed answer correctly and reports the plain messages' two
-    throughputs, each over bursts of M repeated until they took --plain-min-s, the one
+    """`python -m dialog_worker.bench.streaming --plain M` (docs/benchmarks.md, "Streamed
+    answers"): a small run answers every streamed answer correctly and reports the plain
+    messages' two throughputs, each over bursts of M repeated until they took --plain-min-s, the one
     alongside taken while the answers were still being written, and the CPU each process
     used."""
     done = subprocess.run(

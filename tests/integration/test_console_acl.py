@@ -2,7 +2,7 @@
 
 Hold, release, redrive of a held session (lua/hold-3.lua) and cancel (lua/cancel-1.lua) run
 scripts; every command a script calls is checked against the user who called EVALSHA. These
-run the console's own action functions (worker/console/actions.py, what its forms call) as
+run the console's own action functions (dialog_worker/console/actions.py, what its forms call) as
 `operator` on a real redis-server loaded with the rendered ACL file, in both key layouts: each
 action does what it says, and Redis' ACL LOG stays empty (not one command denied, not even
 one a script ran through redis.pcall).

@@ -186,20 +186,34 @@ def docker_ignored(rel: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
     return ignored
 
 
+def _entries(folder: Path) -> list[Path]:
+    """Files and links under ``folder``, not looking inside linked folders."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        base = Path(root)
+        found += [base / d for d in dirs if (base / d).is_symlink()]
+        found += [base / n for n in names]
+    return found
+
+
 def copy_context(sources: list[str], dest: Path, rules: list[tuple[bool, re.Pattern[str]]]) -> int:
     copied = 0
     for source in sources:
         path = REPO / source
         assert path.exists(), f"COPY source {source} does not exist"
         assert not docker_ignored(source, rules), f"COPY source {source} is in .dockerignore"
-        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        # A link is copied as a link (as COPY does): worker/dialog_worker/lua points at lua/.
+        files = [path] if path.is_file() else _entries(path)
         for f in files:
             rel = f.relative_to(REPO).as_posix()
             if docker_ignored(rel, rules):
                 continue
             target = dest / f.relative_to(path.parent) if path.is_dir() else dest / f.name
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, target)
+            if f.is_symlink():
+                target.symlink_to(os.readlink(f))
+            else:
+                shutil.copy2(f, target)
             copied += 1
     return copied
 
@@ -220,7 +234,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
             copy_context(sources, target, rules)
         else:  # COPY dir ./dir or COPY file ./path/file
             copy_context(sources, target.parent, rules)
-    assert (src / "worker" / "__init__.py").is_file() and not (src / "worker" / "lua").exists()
+    assert (src / "worker" / "dialog_worker" / "__init__.py").is_file()
     [build] = builder.all("RUN")
     assert shlex.split(build) == "python -m pip wheel --wheel-dir /wheels .".split()
     wheels = tmp / "wheels"

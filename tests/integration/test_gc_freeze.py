@@ -15,7 +15,7 @@ from dialog_worker import daemon
 from dialog_worker.client import DialogClient
 from dialog_worker.config import load_settings
 from dialog_worker.daemon import Worker
-from dialog_worker.engine import load_engine
+from dialog_worker.engine_loading import load_engine
 from dialog_worker.verify import send_bursts, wait_applied
 
 

@@ -23,7 +23,7 @@ from worker_procs import WorkerPool, WorkerProc
 from dialog_worker.client import DialogClient
 from dialog_worker.config import load_settings
 from dialog_worker.daemon import Worker
-from dialog_worker.engine import load_engine
+from dialog_worker.engine_loading import load_engine
 from dialog_worker.verify import check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
@@ -51,7 +51,7 @@ CONTRACT_GAUGES = (
 
 FAST_SAMPLER = {"DIALOG_METRICS_SAMPLE_INTERVAL_S": "0.1"}
 
-# The per-message fields every line about one message carries (worker/log.py).
+# The per-message fields every line about one message carries (dialog_worker/log.py).
 MESSAGE_FIELDS = {"session_id", "msg_id", "seq", "entry_id", "attempt", "outcome", "duration_ms"}
 
 

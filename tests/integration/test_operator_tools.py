@@ -343,7 +343,7 @@ async def test_stats_and_the_lag_gauge_never_report_more_unread_than_the_stream_
     appended, eight trimmed away, the group's read counter left at 0: Redis says lag 10 for a
     stream of 2. `stats` and the dialog_group_lag gauge say 2."""
     from dialog_worker.daemon import Worker
-    from dialog_worker.engine import load_engine
+    from dialog_worker.engine_loading import load_engine
 
     for i in range(10):
         await xadd_raw(client.raw, "dialog", b"session_id", f"lag{i}".encode(), b"text", b"hi")

@@ -1,5 +1,5 @@
 """Streamed replies end to end: real redis-server, real worker processes, DialogClient.stream
-and ask_stream (worker/streaming.py, worker/partials.py, lua/emit-2.lua)."""
+and ask_stream (dialog_worker/streaming.py, dialog_worker/partials.py, lua/emit-2.lua)."""
 
 from __future__ import annotations
 

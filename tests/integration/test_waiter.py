@@ -99,7 +99,7 @@ async def test_an_idle_reader_waits_from_the_last_id_its_intake_read(env):
     the whole blocking read."""
     from dialog_worker.config import load_settings
     from dialog_worker.daemon import Worker
-    from dialog_worker.engine import load_engine
+    from dialog_worker.engine_loading import load_engine
 
     r = redis.Redis.from_url(env["REDIS_URL"])
     seen = r.xadd("dialog", {"session_id": "w0", "text": "read by the last intake"})
@@ -141,7 +141,7 @@ async def _writes_for_a_lone_message(env: dict[str, str]) -> list[tuple[str, ...
     event, and the next one after it: the commands each write carries."""
     from dialog_worker.config import load_settings
     from dialog_worker.daemon import Worker
-    from dialog_worker.engine import load_engine
+    from dialog_worker.engine_loading import load_engine
 
     r = redis.Redis.from_url(env["REDIS_URL"])
     worker = Worker(load_settings(environ=env), load_engine(None))
@@ -195,7 +195,7 @@ async def test_with_one_slot_the_reader_blocks_without_an_intake_call_behind_its
 def _read_ahead_worker(env: dict[str, str], concurrency: int) -> Any:
     from dialog_worker.config import load_settings
     from dialog_worker.daemon import Worker
-    from dialog_worker.engine import load_engine
+    from dialog_worker.engine_loading import load_engine
 
     settings = load_settings(
         environ={**env, "DIALOG_CONCURRENCY": str(concurrency), "DIALOG_READ_BLOCK_MS": "3000"}
@@ -334,7 +334,7 @@ async def test_an_idle_reader_makes_the_group_check_another_loop_asked_for(env):
     failure come late: here a loop fails by itself, just after the reader's wait began.)"""
     from dialog_worker.config import load_settings
     from dialog_worker.daemon import IDLE_RECHECK_S, Worker
-    from dialog_worker.engine import load_engine
+    from dialog_worker.engine_loading import load_engine
 
     settings = load_settings(
         environ={**env, "DIALOG_METRICS_PORT": "0", "DIALOG_READ_BLOCK_MS": "200"}

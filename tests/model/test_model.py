@@ -271,7 +271,7 @@ def _pairs(flat_fields: list[bytes]) -> list[tuple[bytes, bytes]]:
 
 def engine_answer(seq: int, text: str) -> tuple[str, list[str]]:
     """What the worker commits for a step that answered, by seq: a string, one bubble, two
-    bubbles or None (reply text and reply extras, as worker/engine.py's RichReply gives)."""
+    bubbles or None (reply text and reply extras, as dialog_worker/engine.py's RichReply gives)."""
     kind = seq % 4
     if kind == 0:
         return text, []

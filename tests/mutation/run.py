@@ -157,13 +157,8 @@ def copy_repo(dest: Path) -> None:
 
 
 def import_folder(copy: Path) -> Path:
-    """A folder in which `dialog_worker` is the copy's worker/ (the import package's source
-    folder has another name, so the copy itself on PYTHONPATH would not be found)."""
-    folder = copy / ".mutation-import"
-    if not (folder / "dialog_worker").exists():
-        folder.mkdir(exist_ok=True)
-        (folder / "dialog_worker").symlink_to(copy / "worker", target_is_directory=True)
-    return folder
+    """The folder in which `dialog_worker` is the copy's package (worker/dialog_worker)."""
+    return copy / "worker"
 
 
 def environment(copy: Path) -> dict[str, str]:

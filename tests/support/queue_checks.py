@@ -4,7 +4,7 @@ acks in the same script, so nothing should ever be), no session in any ready set
 session with a sequenced message it has not applied (state field `s` > `a`), and every idle
 session's state carrying its idle TTL (a state without one would never expire).
 
-Plain test support code: it reads the key names from the client's topology (worker/keys.py)
+Plain test support code: it reads the key names from the client's topology (dialog_worker/keys.py)
 and nothing else of the product."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ async def assert_drained(
 
 async def lock_holders(client: DialogClient) -> dict[str, str]:
     """Session lock key -> the consumer name its token starts with (tokens are
-    "<consumer>:<nonce>:<call>:<n>", worker/daemon.py)."""
+    "<consumer>:<nonce>:<call>:<n>", dialog_worker/daemon.py)."""
     holders = {}
     for k in client.topology.shards:
         for key in await _scan(client.redis, f"{k.session_prefix}{{*}}:lock"):

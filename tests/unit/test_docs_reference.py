@@ -1,4 +1,4 @@
-"""The reference docs follow the code: every setting of worker/config.py is in
+"""The reference docs follow the code: every setting of dialog_worker/config.py is in
 docs/configuration.md with its real default, every command and flag of the real CLI parser is
 in docs/cli.md, the README's test command is the one .ci/run runs, and every relative link of
 the README and docs/ reaches a file and a heading that exist."""

@@ -22,11 +22,11 @@ from dialog_worker.engine import (
     RichReply,
     bubbles_json,
     initial_state,
-    load_engine,
     run_step,
     shutdown_engine,
     startup_engine,
 )
+from dialog_worker.engine_loading import load_engine
 from dialog_worker.errors import ConfigError, EngineHookError, PermanentError
 from dialog_worker.rules import RuleEngine, load_rules
 

@@ -1,4 +1,4 @@
-"""The reader's state machine of streamed replies (worker/partials.py) and `emit` outside a
+"""The reader's state machine of streamed replies (dialog_worker/partials.py) and `emit` outside a
 step: every resume case without Redis."""
 
 from __future__ import annotations

@@ -7,9 +7,6 @@ is written, `cancelled()` for a plain step to notice that its message was cancel
 `schedule` / `cancel_timer` for messages to the step's own session later (docs/engine.md).
 """
 
-# Set before the imports below: dialog_worker.pipeline reads it from here.
-__version__ = "0.1.0"
-
 from dialog_worker.cancellation import cancelled
 from dialog_worker.client import CancelResult, DialogClient, SendResult
 from dialog_worker.engine import Engine
@@ -26,6 +23,7 @@ from dialog_worker.session_events import SessionEvent
 from dialog_worker.streaming import emit
 from dialog_worker.sync_client import SyncDialogClient
 from dialog_worker.timers import cancel_timer, schedule
+from dialog_worker.version import __version__
 
 __all__ = [
     "CancelResult",

@@ -17,7 +17,7 @@ import anyio
 import redis.exceptions
 import structlog
 
-from dialog_worker import __version__, bench
+from dialog_worker import bench
 from dialog_worker.client import DEFAULT_CLAIM_IDLE_MS, DialogClient
 from dialog_worker.config import Settings, load_settings, redact_url
 from dialog_worker.dlq import duration_arg, handle_arg
@@ -29,6 +29,7 @@ from dialog_worker.errors import (
     ValidationError,
 )
 from dialog_worker.keys import Keys
+from dialog_worker.version import __version__
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -365,7 +366,8 @@ def _report(exc: BaseException, settings: Settings | None) -> int:
 def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
     from dialog_worker import embedded as local
     from dialog_worker.config import DEFAULT_FALLBACK_REPLY
-    from dialog_worker.engine import fallback_reply, load_engine
+    from dialog_worker.engine import fallback_reply
+    from dialog_worker.engine_loading import load_engine
     from dialog_worker.log import configure
 
     configure(settings.log_level, settings.log_format, settings.consumer)

@@ -30,7 +30,7 @@ from dialog_worker.codec import (
     check_text,
 )
 from dialog_worker.config import Settings, client_settings
-from dialog_worker.erasure import EraseResult, erase
+from dialog_worker.erasure import Eraser, EraseResult, erase
 from dialog_worker.errors import ReplyTimeout, UncertainSendError, ValidationError
 from dialog_worker.keys import Keys, Topology
 from dialog_worker.partials import (
@@ -119,7 +119,7 @@ class DialogClient:
         self._prepared = False
         self._checked = False
         self._max_connections = max_connections
-        # Reply streams are read as bytes on their own client (see worker/replies.py), made
+        # Reply streams are read as bytes on their own client (see dialog_worker/replies.py), made
         # on first use; blocked reads there never hold up sends.
         self._reader: Redis | None = None
         self._reader_prepared = False
@@ -133,7 +133,9 @@ class DialogClient:
         self._cancel_script = Script(self.redis, source("cancel"))
         self._erase_script = Script(self.redis, source("erase"))
 
-        self._partial_routers: dict[int, PartialRouter] = {}  # per shard (worker/partials.py)
+        self._partial_routers: dict[
+            int, PartialRouter
+        ] = {}  # per shard (dialog_worker/partials.py)
 
     async def __aenter__(self) -> DialogClient:
         await self._prepare()
@@ -409,7 +411,7 @@ class DialogClient:
         """Every turn of the session as it lands, from ``after`` (the ``cursor`` of the last
         event you handled) on, until you stop iterating: `SessionEvent`s ``turn``, ``resync``
         (replace what you show) and ``idle`` (nothing new for a while). See
-        worker/session_events.py; the HTTP gateway's ``/events`` is this."""
+        dialog_worker/session_events.py; the HTTP gateway's ``/events`` is this."""
         check_id("session_id", session_id)
         cursor = parse_session_cursor(after) if after is not None else None
         shard = self.keys_for(session_id)
@@ -572,7 +574,9 @@ class DialogClient:
         check_id("session_id", session_id)
         with self._cluster_errors("reset"):
             await self._ready()
-            return await erase(self, session_id, "reset", who=who, reason=reason)
+            return await erase(
+                self._eraser(session_id), session_id, "reset", who=who, reason=reason
+            )
 
     async def delete(
         self, session_id: str, *, who: str = "client", reason: str = "", replies: bool = False
@@ -587,7 +591,14 @@ class DialogClient:
         check_id("session_id", session_id)
         with self._cluster_errors("delete"):
             await self._ready()
-            return await erase(self, session_id, "delete", who=who, reason=reason, replies=replies)
+            return await erase(
+                self._eraser(session_id),
+                session_id,
+                "delete",
+                who=who,
+                reason=reason,
+                replies=replies,
+            )
 
     async def state(self, session_id: str) -> dict[str, Any] | None:
         check_id("session_id", session_id)
@@ -632,11 +643,17 @@ class DialogClient:
     @property
     def entries(self) -> StreamReader:
         """The operator tools' reader of stream entries (dead letters, the inbound stream):
-        bytes, every field pair kept (worker/streams.py). Its own client, made on first use."""
+        bytes, every field pair kept (dialog_worker/streams.py). Its own client, made on first
+        use."""
         if self._entries is None:
             self._entries_client = connect(self.settings, 8, decode_responses=False)
             self._entries = StreamReader(self._entries_client)
         return self._entries
+
+    def _eraser(self, session_id: str) -> Eraser:
+        return Eraser(
+            self.redis, self.raw, self._erase_script, self.settings, self.keys_for(session_id)
+        )
 
     def _reader_client(self) -> Redis:
         if self._reader is None:

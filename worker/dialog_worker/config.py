@@ -97,7 +97,7 @@ class Settings:
     console_redact_fields: str = ""
     console_audit_maxlen: int = 100_000
 
-    # Streamed replies (worker/streaming.py) and the HTTP gateway (worker/gateway/).
+    # Streamed replies (dialog_worker/streaming.py) and the HTTP gateway (dialog_worker/gateway/).
     partial_ttl_s: int = 600
     partial_maxlen: int = 1000
     partial_flush_ms: int = 40
@@ -105,7 +105,7 @@ class Settings:
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     http_token: str = ""
-    # Session-scoped tokens for browsers (worker/session_tokens.py), the origins allowed to
+    # Session-scoped tokens for browsers (dialog_worker/session_tokens.py), the origins allowed to
     # call the gateway from a page of their own, and a hook for teams that have their users.
     http_signing_key: str = ""
     http_cors_origins: str = ""
@@ -315,6 +315,68 @@ def _hook(name: str, raw: Any) -> str:
     return value
 
 
+SENTINEL_SCHEME = "redis+sentinel://"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SentinelUrl:
+    """`redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]`
+    `[?sentinel_username=U&sentinel_password=P]`: the Sentinels to ask, the master's name
+    (Sentinel's `monitor` name), the database; USER:PASSWORD are for the master, the
+    `sentinel_*` options for the Sentinels (when they require AUTH)."""
+
+    sentinels: list[tuple[str, int]]
+    master: str
+    db: int
+    username: str | None
+    password: str | None
+    sentinel_username: str | None
+    sentinel_password: str | None
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """Raises ValueError with a message that never repeats the URL (it may hold a password)."""
+    rest = url[len(SENTINEL_SCHEME) :]
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    username = password = None
+    if "@" in netloc:
+        creds, _, netloc = netloc.rpartition("@")
+        user, colon, secret = creds.partition(":")
+        username = urllib.parse.unquote(user) or None
+        password = urllib.parse.unquote(secret) if colon else None
+    sentinels = []
+    for hostport in netloc.split(","):
+        host, colon, port = hostport.strip().rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                "each Sentinel must be HOST:PORT (redis+sentinel://h1:26379,h2:26379/mymaster/0)"
+            )
+        sentinels.append((host.strip("[]"), int(port)))
+    parts = [p for p in path.split("/") if p]
+    if not parts or len(parts) > 2:
+        raise ValueError(
+            "name the master after the Sentinels: redis+sentinel://h1:26379/mymaster[/db]"
+        )
+    if len(parts) == 2 and not parts[1].isdigit():
+        raise ValueError("the database after the master name must be a number")
+    options = dict(urllib.parse.parse_qsl(query))
+    unknown = set(options) - {"sentinel_username", "sentinel_password"}
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(sorted(unknown))} (sentinel_username, sentinel_password)"
+        )
+    return SentinelUrl(
+        sentinels=sentinels,
+        master=urllib.parse.unquote(parts[0]),
+        db=int(parts[1]) if len(parts) == 2 else 0,
+        username=username,
+        password=password,
+        sentinel_username=options.get("sentinel_username"),
+        sentinel_password=options.get("sentinel_password"),
+    )
+
+
 def cluster_startup_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
     """``redis://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/DB][?OPTIONS]``: the URL with its
     first node only (what redis-py parses) and every node, in order (a Cluster client starts
@@ -354,8 +416,6 @@ def _url(name: str, raw: Any) -> str:
         _url(name, first)
         return value
     if value.startswith("redis+sentinel://"):
-        from dialog_worker.redis_conn import parse_sentinel_url  # it imports this module
-
         try:
             parse_sentinel_url(value)
         except ValueError as exc:

@@ -41,7 +41,7 @@ import structlog
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from dialog_worker import __version__, redis_checks
+from dialog_worker import redis_checks
 from dialog_worker.codec import MAX_EXTRA_FIELDS, fields_dict, text
 from dialog_worker.config import Settings
 from dialog_worker.engine import Engine, shutdown_engine, startup_engine
@@ -52,6 +52,7 @@ from dialog_worker.metrics import Metrics
 from dialog_worker.pipeline import Committer, Job, Pipeline
 from dialog_worker.redis_conn import TOPOLOGY_LISTENERS, check_topology, connect, prepare
 from dialog_worker.scripts import Scripts
+from dialog_worker.version import __version__
 from dialog_worker.views import queue_stats, reply_group_lags
 
 log = structlog.get_logger("dialog_worker.daemon")

@@ -2,7 +2,7 @@
 
 A dead letter keeps the original entry's fields byte for byte, which need not be UTF-8 (that
 may be why it was dead-lettered) and may repeat a name (a malformed entry): letters are read
-through the one stream reader (worker/streams.py) and shown with undecodable bytes escaped
+through the one stream reader (dialog_worker/streams.py) and shown with undecodable bytes escaped
 (``\\xff``); such a letter cannot be redriven as it is and stays for a human.
 
 Handles. Entry ids are unique within one stream only: with N shards, N dead-letter streams can

@@ -8,15 +8,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from redis.asyncio import Redis
 
+from dialog_worker.config import Settings
 from dialog_worker.engine import initial_state
-from dialog_worker.keys import audit_key
-
-if TYPE_CHECKING:
-    from dialog_worker.client import DialogClient
+from dialog_worker.keys import Keys, audit_key
+from dialog_worker.scripts import Script
 
 # Entries read per XRANGE call while looking for a session's entries in a shard-wide stream.
 CHUNK = 500
@@ -43,8 +42,20 @@ class EraseResult:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Eraser:
+    """What erasing needs of a client: its connections (``raw`` returns bytes), the erase
+    script registered on ``redis``, the settings and the session's shard."""
+
+    redis: Redis
+    raw: Redis
+    script: Script
+    settings: Settings
+    keys: Keys
+
+
 async def erase(
-    client: DialogClient,
+    eraser: Eraser,
     session_id: str,
     action: str,
     *,
@@ -52,17 +63,17 @@ async def erase(
     reason: str,
     replies: bool = False,
 ) -> EraseResult:
-    keys = client.keys_for(session_id)
+    keys, settings = eraser.keys, eraser.settings
     doc = json.dumps(initial_state(session_id), separators=(",", ":"))
-    found, deleted, waiting, timers, running = await client._erase_script(
+    found, deleted, waiting, timers, running = await eraser.script(
         keys=[keys.ready, keys.session_prefix],
-        args=[action, session_id, doc, client.settings.dedupe_ttl_s],
+        args=[action, session_id, doc, settings.dedupe_ttl_s],
     )
     letters = events = 0
     if action == "delete":
-        letters = await remove_entries(client.raw, keys.dlq, session_id)
+        letters = await remove_entries(eraser.raw, keys.dlq, session_id)
         if replies:
-            events = await remove_entries(client.raw, keys.replies, session_id)
+            events = await remove_entries(eraser.raw, keys.replies, session_id)
     result = EraseResult(
         session_id,
         action,
@@ -74,7 +85,9 @@ async def erase(
         letters,
         events,
     )
-    await audit(client, who, f"session_{action}", session_id, reason, result.as_dict())
+    await audit(
+        eraser.redis, settings, who, f"session_{action}", session_id, reason, result.as_dict()
+    )
     return result
 
 
@@ -100,9 +113,15 @@ async def remove_entries(raw: Redis, stream: str, session_id: str) -> int:
 
 
 async def audit(
-    client: DialogClient, who: str, action: str, target: str, reason: str, detail: dict[str, Any]
+    redis: Redis,
+    settings: Settings,
+    who: str,
+    action: str,
+    target: str,
+    reason: str,
+    detail: dict[str, Any],
 ) -> None:
-    """One event in the console's audit stream (worker/console/audit.py reads it)."""
+    """One event in the console's audit stream (dialog_worker/console/audit.py reads it)."""
     fields = {
         "at_ms": str(int(time.time() * 1000)),
         "who": who,
@@ -114,9 +133,9 @@ async def audit(
         "detail": json.dumps(detail, ensure_ascii=False, sort_keys=True),
         "ref": "",
     }
-    await client.redis.xadd(
-        audit_key(client.settings),
+    await redis.xadd(
+        audit_key(settings),
         cast(Any, fields),
-        maxlen=client.settings.console_audit_maxlen,
+        maxlen=settings.console_audit_maxlen,
         approximate=True,
     )

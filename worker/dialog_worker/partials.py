@@ -2,7 +2,7 @@
 (`DialogClient.stream`, the HTTP gateway).
 
 A message's partial stream (``<session keys>:partial:<msg_id>``, written by
-worker/streaming.py through lua/emit-2.lua) holds entries ``a`` (attempt), ``p`` (position in
+dialog_worker/streaming.py through lua/emit-2.lua) holds entries ``a`` (attempt), ``p`` (position in
 that attempt's answer, 0, 1, 2...), ``s`` (the message's seq), ``k`` (``d`` text, ``e`` end),
 ``t`` (the text, or the committed reply), and sometimes ``f`` (the whole text up to this
 entry: a snapshot for readers that fell behind the stream's trimmed start) and ``o`` (the

@@ -29,7 +29,7 @@ import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
-from dialog_worker import __version__, cancellation, timers
+from dialog_worker import cancellation, timers
 from dialog_worker.codec import (
     MalformedEntry,
     Message,
@@ -56,6 +56,7 @@ from dialog_worker.metrics import Metrics
 from dialog_worker.redis_checks import ledger, oom
 from dialog_worker.scripts import Code, Release, Scripts
 from dialog_worker.streaming import PartialReplies, PartialWriter
+from dialog_worker.version import __version__
 
 log = structlog.get_logger("dialog_worker.pipeline")
 
@@ -104,7 +105,7 @@ class Job:
     msg_id: str = ""  # once decoded
     # Set when the message is cancelled while its step runs (dialog_worker.cancelled()).
     cancel_flag: threading.Event = dataclasses.field(default_factory=threading.Event)
-    # What the step streams (worker/streaming.py), once it runs: a cancelled message keeps
+    # What the step streams (dialog_worker/streaming.py), once it runs: a cancelled message keeps
     # the text it showed.
     partial: PartialWriter | None = None
     # What the step asked for with dialog_worker.schedule / cancel_timer (its last attempt).

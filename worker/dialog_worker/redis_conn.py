@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import urllib.parse
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -23,7 +21,12 @@ from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.driver_info import DriverInfo
 
-from dialog_worker.config import Settings, cluster_startup_nodes
+from dialog_worker.config import (
+    SENTINEL_SCHEME,
+    Settings,
+    cluster_startup_nodes,
+    parse_sentinel_url,
+)
 from dialog_worker.errors import ConfigError
 from dialog_worker.keys import shards_key
 
@@ -221,68 +224,6 @@ def _observe_refreshes(cluster: RedisCluster) -> None:
     """A log line (and the listeners) each time the client learns the slot map anew: at
     start, and after a failover or a MOVED answer made it ask again."""
     cluster.nodes_manager.__class__ = _ObservedNodesManager
-
-
-SENTINEL_SCHEME = "redis+sentinel://"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SentinelUrl:
-    """`redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]`
-    `[?sentinel_username=U&sentinel_password=P]`: the Sentinels to ask, the master's name
-    (Sentinel's `monitor` name), the database; USER:PASSWORD are for the master, the
-    `sentinel_*` options for the Sentinels (when they require AUTH)."""
-
-    sentinels: list[tuple[str, int]]
-    master: str
-    db: int
-    username: str | None
-    password: str | None
-    sentinel_username: str | None
-    sentinel_password: str | None
-
-
-def parse_sentinel_url(url: str) -> SentinelUrl:
-    """Raises ValueError with a message that never repeats the URL (it may hold a password)."""
-    rest = url[len(SENTINEL_SCHEME) :]
-    rest, _, query = rest.partition("?")
-    netloc, _, path = rest.partition("/")
-    username = password = None
-    if "@" in netloc:
-        creds, _, netloc = netloc.rpartition("@")
-        user, colon, secret = creds.partition(":")
-        username = urllib.parse.unquote(user) or None
-        password = urllib.parse.unquote(secret) if colon else None
-    sentinels = []
-    for hostport in netloc.split(","):
-        host, colon, port = hostport.strip().rpartition(":")
-        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                "each Sentinel must be HOST:PORT (redis+sentinel://h1:26379,h2:26379/mymaster/0)"
-            )
-        sentinels.append((host.strip("[]"), int(port)))
-    parts = [p for p in path.split("/") if p]
-    if not parts or len(parts) > 2:
-        raise ValueError(
-            "name the master after the Sentinels: redis+sentinel://h1:26379/mymaster[/db]"
-        )
-    if len(parts) == 2 and not parts[1].isdigit():
-        raise ValueError("the database after the master name must be a number")
-    options = dict(urllib.parse.parse_qsl(query))
-    unknown = set(options) - {"sentinel_username", "sentinel_password"}
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(sorted(unknown))} (sentinel_username, sentinel_password)"
-        )
-    return SentinelUrl(
-        sentinels=sentinels,
-        master=urllib.parse.unquote(parts[0]),
-        db=int(parts[1]) if len(parts) == 2 else 0,
-        username=username,
-        password=password,
-        sentinel_username=options.get("sentinel_username"),
-        sentinel_password=options.get("sentinel_password"),
-    )
 
 
 def _connect_sentinel(settings: Settings, max_connections: int, decode_responses: bool) -> Redis:

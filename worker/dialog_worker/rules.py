@@ -24,7 +24,7 @@ RULES_SETTING = "DIALOG_RULES_FILE"
 # An installed wheel carries config/rules.toml as dialog_worker/defaults/rules.toml (see
 # pyproject.toml); a source checkout only has the original, so look for both.
 _PACKAGED_RULES = Path(__file__).resolve().parent / "defaults" / "rules.toml"
-_CHECKOUT_RULES = Path(__file__).resolve().parent.parent / "config" / "rules.toml"
+_CHECKOUT_RULES = Path(__file__).resolve().parent.parent.parent / "config" / "rules.toml"
 
 
 def load_rules(path: str | os.PathLike[str] | None = None) -> RuleEngine:

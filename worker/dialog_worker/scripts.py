@@ -39,7 +39,7 @@ def lua_dir() -> Path:
     installed = Path(__file__).resolve().parent / "lua"
     if installed.is_dir():
         return installed
-    return Path(__file__).resolve().parent.parent / "lua"
+    return Path(__file__).resolve().parent.parent.parent / "lua"
 
 
 # The flags each script declares in its `#!lua` line (Redis >= 7.0). Any flag line makes Redis

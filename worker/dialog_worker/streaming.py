@@ -11,7 +11,7 @@ The writer never makes one Redis call per token, nor one per answer: text is gat
 step of the worker emitted goes in one script call (one per shard), each answer's batch
 fenced by its session lock, so a worker that lost its lease writes nothing. After the commit
 the pipeline appends the end entry (outcome and committed reply); readers do not depend on it
-(worker/partials.py derives the end from the commit too).
+(dialog_worker/partials.py derives the end from the commit too).
 """
 
 from __future__ import annotations
@@ -23,18 +23,32 @@ import contextvars
 import dataclasses
 import threading
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
 from dialog_worker.config import Settings
+from dialog_worker.keys import Keys
 from dialog_worker.scripts import Script, source
 
 if TYPE_CHECKING:
     from dialog_worker.codec import Message
-    from dialog_worker.pipeline import Job
+
+
+class Job(Protocol):
+    """What the partial writer needs of a message in hand (the pipeline's Job): where its
+    session's keys are, the lock token and seq that fence its writes, its attempt number,
+    and the slot where the running step's writer is kept."""
+
+    keys: Keys
+    session_id: str
+    token: str
+    seq: int
+    attempts: int
+    partial: PartialWriter | None
+
 
 log = structlog.get_logger("dialog_worker.streaming")
 

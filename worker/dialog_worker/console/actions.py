@@ -1,5 +1,5 @@
 """Operator actions that need no script of their own: they go through the dead-letter tools
-(worker/dlq.py), one listed letter at a time, so an action touches exactly the letters the
+(dialog_worker/dlq.py), one listed letter at a time, so an action touches exactly the letters the
 operator saw on the page and nothing that arrived since.
 
 Each returns counts for the page and the audit stream: `done` (redriven or purged),

@@ -8,7 +8,7 @@
 Every request carries a token (``Authorization: Bearer <token>``, or ``?access_token=`` for
 ``EventSource``, which cannot set headers) unless the app was built without auth: the server
 token (``DIALOG_HTTP_TOKEN``, for the application's servers: any session), or a session token
-minted by the application (worker/session_tokens.py: one session, some actions, until it
+minted by the application (dialog_worker/session_tokens.py: one session, some actions, until it
 expires), or whatever the ``DIALOG_HTTP_AUTHORIZE`` hook lets through. 401 without a valid
 one, 403 for a valid session token of another session or action. Pages on the origins of
 ``DIALOG_HTTP_CORS_ORIGINS`` may call it from their own origin. Bad input is
@@ -104,7 +104,7 @@ def create_app(
             app.state.client = client
             yield
             return
-        # Streams share one blocking read (worker/partials.py); connections serve the sends
+        # Streams share one blocking read (dialog_worker/partials.py); connections serve the sends
         # and each stream's catch-up reads.
         async with DialogClient(settings=settings, max_connections=max_connections) as made:
             # Read replies from the start: a message rejected between its POST and the GET of
