@@ -166,3 +166,27 @@ def test_reset_and_delete_without_an_event_loop(env: dict[str, str], workers: Wo
         ("session_reset", "sync-e", "admin", "start over"),
         ("session_delete", "sync-e", "admin", "user asked"),
     ]
+
+
+def test_stream_ask_stream_and_cancel_without_an_event_loop(
+    env: dict[str, str], workers: WorkerPool
+):
+    """For Flask and Django: an answer streams as a plain iterator, event by event, and a
+    message can be stopped; leaving the loop early closes the reader."""
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    with SyncDialogClient(settings=load_settings(environ=env)) as c:
+        events = list(c.ask_stream("sy-s", "30 5", msg_id="s1", timeout=30))
+        answer = "".join(f"w{i} " for i in range(30))
+        assert (events[-1].kind, events[-1].outcome, events[-1].text) == ("end", "applied", answer)
+        assert "".join(e.text for e in events[:-1]) == answer
+        again = list(c.stream("sy-s", "s1", after=events[1].cursor, timeout=10))
+        assert [e.pos for e in again[:-1]] == [e.pos for e in events[2:-1]]
+        shown = []
+        for event in c.ask_stream("sy-s", "400 20", msg_id="s2", timeout=30):
+            shown.append(event)
+            if len(shown) == 2:
+                assert c.cancel("sy-s", "s2").status == "cancelled"
+        assert (shown[-1].kind, shown[-1].outcome) == ("end", "cancelled")
+        for event in c.stream("sy-s", "s1", timeout=10):
+            break  # stopping early is fine: the next call still works
+        assert c.state("sy-s") is not None

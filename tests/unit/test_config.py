@@ -58,7 +58,7 @@ def test_defaults_match_the_contract_table() -> None:
     assert s.history_limit == 50
     assert s.dedupe_ttl_s == 86400
     assert s.max_message_bytes == 65536
-    assert s.metrics_host == "0.0.0.0"
+    assert s.metrics_host == "127.0.0.1"  # loopback unless told (the image sets 0.0.0.0)
     assert s.metrics_port == 8000
     assert s.log_level == "info"
     assert s.log_format == "json"

@@ -63,7 +63,9 @@ class Settings:
     fallback_reply: str = DEFAULT_FALLBACK_REPLY
     engine: str = ""
     rules_file: str = ""
-    metrics_host: str = "0.0.0.0"
+    # Loopback: a laptop or a VM does not show its metrics to its network by default (the
+    # container image sets 0.0.0.0, where a scraper reaches the container through its network).
+    metrics_host: str = "127.0.0.1"
     metrics_port: int = 8000
     metrics_sample_interval_s: float = 5.0
     log_level: str = "info"

@@ -27,7 +27,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, Literal, cast, get_args
 
 import redis.exceptions
 import structlog
@@ -37,7 +37,7 @@ from dialog_worker.errors import ReplyStreamError
 
 log = structlog.get_logger("dialog_worker.replies")
 
-OUTCOMES = (
+Outcome = Literal[
     "applied",
     "dead_lettered",
     "duplicate",
@@ -45,7 +45,8 @@ OUTCOMES = (
     "rejected",
     "superseded",
     "expired",
-)
+]
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 # The fields every event carries; the others are a rich reply's (bubbles, no_reply) or
 # producer fields echoed by DIALOG_ECHO_FIELDS.
 EVENT_FIELDS = frozenset(
@@ -92,7 +93,9 @@ class Reply:
     session_id: str
     msg_id: str
     seq: int | None
-    outcome: str
+    # One of OUTCOMES as the workers write it (an event forged by another writer of the
+    # stream may carry anything: compare, do not index by it blindly).
+    outcome: Outcome
     text: str
     id: str
     produced_at: int | None = None
@@ -122,7 +125,7 @@ def reply_from_entry(
         session_id=_text(values.get(b"session_id")),
         msg_id=_text(values.get(b"msg_id")),
         seq=_number(values.get(b"seq")),
-        outcome=_text(values.get(b"outcome")),
+        outcome=cast(Outcome, _text(values.get(b"outcome"))),
         text=_text(values.get(b"reply")),
         id=_text(event_id),
         produced_at=_number(values.get(b"produced_at")),

@@ -26,7 +26,7 @@ import atexit
 import os
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -38,6 +38,7 @@ from dialog_worker.client import CancelResult, DialogClient, SendResult
 from dialog_worker.codec import check_id
 from dialog_worker.config import Settings, client_settings
 from dialog_worker.erasure import EraseResult
+from dialog_worker.partials import StreamEvent
 from dialog_worker.replies import Reply
 
 T = TypeVar("T")
@@ -55,7 +56,8 @@ def _close_all() -> None:
 
 class SyncDialogClient:
     """`DialogClient`'s `send`, `ask`, `state`, `cancel`, `reset`, `delete` and
-    `session_token`, as plain blocking calls.
+    `session_token`, as plain blocking calls, and `stream` / `ask_stream` as plain iterators
+    (for Flask, Django and scripts without an event loop).
 
     ``SyncDialogClient(url=None, *, settings=None, max_connections=64, **overrides)`` takes
     what `DialogClient` takes and reads the same settings (``REDIS_URL``, ``DIALOG_*``) when
@@ -135,6 +137,30 @@ class SyncDialogClient:
         ``session_delete`` event in the audit stream (``who``, ``reason``)."""
         return self._call(lambda c: c.delete(session_id, who=who, reason=reason, replies=replies))
 
+    def stream(
+        self, session_id: str, msg_id: str, after: str | None = None, timeout: float | None = None
+    ) -> Iterator[StreamEvent]:
+        """The answer to one message as it is written (`DialogClient.stream`): a plain
+        iterator of `StreamEvent`s, each handed over as it arrives. Stop iterating (or close
+        it) to stop reading."""
+        return self._iterate(lambda c: c.stream(session_id, msg_id, after=after, timeout=timeout))
+
+    def ask_stream(
+        self,
+        session_id: str,
+        text: str,
+        msg_id: str | None = None,
+        timeout: float = 60,
+        meta: Mapping[str, str] | None = None,
+        expires_at: float | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Send a message and iterate over its answer's events (`DialogClient.ask_stream`)."""
+        return self._iterate(
+            lambda c: c.ask_stream(
+                session_id, text, msg_id=msg_id, timeout=timeout, meta=meta, expires_at=expires_at
+            )
+        )
+
     def cancel(self, session_id: str, msg_id: str) -> CancelResult:
         """Stop one message, waiting or running (`DialogClient.cancel`)."""
         return self._call(lambda c: c.cancel(session_id, msg_id))
@@ -174,6 +200,23 @@ class SyncDialogClient:
         portal, client = self._started()
         return cast(T, portal.call(call, client))
 
+    def _iterate(self, make: Callable[[DialogClient], AsyncIterator[T]]) -> Iterator[T]:
+        """An async iterator of the client's, pulled one item at a time through the loop
+        thread; closed there when the caller stops."""
+        self._call(_nothing)  # the same refusal inside an event loop, at the call
+        portal, client = self._started()
+        events = portal.call(make, client)
+        try:
+            while True:
+                try:
+                    yield portal.call(events.__anext__)
+                except StopAsyncIteration:
+                    return
+        finally:
+            close = getattr(events, "aclose", None)
+            if close is not None:
+                portal.call(close)
+
     def _started(self) -> tuple[anyio.from_thread.BlockingPortal, DialogClient]:
         with self._lock:
             if self._portal is None or self._pid != os.getpid():
@@ -210,3 +253,7 @@ class SyncDialogClient:
         self._loop = asyncio.get_running_loop()
         client = DialogClient(settings=self.settings, max_connections=self._max_connections)
         return await client.__aenter__()
+
+
+async def _nothing(client: DialogClient) -> None:
+    return None
