@@ -153,3 +153,20 @@ class _Fixed(random.Random):
 
     def uniform(self, a: float, b: float) -> float:
         return a + (b - a) * self.fraction
+
+
+def test_failure_text_shows_the_engines_frames_before_a_librarys() -> None:
+    """An engine whose JSON parse fails deep in the standard library: its own frame (where it
+    called the library) comes first, then the library's innermost frames."""
+    import json
+
+    def parse_reply() -> None:
+        json.loads('{"broken": ')
+
+    text = describe_failure(_raised(parse_reply))
+    lines = text.splitlines()
+    assert lines[0].startswith("JSONDecodeError: ")
+    assert lines[1].endswith("frames, the engine's first):"), lines[1]
+    mine = next(i for i, line in enumerate(lines) if line.endswith("in parse_reply"))
+    library = next(i for i, line in enumerate(lines) if "json" in line and "decoder.py" in line)
+    assert mine < library

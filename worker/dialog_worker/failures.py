@@ -3,7 +3,9 @@ the log say about it. Pure functions, so the pipeline and the tests share one de
 
 from __future__ import annotations
 
+import os
 import random
+import sysconfig
 import traceback
 
 from dialog_worker.errors import TransientError
@@ -51,8 +53,9 @@ def retry_after_of(exc: BaseException) -> float | None:
 
 def describe_failure(exc: BaseException, max_chars: int = FAILURE_MAX_CHARS) -> str:
     """``Type: message``, the cause if the error was raised from another, and the innermost
-    traceback frames, in at most ``max_chars`` characters: what a dead letter keeps so that an
-    engine bug can be found without the worker's logs.
+    traceback frames, the engine's own before those of libraries and of the worker, in at most
+    ``max_chars`` characters: what a dead letter keeps so that an engine bug can be found
+    without the worker's logs.
 
         ValueError: memory is not a dict
         caused by KeyError: 'user'
@@ -65,23 +68,47 @@ def describe_failure(exc: BaseException, max_chars: int = FAILURE_MAX_CHARS) -> 
     cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     if cause is not None:
         head += "\ncaused by " + _headline(cause)[:_CAUSE_MAX_CHARS]
-    frames = traceback.extract_tb(exc.__traceback__)[-FAILURE_FRAMES:]
+    frames = list(traceback.extract_tb(exc.__traceback__))
+    # The engine's own frames first (the step, the code it calls): a failure inside a
+    # library (an HTTP client, a JSON parser) is found from where the engine called it.
+    own = [f for f in frames if not _library_file(f.filename)][-FAILURE_FRAMES:]
+    others = [f for f in frames if _library_file(f.filename)][-FAILURE_FRAMES:]
+    frames = own + others if own else others
     body = ""
     if frames:
         lines = [_without_carets(line) for line in traceback.format_list(frames)]
         # Keep the innermost frames first when space is short: that is where the error is.
         budget = max(0, max_chars - min(len(head), max_chars // 2) - 60)
         kept: list[str] = []
-        for line in reversed(lines):
+        for line in lines:  # the engine's frames first: when space is short they stay
             if sum(map(len, kept)) + len(line) > budget:
                 break
-            kept.insert(0, line)
+            kept.append(line)
         if kept:
-            body = f"\nTraceback (innermost {len(kept)} frames):\n" + "".join(kept).rstrip("\n")
+            where = ", the engine's first" if own and others else ""
+            body = f"\nTraceback (innermost {len(kept)} frames{where}):\n" + "".join(kept).rstrip(
+                "\n"
+            )
     room = max_chars - len(body)
     if len(head) > room:
         head = head[: max(0, room - 1)] + "…"
     return (head + body)[:max_chars]
+
+
+_LIBRARY_DIRS = tuple(
+    {
+        os.path.realpath(path) + os.sep
+        for name in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (path := sysconfig.get_paths().get(name))
+    }
+    | {os.path.realpath(os.path.dirname(__file__)) + os.sep}
+)
+
+
+def _library_file(filename: str) -> bool:
+    """A frame of the standard library, an installed package or this worker (not the
+    engine's own code)."""
+    return os.path.realpath(filename).startswith(_LIBRARY_DIRS) or filename.startswith("<")
 
 
 def _without_carets(frame: str) -> str:
