@@ -187,6 +187,6 @@ def test_stream_ask_stream_and_cancel_without_an_event_loop(
             if len(shown) == 2:
                 assert c.cancel("sy-s", "s2").status == "cancelled"
         assert (shown[-1].kind, shown[-1].outcome) == ("end", "cancelled")
-        for event in c.stream("sy-s", "s1", timeout=10):
+        for _event in c.stream("sy-s", "s1", timeout=10):
             break  # stopping early is fine: the next call still works
         assert c.state("sy-s") is not None
