@@ -43,7 +43,8 @@ class TimerOps:
 
     def add(self, op: dict[str, Any]) -> None:
         with self._lock:
-            if sum(1 for o in self.ops if o["op"] == "set") >= 2 * MAX_TIMERS:
+            sets = sum(1 for o in self.ops if o["op"] == "set")
+            if op["op"] == "set" and sets >= 2 * MAX_TIMERS:  # a cancel is never refused
                 raise ValidationError(f"a step may set at most {2 * MAX_TIMERS} timers")
             self.ops.append(op)
 
