@@ -33,8 +33,8 @@ def engine_log(path: Path) -> list[dict[str, Any]]:
 
 
 def keys_of(url: str, sid: str) -> list[str]:
-    """Every key naming the session, every timer of it in the shard's timer set, and the
-    console's indexes that still point at it."""
+    """Every key naming the session, every timer of it in the shard's timer set, its place
+    in the ready set and the ages, and the console's indexes that still point at it."""
     r = redis.Redis.from_url(url, decode_responses=True)
     found = sorted(r.scan_iter(match=f"*{{{sid}}}*"))
     for key in r.scan_iter(match="*:timers"):
@@ -45,6 +45,10 @@ def keys_of(url: str, sid: str) -> list[str]:
         found += [f"{key} {m!r}" for m, v in r.hgetall(key).items() if v == sid]
     for key in r.scan_iter(match="*:ready:sessions:*"):
         if r.zscore(key, sid) is not None:
+            found.append(f"{key} {sid!r}")
+    # The shard-wide sets of sessions with work outstanding: the ready set and the ages.
+    for key in [*r.scan_iter(match="*:ready"), *r.scan_iter(match="*:ready:ages")]:
+        if r.type(key) == "zset" and r.zscore(key, sid) is not None:
             found.append(f"{key} {sid!r}")
     return found
 

@@ -451,6 +451,7 @@ class DialogClient:
             session.state,
             session.dedupe(msg_id),
             inbound=shard.stream,
+            group=shard.group,
             ids=session.ids,
             timers=session.timers,
         )

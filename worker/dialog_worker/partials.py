@@ -40,9 +40,10 @@ from typing import Any, cast
 
 import structlog
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from dialog_worker.errors import ValidationError
-from dialog_worker.replies import Reply
+from dialog_worker.replies import Reply, entry_key
 
 log = structlog.get_logger("dialog_worker.partials")
 
@@ -271,6 +272,7 @@ class MessageKeys:
     # Where a message without a known seq may be (`_finished`): the inbound stream (unread),
     # the session's msg_id index (sequenced) and its timers (deliver_at). Empty: not looked at.
     inbound: str = ""
+    group: str = ""
     ids: str = ""
     timers: str = ""
 
@@ -749,14 +751,13 @@ async def _finished_without_seq(
     without a msg_id (its msg_id is its entry id, and no dedupe key is kept for it), or one
     whose dedupe key outlived `DIALOG_DEDUPE_TTL_S`. Its history turn answers while it is kept;
     past that, it is finished unless it is still somewhere a message waits: unread in the
-    inbound stream (looked at first: intake moves an entry into its session atomically, so a
-    message missing there is in the session's keys by the time they are read), a timer of its
+    inbound stream (looked at first, by the workers' group's last-delivered id: intake
+    delivers and moves an entry into its session atomically, so a message delivered is in
+    the session's keys by the time they are read), a timer of its
     session (deliver_at), or among its session's outstanding messages. Finished with its turn
     gone, it ends ``expired`` with no text, as one with a known seq does."""
-    if keys.inbound and _looks_like_entry_id(msg_id):
-        unread = cast(list[Any], await redis.xrange(keys.inbound, min=msg_id, max=msg_id, count=1))
-        if unread:
-            return None
+    if keys.inbound and _looks_like_entry_id(msg_id) and await _unread(redis, keys, msg_id):
+        return None
     applied, last, doc = cast(list[bytes | None], await redis.hmget(keys.state, ["a", "s", "d"]))
     found = reply_from_history(doc, msg_id, None)
     if found is not None or not (keys.ids and keys.timers):
@@ -776,3 +777,20 @@ async def _finished_without_seq(
     if not indexed and not _looks_like_entry_id(msg_id):
         return None  # a msg_id of its own may still be unread: nothing here tells
     return "expired", ""
+
+
+async def _unread(redis: Redis, keys: MessageKeys, entry_id: str) -> bool:
+    """Is the inbound entry ``entry_id`` still unread by the workers' group? Intake delivers
+    and sequences in one step, so an entry past the group's last-delivered id is unread. From
+    the group's bookkeeping (XINFO GROUPS), not the stream: the application's user may not
+    read other sessions' messages."""
+    try:
+        groups = cast(list[dict[Any, Any]], await redis.xinfo_groups(keys.inbound))
+    except ResponseError:  # no stream yet
+        return True
+    for group in groups:
+        name = group.get("name", group.get(b"name"))
+        if name in (keys.group, keys.group.encode()):
+            delivered = group.get("last-delivered-id", group.get(b"last-delivered-id"))
+            return entry_key(delivered or b"0-0") < entry_key(entry_id)
+    return True  # no worker has read the stream yet
