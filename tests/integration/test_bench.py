@@ -82,7 +82,7 @@ def test_bench_small_run_reports_documented_keys_and_no_violation(env: dict[str,
         [
             sys.executable,
             "-m",
-            "worker",
+            "dialog_worker",
             "bench",
             "--sessions",
             "20",
