@@ -758,13 +758,17 @@ async def _finished_without_seq(
     gone, it ends ``expired`` with no text, as one with a known seq does."""
     if keys.inbound and _looks_like_entry_id(msg_id) and await _unread(redis, keys, msg_id):
         return None
+    # Where it was sequenced is read before whether anything is outstanding: sequenced by then
+    # and nothing outstanding after means applied (the other order could see the state
+    # before an intake and the index after it, and call a message just taken finished).
+    # A timer first (one that fires meanwhile is in the index by the next read).
+    if keys.timers and await redis.hexists(keys.timers, "t:msg:" + msg_id):
+        return None  # delivered later (deliver_at)
+    indexed = bool(keys.ids) and await redis.zscore(keys.ids, msg_id) is not None
     applied, last, doc = cast(list[bytes | None], await redis.hmget(keys.state, ["a", "s", "d"]))
     found = reply_from_history(doc, msg_id, None)
     if found is not None or not (keys.ids and keys.timers):
         return found
-    if await redis.hexists(keys.timers, "t:msg:" + msg_id):
-        return None  # delivered later (deliver_at)
-    indexed = await redis.zscore(keys.ids, msg_id) is not None
     outstanding = (
         last is not None
         and applied is not None
