@@ -59,3 +59,12 @@ def test_the_guides_other_engines_load() -> None:
         exec(compile(block, str(DOC), "exec"), namespace)
     assert callable(namespace["Assistant"].startup)
     assert callable(namespace["Greeter"]().step)
+
+
+def test_engine_md_documents_the_exported_engine_protocol() -> None:
+    import dialog_worker
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "engine.md").read_text()
+    assert "from dialog_worker import Engine" in doc
+    assert "engine: Engine = " in doc
+    assert "Engine" in dialog_worker.__all__ and hasattr(dialog_worker.Engine, "step")
