@@ -565,6 +565,8 @@ async def test_a_plain_xadd_message_whose_turn_left_the_history_ends_expired_at_
     """Sent without a msg_id, a message's msg_id is its entry id and no dedupe key records its
     seq: once its turn left the history its stream must still end (as one with a msg_id does),
     while one still unread in the inbound stream is waited for."""
+    # The workers' group exists (as once any worker ran) and has delivered nothing past it.
+    await client.raw.xgroup_create(client.keys.stream, client.keys.group, id="$", mkstream=True)
     unread = await client.raw.xadd(client.keys.stream, {"session_id": "st-px", "text": "first"})
     with pytest.raises(ReplyTimeout):  # no worker yet: it waits, it does not end
         [e async for e in client.stream("st-px", unread.decode(), timeout=2.5)]
