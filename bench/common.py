@@ -25,9 +25,9 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import ResponseError
 
 from dialog_worker.config import Settings, load_settings
-from dialog_worker.engine import initial_state
-from dialog_worker.keys import Keys
-from dialog_worker.rules import RuleEngine, load_rules
+from dialog_worker.engine.protocol import initial_state
+from dialog_worker.engine.rules import RuleEngine, load_rules
+from dialog_worker.store.keys import Keys
 
 Handler = Callable[[str, dict[str, str]], Awaitable[None]]
 

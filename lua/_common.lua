@@ -1,6 +1,6 @@
 --[[
   Shared prelude, prepended to every script of this folder when it is loaded (see
-  worker/dialog_worker/scripts.py). Only pure helpers live here: no script logic.
+  worker/dialog_worker/store/scripts.py). Only pure helpers live here: no script logic.
 
   Session keys are derived inside the scripts from a declared key prefix that carries the
   shard's Cluster hash tag ("<prefix>:{<tag>}:s:"), so every key a script touches lives in the
@@ -105,7 +105,7 @@ end
 -- Custody. Once sequenced, a message lives in its session's state hash, field q<seq>: its
 -- entry id and its fields, byte for byte, packed with cmsgpack (compact, binary-safe), so no
 -- command on the inbound stream can touch it. The worker decodes the same format
--- (dialog_worker.codec.unpack_custody).
+-- (dialog_worker.store.codec.unpack_custody).
 local function pack_message(id, fields)
   return cmsgpack.pack(id, fields)
 end
@@ -168,7 +168,7 @@ end
 
 -- Each session's dead letters, newest LETTERS_KEPT (a zset <session>:letters, entry id ->
 -- its ms), so the console's session page reads them without reading the dead-letter stream.
--- Written with the letter; removed when it is redriven or purged (worker/dialog_worker/dlq.py, hold-3.lua).
+-- Written with the letter; removed when it is redriven or purged (worker/dialog_worker/ops/dead_letters.py, hold-3.lua).
 -- <ready set>:letters-since holds the first letter indexed: older ones were written before
 -- the index existed and are found by reading the stream (bounded) instead.
 -- pcall: a key of another type (written by hand) must not fail the call after its writes.

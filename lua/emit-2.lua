@@ -24,7 +24,7 @@
   Expiry: not reset at every append (one command per batch less). It is set to ttl when an
   entry creates the stream (a stream never exists without one), at the first entry of each
   attempt (pos 0), every 32nd position, at the end, and at any batch whose refresh is "1" (the
-  worker asks when ttl / 8 has passed since its last refresh, worker/dialog_worker/streaming.py). So a stream
+  worker asks when ttl / 8 has passed since its last refresh, worker/dialog_worker/daemon/partial_writer.py). So a stream
   expires at most ttl, and, while its writer refreshes, at least 7/8 of ttl, after its last
   append, whether its writer finished or died.
 

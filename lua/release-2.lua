@@ -11,7 +11,7 @@
   ARGV[1] token   ARGV[2] session_id   ARGV[3] seq   ARGV[4] delay (ms)
   ARGV[5] error text (for a hand-back keeping the attempt: why, or "")
   ARGV[6] "1": a failed attempt | "0": a hand-back | "2": a hand-back keeping the attempt
-          (worker/dialog_worker/scripts.py's Release; any other value is refused, nothing written)
+          (worker/dialog_worker/store/scripts.py's Release; any other value is refused, nothing written)
 
   Returns 7 (RELEASED) or -1 (FENCED_TOKEN).
 ]]

@@ -63,7 +63,7 @@ def progress(**fields: Any) -> None:
 
 
 async def burst(sessions: int, messages: int, prefix: str, timeout_s: float) -> int:
-    from dialog_worker.client import DialogClient
+    from dialog_worker.client.dialog_client import DialogClient
 
     ids = [f"{prefix}-{i:03d}" for i in range(sessions)]
     sent: dict[str, list[str]] = {}
@@ -103,7 +103,7 @@ def text_of(value: Any) -> str:
 async def verify(sent: dict[str, list[str]], messages: int) -> int:
     import redis.asyncio as aioredis
 
-    from dialog_worker.client import DialogClient
+    from dialog_worker.client.dialog_client import DialogClient
 
     problems: list[str] = []
     expected_texts = texts(messages)

@@ -63,15 +63,15 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import dialog_worker.rules
-import dialog_worker.scripts as scripts
+import dialog_worker.engine.rules
+import dialog_worker.store.scripts as scripts
 
 lua = scripts.lua_dir()
 if Path(sys.prefix).resolve() not in lua.resolve().parents:
     sys.exit(f"install-wheel: Lua scripts found outside the venv: {lua}")
 for field in dataclasses.fields(scripts.Scripts):
     scripts.source(field.name)  # raises unless exactly one lua/<name>-N.lua is installed
-dialog_worker.rules.load_rules()
+dialog_worker.engine.rules.load_rules()
 print(f"install-wheel: dialog-worker installed in {sys.prefix}; Lua scripts in {lua}")
 PY
 "$venv/bin/dialog-worker" --help >/dev/null

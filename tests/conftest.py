@@ -15,7 +15,7 @@ sys.path.insert(0, str(SUPPORT))
 from redis_server import RedisServer  # noqa: E402
 from worker_procs import WorkerPool  # noqa: E402
 
-from dialog_worker.client import DialogClient  # noqa: E402
+from dialog_worker.client.dialog_client import DialogClient  # noqa: E402
 from dialog_worker.config import Settings, load_settings  # noqa: E402
 
 

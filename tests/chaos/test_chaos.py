@@ -75,7 +75,7 @@ from redis_server import wait_until_async as poll
 from worker_procs import WorkerPool, WorkerProc
 
 from dialog_worker.config import load_settings
-from dialog_worker.keys import Keys
+from dialog_worker.store.keys import Keys
 
 pytestmark = pytest.mark.chaos
 
@@ -597,7 +597,7 @@ async def test_chaos_sentinel_failover_total_queue(tmp_path: Path) -> None:
     from conftest import worker_env  # a plain function of tests/conftest.py
     from redis_sentinel import SentinelSet
 
-    from dialog_worker.redis_conn import connect
+    from dialog_worker.store.connection import connect
 
     print(f"\n[failover] seed {SEED} (CHAOS_SEED={SEED} replays this workload and fault schedule)")
     started = time.monotonic()

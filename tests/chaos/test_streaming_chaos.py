@@ -33,7 +33,7 @@ from queue_checks import assert_drained, lock_holders
 from worker_procs import WorkerPool, WorkerProc
 
 from dialog_worker import StreamEvent
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 
 pytestmark = pytest.mark.chaos
 

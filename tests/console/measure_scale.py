@@ -30,7 +30,7 @@ import redis  # noqa: E402
 from redis_server import RedisServer, free_port, wait_until  # noqa: E402
 
 from dialog_worker.config import load_settings  # noqa: E402
-from dialog_worker.keys import Keys  # noqa: E402
+from dialog_worker.store.keys import Keys  # noqa: E402
 
 USER = ("olga", "operator-token-0001")
 

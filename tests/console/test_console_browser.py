@@ -22,7 +22,7 @@ from console_support import OPERATOR, VIEWER, console_env
 from redis_server import free_port, wait_until, wait_until_async
 from worker_procs import REPO_DIR, WorkerPool
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"

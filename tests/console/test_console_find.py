@@ -13,7 +13,7 @@ from console_support import OPERATOR, VIEWER, basic, form_token
 from redis_server import wait_until_async
 from worker_procs import WorkerPool
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 
 pytestmark = pytest.mark.integration
 
@@ -127,7 +127,7 @@ async def test_reshard_moves_a_sessions_letter_index_with_its_letters(
     from worker_procs import run_cli
 
     from dialog_worker.config import load_settings
-    from dialog_worker.keys import Topology
+    from dialog_worker.store.keys import Topology
 
     sid = "moved-{1}"
     old = client.keys_for(sid)

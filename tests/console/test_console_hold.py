@@ -16,7 +16,7 @@ from console_support import OPERATOR, VIEWER, basic, form_token
 from redis_server import wait_until_async
 from worker_procs import WorkerPool
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 
 pytestmark = pytest.mark.integration
 

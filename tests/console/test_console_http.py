@@ -17,7 +17,7 @@ from markupsafe import escape
 from redis_server import wait_until_async
 from worker_procs import WorkerPool
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import Settings, load_settings
 from dialog_worker.console.auth import Authenticator, NoUsers, Role, User
 from dialog_worker.errors import ConfigError
@@ -421,7 +421,7 @@ async def test_the_session_page_reads_a_bounded_number_of_dead_letters(
 async def test_bytes_that_are_not_text_never_break_a_page(
     http: httpx.AsyncClient, client: DialogClient, console_settings: Settings
 ) -> None:
-    from dialog_worker.keys import audit_key
+    from dialog_worker.store.keys import audit_key
 
     raw = client.raw
     keys = client.keys_for("bin")

@@ -13,7 +13,7 @@ import pytest
 from console_support import VIEWER, basic
 from worker_procs import WorkerPool
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.console import reads
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ from http_stub import Answer, Chunks, HttpStub
 from llm_engine import LLMEngine, retry_after_s
 
 from dialog_worker import DialogClient, PermanentError, TransientError
-from dialog_worker.engine import initial_state, run_step, shutdown_engine, startup_engine
+from dialog_worker.engine.protocol import initial_state, run_step, shutdown_engine, startup_engine
 
 pytestmark = pytest.mark.integration
 
@@ -172,7 +172,7 @@ async def test_llm_engine_in_workers_rides_out_rate_limits_errors_and_timeouts(
 
 def test_its_fallback_reply_is_english_unless_the_operator_sets_one():
     from dialog_worker.config import DEFAULT_FALLBACK_REPLY
-    from dialog_worker.engine import fallback_reply
+    from dialog_worker.engine.protocol import fallback_reply
 
     engine = LLMEngine(base_url="http://127.0.0.1:9", api_key="k")
     own = fallback_reply(engine, DEFAULT_FALLBACK_REPLY, DEFAULT_FALLBACK_REPLY)

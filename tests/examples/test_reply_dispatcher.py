@@ -17,7 +17,7 @@ from http_stub import Answer, HttpStub
 from redis_server import wait_until_async
 
 from dialog_worker import DialogClient
-from dialog_worker.verify import send_bursts, wait_applied
+from dialog_worker.ops.verify import send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 

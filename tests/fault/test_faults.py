@@ -1,6 +1,6 @@
 """Fault injection with real processes: kill -9 of workers, a paused lock holder, kill -9 of
 Redis itself, SIGTERM in the middle of a burst. Every test asserts the outcome from Redis:
-exactly once, in order, one reply each (dialog_worker.verify.check), and a drained deployment
+exactly once, in order, one reply each (dialog_worker.ops.verify.check), and a drained deployment
 (tests/support/queue_checks.py: inbound stream, pending list and ready set empty, no lock, no
 sequenced message left unapplied). Measured numbers are printed (run with -s to see them)."""
 
@@ -19,9 +19,9 @@ from redis_server import RedisServer
 from redis_server import wait_until_async as poll
 from worker_procs import WorkerPool, WorkerProc
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
-from dialog_worker.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.ops.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.fault
 

@@ -14,8 +14,8 @@ from queue_checks import assert_drained
 from redis_server import wait_until_async as wait_for
 
 from dialog_worker import __version__
-from dialog_worker.dlq import redrive, resend
-from dialog_worker.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.ops.dead_letters import redrive, resend
+from dialog_worker.ops.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.fault
 
@@ -179,7 +179,7 @@ async def test_a_message_of_exactly_max_message_bytes_is_sent_and_applied_one_mo
     """DIALOG_MAX_MESSAGE_BYTES counts every field name and value of the entry: send refuses
     one byte more, the worker accepts exactly the limit (and dead-letters one more, appended
     by a producer that skips the check)."""
-    from dialog_worker.client import DialogClient
+    from dialog_worker.client.dialog_client import DialogClient
     from dialog_worker.config import load_settings
     from dialog_worker.errors import ValidationError
 

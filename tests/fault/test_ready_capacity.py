@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from redis_server import wait_until_async as poll
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 
 pytestmark = pytest.mark.fault
 

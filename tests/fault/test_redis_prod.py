@@ -161,7 +161,7 @@ def test_eviction_policy_refused_at_start_with_what_to_set(tmp_path: Path) -> No
 
 
 async def test_eviction_override_runs_and_says_so(tmp_path: Path) -> None:
-    from dialog_worker.client import DialogClient
+    from dialog_worker.client.dialog_client import DialogClient
     from dialog_worker.config import load_settings
 
     extra = ("--maxmemory", "100mb", "--maxmemory-policy", "volatile-lru", "--appendonly", "yes")
@@ -207,7 +207,7 @@ def test_policy_changed_under_a_running_worker_makes_it_not_ready(tmp_path: Path
 async def test_info_refused_is_one_line_and_the_worker_goes_on(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    from dialog_worker.client import DialogClient
+    from dialog_worker.client.dialog_client import DialogClient
     from dialog_worker.config import load_settings
 
     admin = redis.Redis.from_url(redis_server.url)
@@ -258,7 +258,7 @@ async def test_every_script_is_refused_before_it_runs_when_redis_is_out_of_memor
     its first command; renew alone may run (allow-oom: it only extends leases)."""
     from redis.asyncio import Redis as AsyncRedis
 
-    from dialog_worker.scripts import Scripts
+    from dialog_worker.store.scripts import Scripts
 
     server = RedisServer(tmp_path / "redis", extra=("--maxmemory", "8mb")).start()
     r = AsyncRedis.from_url(server.url)
@@ -301,9 +301,9 @@ async def test_out_of_memory_mid_burst_holds_the_pool_and_loses_nothing(tmp_path
     exactly once, in order, at its first attempt."""
     import asyncio
 
-    from dialog_worker.client import DialogClient
+    from dialog_worker.client.dialog_client import DialogClient
     from dialog_worker.config import load_settings
-    from dialog_worker.verify import Sent, check, wait_applied
+    from dialog_worker.ops.verify import Sent, check, wait_applied
 
     server = RedisServer(tmp_path / "redis", extra=("--maxmemory", "64mb")).start()
     env = worker_env(
@@ -436,9 +436,9 @@ async def test_aof_restart_reports_no_phantom_lag(tmp_path: Path) -> None:
 
     from test_faults import metric
 
-    from dialog_worker.client import DialogClient
+    from dialog_worker.client.dialog_client import DialogClient
     from dialog_worker.config import load_settings
-    from dialog_worker.verify import send_bursts
+    from dialog_worker.ops.verify import send_bursts
 
     server = RedisServer(tmp_path / "redis", appendonly=True, fsync="always").start()
     env = worker_env(
@@ -534,9 +534,9 @@ async def test_redis_clock_jumps_an_hour_mid_burst(tmp_path: Path) -> None:
     import clock_shift
     from test_faults import metric
 
-    from dialog_worker.client import DialogClient
+    from dialog_worker.client.dialog_client import DialogClient
     from dialog_worker.config import load_settings
-    from dialog_worker.verify import send_bursts, wait_applied
+    from dialog_worker.ops.verify import send_bursts, wait_applied
 
     library = clock_shift.build(tmp_path)
     if library is None:
@@ -672,7 +672,7 @@ async def test_sentinel_failover_mid_burst_workers_follow_and_report_lost_commit
 
     from test_faults import metric
 
-    from dialog_worker.client import DialogClient
+    from dialog_worker.client.dialog_client import DialogClient
     from dialog_worker.config import load_settings
 
     started = time.monotonic()

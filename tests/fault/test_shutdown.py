@@ -10,7 +10,7 @@ import pytest
 from queue_checks import assert_drained, lock_holders
 from redis_server import wait_until_async as wait_for
 
-from dialog_worker.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.ops.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.fault
 

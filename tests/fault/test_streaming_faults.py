@@ -17,7 +17,7 @@ from stream_views import streamed
 from worker_procs import WorkerPool, WorkerProc
 
 from dialog_worker import StreamEvent
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 
 pytestmark = pytest.mark.fault
 

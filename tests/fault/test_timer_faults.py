@@ -12,7 +12,7 @@ from redis_server import RedisServer, wait_until
 from worker_procs import WorkerPool
 
 from dialog_worker.config import load_settings
-from dialog_worker.keys import Keys
+from dialog_worker.store.keys import Keys
 
 pytestmark = pytest.mark.fault
 

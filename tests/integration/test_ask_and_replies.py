@@ -30,7 +30,7 @@ from redis_server import wait_until_async
 from dialog_worker import DialogClient, Reply, ReplyStreamError, ReplyTimeout
 from dialog_worker.config import load_settings
 from dialog_worker.errors import ValidationError
-from dialog_worker.keys import Topology
+from dialog_worker.store.keys import Topology
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ from redis_server import wait_until
 from worker_procs import WorkerPool
 
 from dialog_worker.bench import inversions, percentile, summarize
-from dialog_worker.client import DialogClient
-from dialog_worker.verify import send_bursts, wait_applied
+from dialog_worker.client.dialog_client import DialogClient
+from dialog_worker.ops.verify import send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 
@@ -118,7 +118,7 @@ def test_bench_small_run_reports_documented_keys_and_no_violation(env: dict[str,
     assert run["latency_ms"]["p50"] <= run["latency_ms"]["p99"]
     assert run["redis"]["commands_per_msg"] > 0
     assert run["redis"]["worker_round_trips_per_msg"] > 0
-    # Counted by name through the worker's own packer (dialog_worker.redis_conn) too.
+    # Counted by name through the worker's own packer (dialog_worker.store.connection) too.
     assert run["redis"]["worker_top_level_by_command_per_msg"].get("evalsha", 0) > 0
     assert run["cpu"]["workers_ms_per_msg"] > 0
     assert "bench:" in proc.stderr  # progress and summary on stderr

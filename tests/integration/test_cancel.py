@@ -18,7 +18,7 @@ from redis_server import wait_for, wait_until_async
 from stream_views import shown
 from worker_procs import run_cli
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
 from dialog_worker.errors import ReplyTimeout
 

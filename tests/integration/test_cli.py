@@ -13,7 +13,7 @@ from datetime import datetime
 import anyio
 import pytest
 
-from dialog_worker.verify import check, send_bursts, wait_applied
+from dialog_worker.ops.verify import check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 
@@ -154,7 +154,7 @@ def test_engine_startup_failure_is_one_stderr_line_naming_the_exception_and_exit
 
 
 def test_supervisor_gives_up_on_a_child_that_cannot_start_with_growing_backoff(env, tmp_path):
-    from dialog_worker.supervisor import GIVE_UP_AFTER, RESTART_MAX_S
+    from dialog_worker.daemon.supervisor import GIVE_UP_AFTER, RESTART_MAX_S
 
     started = time.monotonic()
     result = subprocess.run(  # a supervisor that never gives up is killed after 60 s

@@ -19,11 +19,11 @@ from redis_cluster import RedisCluster
 from redis_server import free_port, wait_until
 from worker_procs import WorkerPool
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
-from dialog_worker.keys import key_slot
-from dialog_worker.reshard import idle_threshold_ms
-from dialog_worker.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.ops.reshard import idle_threshold_ms
+from dialog_worker.ops.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.store.keys import key_slot
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ import pytest
 import redis
 from redis_server import wait_for
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 
 pytestmark = pytest.mark.integration
 

@@ -15,10 +15,10 @@ import json
 import pytest
 from test_security import LAYOUTS, AclRedis, acl, settings_for  # noqa: F401  (acl: fixture)
 
-from dialog_worker import dlq
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import Settings
 from dialog_worker.console import actions
+from dialog_worker.ops import dead_letters as dlq
 
 pytestmark = pytest.mark.integration
 

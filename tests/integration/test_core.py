@@ -7,8 +7,8 @@ import time
 import anyio
 import pytest
 
-from dialog_worker.client import DialogClient
-from dialog_worker.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.client.dialog_client import DialogClient
+from dialog_worker.ops.verify import Sent, check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 

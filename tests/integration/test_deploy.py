@@ -36,9 +36,9 @@ import redis
 import yaml
 from redis_server import free_port, wait_until
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import Settings, env_name, load_settings
-from dialog_worker.keys import Keys
+from dialog_worker.store.keys import Keys
 
 pytestmark = pytest.mark.integration
 
@@ -338,7 +338,7 @@ def test_burst_through_dialog_worker_run_from_the_installed_venv(
         assert json.loads(first.stdout)["session_id"] == sessions[0]
         sender = (
             "import asyncio, json, sys\n"
-            "from dialog_worker.client import DialogClient\n"
+            "from dialog_worker.client.dialog_client import DialogClient\n"
             "async def main():\n"
             "    async with DialogClient() as c:\n"
             "        for sid, text in json.loads(sys.argv[1]):\n"

@@ -12,10 +12,10 @@ import anyio
 import pytest
 from worker_procs import WorkerPool
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
-from dialog_worker.streams import xrange
-from dialog_worker.verify import send_bursts, wait_applied
+from dialog_worker.ops.verify import send_bursts, wait_applied
+from dialog_worker.store.stream_entries import xrange
 
 pytestmark = pytest.mark.integration
 

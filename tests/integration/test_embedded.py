@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER = """
 import sys
 from pathlib import Path
-import dialog_worker.embedded as embedded
+import dialog_worker.store.embedded_redis as embedded
 embedded.PORT, embedded.DATA_DIR = int(sys.argv[1]), Path(sys.argv[2])
 assert embedded.url() == f"redis://127.0.0.1:{sys.argv[1]}/0"
 from dialog_worker.cli import main

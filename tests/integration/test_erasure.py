@@ -14,9 +14,9 @@ import redis
 from redis_server import wait_for
 from worker_procs import run_cli
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
-from dialog_worker.keys import Keys, audit_key
+from dialog_worker.store.keys import Keys, audit_key
 
 pytestmark = pytest.mark.integration
 
@@ -175,7 +175,7 @@ def test_the_end_of_a_streamed_reply_does_not_bring_a_deleted_session_back(
 ) -> None:
     """The worker appends a partial stream's end after its commit; a delete that ran in
     between must not be undone by it (lua/emit-2.lua refuses an end without a state)."""
-    from dialog_worker.scripts import source
+    from dialog_worker.store.scripts import source
 
     r = redis.Redis.from_url(env["REDIS_URL"])
     session = Keys.from_settings(load_settings(environ=env)).session("p1")
@@ -192,7 +192,7 @@ async def test_delete_removes_the_sessions_entries_past_the_first_chunk_and_no_o
 ) -> None:
     """The dead-letter and reply streams are read in chunks: a session's entries anywhere in
     them go (here the last ones come after more than a chunk of others'), nobody else's."""
-    from dialog_worker.erasure import CHUNK
+    from dialog_worker.client.erasure import CHUNK
 
     r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
     keys = Keys.from_settings(load_settings(environ=env))

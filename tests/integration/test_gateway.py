@@ -389,7 +389,7 @@ async def test_session_events_follow_a_session_deleted_and_started_again(
 
         async def on_event(events: list[SSE]) -> bool:
             if len(events) == 2:
-                from dialog_worker.client import DialogClient
+                from dialog_worker.client.dialog_client import DialogClient
 
                 async with DialogClient(env["REDIS_URL"]) as client:
                     await client.delete("ev-d")

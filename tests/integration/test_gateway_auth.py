@@ -14,8 +14,8 @@ import httpx
 import pytest
 from gateway_proc import GatewayProc
 
-from dialog_worker import session_tokens
-from dialog_worker.client import DialogClient
+from dialog_worker.client import session_tokens
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ import pytest
 from gateway_proc import GatewayProc
 from redis_server import free_port
 
-from dialog_worker import session_tokens
+from dialog_worker.client import session_tokens
 
 pytestmark = pytest.mark.integration
 

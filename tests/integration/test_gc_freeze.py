@@ -11,12 +11,12 @@ from typing import Any
 import anyio
 import pytest
 
-from dialog_worker import daemon
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
-from dialog_worker.daemon import Worker
-from dialog_worker.engine_loading import load_engine
-from dialog_worker.verify import send_bursts, wait_applied
+from dialog_worker.daemon import worker as daemon
+from dialog_worker.daemon.worker import Worker
+from dialog_worker.engine.loading import load_engine
+from dialog_worker.ops.verify import send_bursts, wait_applied
 
 
 async def _frozen_after_a_message(

@@ -15,13 +15,13 @@ import redis
 import structlog.testing
 from redis_server import wait_until_async as poll
 
-from dialog_worker.client import DialogClient
-from dialog_worker.codec import unpack_custody
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
-from dialog_worker.daemon import Worker
+from dialog_worker.daemon.worker import Worker
 from dialog_worker.errors import PermanentError
-from dialog_worker.keys import Keys
-from dialog_worker.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.ops.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.store.codec import unpack_custody
+from dialog_worker.store.keys import Keys
 
 pytestmark = pytest.mark.integration
 

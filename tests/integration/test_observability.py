@@ -20,11 +20,11 @@ from prometheus_client.samples import Sample
 from redis_server import RedisServer, free_port
 from worker_procs import WorkerPool, WorkerProc
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
-from dialog_worker.daemon import Worker
-from dialog_worker.engine_loading import load_engine
-from dialog_worker.verify import check, send_bursts, wait_applied
+from dialog_worker.daemon.worker import Worker
+from dialog_worker.engine.loading import load_engine
+from dialog_worker.ops.verify import check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 

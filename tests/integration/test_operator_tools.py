@@ -24,10 +24,10 @@ import redis.asyncio
 from redis_server import wait_until_async as poll
 from worker_procs import run_cli
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
-from dialog_worker.keys import Topology
-from dialog_worker.views import queue_stats
+from dialog_worker.store.keys import Topology
+from dialog_worker.store.queue_view import queue_stats
 
 pytestmark = pytest.mark.integration
 
@@ -159,8 +159,8 @@ async def test_a_dead_letter_with_repeated_field_names_is_shown_whole_and_not_re
 async def test_reshard_moves_a_dead_letter_byte_for_byte_with_repeated_names(
     env: dict[str, str],
 ):
-    from dialog_worker.reshard import reshard
-    from dialog_worker.streams import StreamReader
+    from dialog_worker.ops.reshard import reshard
+    from dialog_worker.store.stream_entries import StreamReader
 
     old = load_settings(environ=env)
     new = old.replace(shards=2)
@@ -342,8 +342,8 @@ async def test_stats_and_the_lag_gauge_never_report_more_unread_than_the_stream_
     replayed reads do not advance the group's read counter). Made here directly: ten entries
     appended, eight trimmed away, the group's read counter left at 0: Redis says lag 10 for a
     stream of 2. `stats` and the dialog_group_lag gauge say 2."""
-    from dialog_worker.daemon import Worker
-    from dialog_worker.engine_loading import load_engine
+    from dialog_worker.daemon.worker import Worker
+    from dialog_worker.engine.loading import load_engine
 
     for i in range(10):
         await xadd_raw(client.raw, "dialog", b"session_id", f"lag{i}".encode(), b"text", b"hi")

@@ -125,7 +125,7 @@ def test_installed_console_script_sends_and_reads_state(installed: Path, env) ->
         [
             str(venv_bin / "python"),
             "-c",
-            "import dialog_worker.scripts as s, dialog_worker.rules as e;"
+            "import dialog_worker.store.scripts as s, dialog_worker.engine.rules as e;"
             " print(s.lua_dir()); e.load_rules();"
             " [s.source(f.name) for f in __import__('dataclasses').fields(s.Scripts)]",
         ],

@@ -20,7 +20,7 @@ import pytest
 from test_security import ROLES, AclRedis, acl  # noqa: F401  (acl: the module's fixture)
 
 from dialog_worker.config import Settings
-from dialog_worker.keys import Keys, Topology, audit_key, shards_key
+from dialog_worker.store.keys import Keys, Topology, audit_key, shards_key
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis_server import wait_until
 from worker_procs import Supervisor, WorkerPool
 
-from dialog_worker.client import DialogClient
-from dialog_worker.verify import check, send_bursts, wait_applied
+from dialog_worker.client.dialog_client import DialogClient
+from dialog_worker.ops.verify import check, send_bursts, wait_applied
 
 pytestmark = pytest.mark.integration
 

@@ -16,22 +16,22 @@ import redis.asyncio
 from queue_checks import wait_consumers_idle as idle
 from redis_server import wait_until_async
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import Settings, load_settings
-from dialog_worker.keys import Topology
-from dialog_worker.reshard import (
+from dialog_worker.ops.reshard import (
     Interrupted,
     ReshardReport,
     idle_threshold_ms,
     reshard,
     stop_after,
 )
-from dialog_worker.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.ops.verify import Sent, check, send_bursts, wait_applied
+from dialog_worker.store.keys import Topology
 
 pytestmark = pytest.mark.integration
 
 # A worker that reads and reclaims this often makes a consumer count as idle after
-# 2 x 200 ms (dialog_worker.reshard.idle_threshold_ms); reshard is given the same settings.
+# 2 x 200 ms (dialog_worker.ops.reshard.idle_threshold_ms); reshard is given the same settings.
 QUICK_IDLE = {"DIALOG_RECLAIM_INTERVAL_MS": "200", "DIALOG_READ_BLOCK_MS": "200"}
 # Sessions whose ids exercise the escaping of the key names.
 ODD_IDS = ["a{b}c", "x:lock", "100%", "}{"]

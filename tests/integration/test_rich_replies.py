@@ -21,10 +21,10 @@ from reply_engines import BUTTONS
 from worker_procs import run_cli
 
 from dialog_worker import SyncDialogClient
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
+from dialog_worker.client.replies import reply_from_entry
 from dialog_worker.config import load_settings
-from dialog_worker.engine import MAX_BUBBLES, MAX_BUBBLES_BYTES
-from dialog_worker.replies import reply_from_entry
+from dialog_worker.engine.protocol import MAX_BUBBLES, MAX_BUBBLES_BYTES
 
 pytestmark = pytest.mark.integration
 

@@ -13,10 +13,10 @@ import pytest_asyncio
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from dialog_worker.codec import json_bytes, unpack_custody
 from dialog_worker.config import Settings
-from dialog_worker.keys import Keys, shard_of
-from dialog_worker.scripts import Code, Release, Scripts, source
+from dialog_worker.store.codec import json_bytes, unpack_custody
+from dialog_worker.store.keys import Keys, shard_of
+from dialog_worker.store.scripts import Code, Release, Scripts, source
 
 pytestmark = pytest.mark.integration
 

@@ -33,10 +33,10 @@ from conftest import worker_env
 from redis_server import RedisServer, free_port, wait_until
 from worker_procs import WorkerPool
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import Settings, load_settings
-from dialog_worker.keys import Keys, Topology
-from dialog_worker.redis_conn import connect
+from dialog_worker.store.connection import connect
+from dialog_worker.store.keys import Keys, Topology
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,6 @@
 """Streamed replies end to end: real redis-server, real worker processes, DialogClient.stream
-and ask_stream (dialog_worker/streaming.py, dialog_worker/partials.py, lua/emit-2.lua)."""
+and ask_stream (dialog_worker/daemon/partial_writer.py, dialog_worker/client/partial_reader.py,
+lua/emit-2.lua)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from stream_views import shown, streamed
 from worker_procs import WorkerPool
 
 from dialog_worker import StreamEvent
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.errors import ReplyTimeout
 
 pytestmark = pytest.mark.integration
@@ -181,7 +182,7 @@ async def _emit(
 ) -> int:
     """One batch (kind, token, attempt, pos, seq, text, snapshot, outcome) of message m9 of
     session st-9, with a ttl of 600 s."""
-    from dialog_worker.scripts import Script, source
+    from dialog_worker.store.scripts import Script, source
 
     session = client.keys.session("st-9")
     script = Script(client.redis, source("emit"))
@@ -313,7 +314,7 @@ async def test_the_expiry_is_set_at_a_new_stream_first_every_32nd_asked_and_end_
 async def test_a_batch_costs_a_lock_check_and_one_xadd(client: DialogClient):
     """The commands Redis runs for batches that need no expiry: GET of the lock (the fence)
     and XADD, nothing else."""
-    from dialog_worker.scripts import Script, source
+    from dialog_worker.store.scripts import Script, source
 
     script = Script(client.redis, source("emit"))
     keys: list[str] = []
@@ -436,7 +437,7 @@ async def test_one_script_call_writes_the_batches_of_every_live_answer(
 async def test_a_partial_stream_key_of_another_type_refuses_its_batch_alone(
     client: DialogClient,
 ):
-    from dialog_worker.scripts import Script, source
+    from dialog_worker.store.scripts import Script, source
 
     script = Script(client.redis, source("emit"))
     a, b = client.keys.session("st-11"), client.keys.session("st-12")
@@ -459,7 +460,7 @@ async def test_a_reader_that_learns_the_end_from_the_state_still_reads_every_pie
     session's state says the message is applied: the reader reads them before the end."""
     import json
 
-    from dialog_worker import partials
+    from dialog_worker.client import partial_reader as partials
 
     class SilentRouter(partials.PartialRouter):
         def listen(self, watch: partials.Watch, last: tuple[int, int] | None) -> None:
@@ -489,7 +490,7 @@ async def test_a_reader_that_learns_the_end_from_the_state_still_reads_every_pie
 
 
 async def _emit_to(client: DialogClient, session, msg_id: str, pos: int, text: str) -> None:
-    from dialog_worker.scripts import Script, source
+    from dialog_worker.store.scripts import Script, source
 
     script = Script(client.redis, source("emit"))
     keys = [session.lock, session.partial(msg_id)]
@@ -523,8 +524,8 @@ async def test_a_follower_of_a_message_just_sent_takes_every_piece_from_the_rout
     thousand answers those were two thousand reads."""
     import json
 
-    from dialog_worker import partials
-    from dialog_worker.replies import Reply
+    from dialog_worker.client import partial_reader as partials
+    from dialog_worker.client.replies import Reply
 
     session = client.keys.session(f"st-14{end_entry}")
     await client.redis.set(session.lock, "tok", px=5000)
@@ -547,7 +548,7 @@ async def test_a_follower_of_a_message_just_sent_takes_every_piece_from_the_rout
     await client.redis.hset(session.state, mapping={"a": 1, "d": json.dumps({"history": [turn]})})
     reply.set_result(Reply(f"st-14{end_entry}", "m14", 1, "applied", text, "0-1"))
     if end_entry:
-        from dialog_worker.scripts import Script, source
+        from dialog_worker.store.scripts import Script, source
 
         script = Script(client.redis, source("emit"))
         end = ["e", "", 1, 6, 1, text, "", "applied", ""]

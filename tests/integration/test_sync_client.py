@@ -119,7 +119,7 @@ def test_reset_and_delete_without_an_event_loop(env: dict[str, str], workers: Wo
     import redis
 
     from dialog_worker.errors import ValidationError
-    from dialog_worker.keys import Keys, audit_key
+    from dialog_worker.store.keys import Keys, audit_key
 
     workers.start(1)
     settings = load_settings(environ=env)

@@ -16,9 +16,9 @@ import pytest
 import redis
 from redis_server import wait_for
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
-from dialog_worker.keys import Keys
+from dialog_worker.store.keys import Keys
 
 pytestmark = pytest.mark.integration
 

@@ -83,7 +83,7 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "dialog_worker.client" and r.levelno == logging.WARNING
+        if r.name == "dialog_worker.client.dialog_client" and r.levelno == logging.WARNING
     ]
 
 

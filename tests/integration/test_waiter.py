@@ -12,7 +12,7 @@ import pytest
 import redis
 from redis_server import wait_until, wait_until_async
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 
 pytestmark = pytest.mark.integration
 
@@ -98,8 +98,8 @@ async def test_an_idle_reader_waits_from_the_last_id_its_intake_read(env):
     that entry ends the wait at once; a read from "$" (only what comes later) would sit out
     the whole blocking read."""
     from dialog_worker.config import load_settings
-    from dialog_worker.daemon import Worker
-    from dialog_worker.engine_loading import load_engine
+    from dialog_worker.daemon.worker import Worker
+    from dialog_worker.engine.loading import load_engine
 
     r = redis.Redis.from_url(env["REDIS_URL"])
     seen = r.xadd("dialog", {"session_id": "w0", "text": "read by the last intake"})
@@ -140,8 +140,8 @@ async def _writes_for_a_lone_message(env: dict[str, str]) -> list[tuple[str, ...
     """Every write an idle worker sends to Redis from a lone message's append until its reply
     event, and the next one after it: the commands each write carries."""
     from dialog_worker.config import load_settings
-    from dialog_worker.daemon import Worker
-    from dialog_worker.engine_loading import load_engine
+    from dialog_worker.daemon.worker import Worker
+    from dialog_worker.engine.loading import load_engine
 
     r = redis.Redis.from_url(env["REDIS_URL"])
     worker = Worker(load_settings(environ=env), load_engine(None))
@@ -194,8 +194,8 @@ async def test_with_one_slot_the_reader_blocks_without_an_intake_call_behind_its
 
 def _read_ahead_worker(env: dict[str, str], concurrency: int) -> Any:
     from dialog_worker.config import load_settings
-    from dialog_worker.daemon import Worker
-    from dialog_worker.engine_loading import load_engine
+    from dialog_worker.daemon.worker import Worker
+    from dialog_worker.engine.loading import load_engine
 
     settings = load_settings(
         environ={**env, "DIALOG_CONCURRENCY": str(concurrency), "DIALOG_READ_BLOCK_MS": "3000"}
@@ -333,8 +333,8 @@ async def test_an_idle_reader_makes_the_group_check_another_loop_asked_for(env):
     pool is replaced when next taken, so cutting every connection no longer makes such a
     failure come late: here a loop fails by itself, just after the reader's wait began.)"""
     from dialog_worker.config import load_settings
-    from dialog_worker.daemon import IDLE_RECHECK_S, Worker
-    from dialog_worker.engine_loading import load_engine
+    from dialog_worker.daemon.worker import IDLE_RECHECK_S, Worker
+    from dialog_worker.engine.loading import load_engine
 
     settings = load_settings(
         environ={**env, "DIALOG_METRICS_PORT": "0", "DIALOG_READ_BLOCK_MS": "200"}

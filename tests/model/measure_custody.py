@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))
 from redis_server import RedisServer
 
 from dialog_worker.config import Settings
-from dialog_worker.keys import Keys
+from dialog_worker.store.keys import Keys
 
 SESSIONS, PER_SESSION = 1000, 10
 TTL_MS = 60_000

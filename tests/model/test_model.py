@@ -78,10 +78,10 @@ from hypothesis.stateful import (
 )
 from redis_server import RedisServer
 
-from dialog_worker.codec import MAX_EXTRA_FIELDS, unpack_custody
 from dialog_worker.config import Settings
-from dialog_worker.keys import Keys
-from dialog_worker.scripts import Code, Release, source
+from dialog_worker.store.codec import MAX_EXTRA_FIELDS, unpack_custody
+from dialog_worker.store.keys import Keys
+from dialog_worker.store.scripts import Code, Release, source
 
 pytestmark = pytest.mark.integration
 
@@ -271,7 +271,8 @@ def _pairs(flat_fields: list[bytes]) -> list[tuple[bytes, bytes]]:
 
 def engine_answer(seq: int, text: str) -> tuple[str, list[str]]:
     """What the worker commits for a step that answered, by seq: a string, one bubble, two
-    bubbles or None (reply text and reply extras, as dialog_worker/engine.py's RichReply gives)."""
+    bubbles or None (reply text and reply extras, as dialog_worker/engine/protocol.py's RichReply
+    gives)."""
     kind = seq % 4
     if kind == 0:
         return text, []

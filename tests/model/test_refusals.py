@@ -11,10 +11,10 @@ import pytest
 import redis
 from redis_server import RedisServer
 
-from dialog_worker.codec import MAX_EXTRA_FIELDS
 from dialog_worker.config import Settings
-from dialog_worker.keys import Keys
-from dialog_worker.scripts import source
+from dialog_worker.store.codec import MAX_EXTRA_FIELDS
+from dialog_worker.store.keys import Keys
+from dialog_worker.store.scripts import source
 
 pytestmark = pytest.mark.integration
 

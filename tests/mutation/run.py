@@ -180,7 +180,7 @@ def environment(copy: Path) -> dict[str, str]:
 def check_isolation(copy: Path) -> None:
     """The copy, not the checkout, is what `import dialog_worker` finds there."""
     out = subprocess.run(
-        [sys.executable, "-c", "import dialog_worker.scripts as s; print(s.lua_dir())"],
+        [sys.executable, "-c", "import dialog_worker.store.scripts as s; print(s.lua_dir())"],
         cwd=copy,
         env=environment(copy),
         capture_output=True,

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from dialog_worker import PermanentError, TransientError
-from dialog_worker.rules import load_rules
+from dialog_worker.engine.rules import load_rules
 
 
 def record(event: str, **fields: Any) -> None:

@@ -18,7 +18,7 @@ import anyio
 from redis.asyncio import Redis
 
 from dialog_worker.config import Settings
-from dialog_worker.keys import Topology
+from dialog_worker.store.keys import Topology
 
 FALLBACK = "Maaf, pesan Anda tidak dapat diproses. Silakan coba lagi nanti."
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import anyio
 
+from dialog_worker.engine.rules import load_rules
 from dialog_worker.errors import PermanentError
-from dialog_worker.rules import load_rules
 
 
 class FaultEngine:

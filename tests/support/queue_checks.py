@@ -4,8 +4,8 @@ acks in the same script, so nothing should ever be), no session in any ready set
 session with a sequenced message it has not applied (state field `s` > `a`), and every idle
 session's state carrying its idle TTL (a state without one would never expire).
 
-Plain test support code: it reads the key names from the client's topology (dialog_worker/keys.py)
-and nothing else of the product."""
+Plain test support code: it reads the key names from the client's topology
+(dialog_worker/store/keys.py) and nothing else of the product."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 import redis.exceptions
 from redis_server import wait_until_async
 
-from dialog_worker.client import DialogClient
-from dialog_worker.keys import Keys
+from dialog_worker.client.dialog_client import DialogClient
+from dialog_worker.store.keys import Keys
 
 
 async def _scan(r: Any, pattern: str) -> list[str]:
@@ -76,7 +76,7 @@ async def assert_drained(
 
 async def lock_holders(client: DialogClient) -> dict[str, str]:
     """Session lock key -> the consumer name its token starts with (tokens are
-    "<consumer>:<nonce>:<call>:<n>", dialog_worker/daemon.py)."""
+    "<consumer>:<nonce>:<call>:<n>", dialog_worker/daemon/worker.py)."""
     holders = {}
     for k in client.topology.shards:
         for key in await _scan(client.redis, f"{k.session_prefix}{{*}}:lock"):
@@ -88,7 +88,7 @@ async def lock_holders(client: DialogClient) -> dict[str, str]:
 
 async def wait_consumers_idle(r: Any, shards: Iterable[Keys], threshold_ms: int) -> None:
     """Until every consumer of every shard's group has been idle for `threshold_ms` (stopped
-    workers: what `reshard` waits to see, dialog_worker.reshard.idle_threshold_ms)."""
+    workers: what `reshard` waits to see, dialog_worker.ops.reshard.idle_threshold_ms)."""
     shards = list(shards)
 
     async def idle() -> bool:

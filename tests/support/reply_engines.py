@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 import dialog_worker
-from dialog_worker.engine import bubbles_json
+from dialog_worker.engine.protocol import bubbles_json
 
 BUTTONS = {"buttons": [{"title": "Ya", "payload": "yes"}, {"title": "Tidak", "payload": "no"}]}
 

@@ -17,8 +17,8 @@ import pytest_asyncio
 import redis.exceptions
 from fakeredis.aioredis import FakeRedis
 
-from dialog_worker import client as client_module
-from dialog_worker.client import DialogClient
+from dialog_worker.client import dialog_client as client_module
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
 from dialog_worker.errors import ConfigError, ValidationError
 
@@ -241,7 +241,7 @@ def test_invalid_keyword_override_on_given_settings_raises_config_error() -> Non
 
 @pytest.mark.parametrize("multitask", [None, "reject"])
 async def test_32_meta_fields_pass_and_33_are_refused(multitask: str | None) -> None:
-    from dialog_worker.codec import MAX_EXTRA_FIELDS
+    from dialog_worker.store.codec import MAX_EXTRA_FIELDS
 
     assert MAX_EXTRA_FIELDS == 32
     async with DialogClient(DEAD_URL) as c:

@@ -15,8 +15,9 @@ import anyio
 import pytest
 import structlog
 
-from dialog_worker import rules as rules_module
-from dialog_worker.engine import (
+from dialog_worker.engine import rules as rules_module
+from dialog_worker.engine.loading import load_engine
+from dialog_worker.engine.protocol import (
     MAX_BUBBLES,
     MAX_BUBBLES_BYTES,
     RichReply,
@@ -26,9 +27,8 @@ from dialog_worker.engine import (
     shutdown_engine,
     startup_engine,
 )
-from dialog_worker.engine_loading import load_engine
+from dialog_worker.engine.rules import RuleEngine, load_rules
 from dialog_worker.errors import ConfigError, EngineHookError, PermanentError
-from dialog_worker.rules import RuleEngine, load_rules
 
 FALLBACK = "Maaf, saya tidak mengerti."
 
@@ -828,7 +828,7 @@ class _Polite:
 
 
 def test_an_engines_fallback_reply_is_used_unless_the_setting_was_changed() -> None:
-    from dialog_worker.engine import fallback_reply
+    from dialog_worker.engine.protocol import fallback_reply
 
     assert fallback_reply(_Polite(), "default", "default") == "Sorry!"
     assert fallback_reply(_Polite(), "set by the operator", "default") == "set by the operator"

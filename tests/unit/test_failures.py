@@ -1,4 +1,4 @@
-"""Retry delays and the failure text kept in dead letters (dialog_worker.failures)."""
+"""Retry delays and the failure text kept in dead letters (dialog_worker.daemon.failures)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from dialog_worker.errors import PermanentError, TransientError
-from dialog_worker.failures import (
+from dialog_worker.daemon.failures import (
     FAILURE_MAX_CHARS,
     RETRY_AFTER_CEILING_MS,
     describe_failure,
     retry_after_of,
     retry_delay_ms,
 )
+from dialog_worker.errors import PermanentError, TransientError
 
 
 @pytest.mark.parametrize("attempt", [1, 2, 3, 4, 5, 6, 7, 10, 100, 10_000])

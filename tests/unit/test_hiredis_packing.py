@@ -10,7 +10,7 @@ from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
 from dialog_worker.config import Settings
-from dialog_worker.redis_conn import (
+from dialog_worker.store.connection import (
     DRIVER_INFO,
     HiredisPacking,
     PackedConnection,

@@ -13,7 +13,9 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
-from dialog_worker.codec import (
+from dialog_worker.config import Settings
+from dialog_worker.daemon.failures import retry_delay_ms
+from dialog_worker.store.codec import (
     MalformedEntry,
     decode_message,
     entry_time_ms,
@@ -21,9 +23,7 @@ from dialog_worker.codec import (
     json_loads,
     redis_text,
 )
-from dialog_worker.config import Settings
-from dialog_worker.failures import retry_delay_ms
-from dialog_worker.keys import Keys, SessionKeys, escape_tag, stream_tag
+from dialog_worker.store.keys import Keys, SessionKeys, escape_tag, stream_tag
 
 # ---------------------------------------------------------------------------------------------
 # Redis Cluster key -> slot, as src/cluster.c keyHashSlot does it
@@ -469,7 +469,7 @@ def test_a_document_is_read_exactly_as_the_standard_library_reads_it(doc: bytes)
 def test_a_jobs_cancel_mark_is_the_sessions_mark_of_its_message(session_id: str) -> None:
     """The cancel watch asks each running job for its mark's key every interval; the job
     builds it once, and it is the key `cancel` writes."""
-    from dialog_worker.pipeline import Job
+    from dialog_worker.daemon.pipeline import Job
 
     job = Job(KEYS, session_id, "t", 1, "1-0", {}, b"", 0, 1, "", "")
     assert job.cancel_mark() == KEYS.session(session_id).cancel_mark("")  # not kept

@@ -1,5 +1,5 @@
-"""The reader's state machine of streamed replies (dialog_worker/partials.py) and `emit` outside a
-step: every resume case without Redis."""
+"""The reader's state machine of streamed replies (dialog_worker/client/partial_reader.py) and
+`emit` outside a step: every resume case without Redis."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from dialog_worker import StreamEvent, emit, partials
-from dialog_worker.client import DialogClient
-from dialog_worker.config import load_settings
-from dialog_worker.errors import ValidationError
-from dialog_worker.partials import (
+from dialog_worker import StreamEvent, emit
+from dialog_worker.client import partial_reader as partials
+from dialog_worker.client.dialog_client import DialogClient
+from dialog_worker.client.partial_reader import (
     Cursor,
     MessageKeys,
     Tracker,
@@ -21,8 +20,10 @@ from dialog_worker.partials import (
     parse_cursor,
     reply_from_history,
 )
-from dialog_worker.replies import Reply
-from dialog_worker.streaming import BATCH_WIDTH, PartialReplies
+from dialog_worker.client.replies import Reply
+from dialog_worker.config import load_settings
+from dialog_worker.daemon.partial_writer import BATCH_WIDTH, PartialReplies
+from dialog_worker.errors import ValidationError
 
 
 def entry(a: int, p: int, t: str, k: str = "d", f: str | None = None, s: int = 3):
@@ -197,7 +198,7 @@ def test_every_half_maxlen_entry_carries_the_whole_text_so_far() -> None:
     """A reader behind a trimmed start resyncs from a snapshot: with DIALOG_PARTIAL_MAXLEN=10,
     every 5th entry carries all the text written before it plus its own piece, and a huge
     emit is split into entries of at most MAX_ENTRY_CHARS."""
-    from dialog_worker.streaming import MAX_ENTRY_CHARS, PartialWriter
+    from dialog_worker.daemon.partial_writer import MAX_ENTRY_CHARS, PartialWriter
 
     replies = SimpleNamespace(settings=SimpleNamespace(partial_maxlen=10))
     job = SimpleNamespace(keys=SimpleNamespace(shard=0), token="t", seq=1, session_id="s")

@@ -8,8 +8,8 @@ import redis.exceptions
 
 from dialog_worker.config import Settings, load_settings
 from dialog_worker.errors import ConfigError
-from dialog_worker.redis_checks import CommitLedger, ServerConfig, eviction_problem, unhealable
-from dialog_worker.redis_conn import parse_sentinel_url
+from dialog_worker.store.checks import CommitLedger, ServerConfig, eviction_problem, unhealable
+from dialog_worker.store.connection import parse_sentinel_url
 
 
 def test_sentinel_url_names_sentinels_master_db_and_credentials() -> None:
@@ -85,7 +85,7 @@ def test_ledger_keeps_recent_versions_per_session_in_time_order() -> None:
 
 
 def test_a_cluster_answers_info_per_node_and_any_evicting_node_counts() -> None:
-    from dialog_worker.redis_checks import per_node
+    from dialog_worker.store.checks import per_node
 
     one = {"maxmemory": 0, "maxmemory_policy": "noeviction"}
     assert per_node(one) == [one]
@@ -98,7 +98,7 @@ async def test_a_call_refused_for_memory_waits_longer_each_time_up_to_the_cap(
 ) -> None:
     """Out of memory is backpressure: the call is tried again, after a pause that doubles
     (with jitter) up to OOM_BACKOFF_MAX_S, and its result is returned once Redis has room."""
-    from dialog_worker import redis_checks
+    from dialog_worker.store import checks as redis_checks
 
     waits: list[float] = []
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from dialog_worker.codec import MalformedEntry, check_expires_at, decode_message
+from dialog_worker.client.replies import MAX_BUBBLES_FIELD_BYTES, reply_from_entry
 from dialog_worker.errors import ValidationError
-from dialog_worker.replies import MAX_BUBBLES_FIELD_BYTES, reply_from_entry
+from dialog_worker.store.codec import MalformedEntry, check_expires_at, decode_message
 
 CORE = {
     b"session_id": b"s1",

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from dialog_worker.cli import _parser
-from dialog_worker.supervisor import RESTART_MAX_S, cpu_count, restart_delay_s
+from dialog_worker.daemon.supervisor import RESTART_MAX_S, cpu_count, restart_delay_s
 
 
 def test_restart_delay_doubles_from_half_a_second_and_is_capped() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import dialog_worker
+from dialog_worker.engine.timers import MAX_TIMERS, recording
 from dialog_worker.errors import ValidationError
-from dialog_worker.timers import MAX_TIMERS, recording
 
 
 def test_a_step_may_set_exactly_the_cap_and_one_more_is_refused() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import struct
 
-from dialog_worker.codec import unpack_timer
+from dialog_worker.store.codec import unpack_timer
 
 
 def fixstr(value: bytes) -> bytes:

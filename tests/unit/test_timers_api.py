@@ -9,14 +9,14 @@ import time
 import pytest
 
 import dialog_worker
-from dialog_worker.errors import ValidationError
-from dialog_worker.timers import (
+from dialog_worker.engine.timers import (
     MAX_TIMER_META,
     MAX_TIMER_NAME_BYTES,
     TimerOps,
     deliver_at_ms,
     recording,
 )
+from dialog_worker.errors import ValidationError
 
 
 def test_schedule_outside_a_step_raises_instead_of_dropping_the_timer() -> None:

@@ -1,4 +1,5 @@
-"""dialog_worker.verify.check judges the integration and fault tests and `dialog-worker verify`: it
+"""dialog_worker.ops.verify.check judges the integration and fault tests and `dialog-worker
+verify`: it
 must see every kind of violation, also in a session longer than DIALOG_HISTORY_LIMIT, whose
 early turns are no longer in its state. On fakeredis: the state and the reply events are
 written by hand, as the commits would write them."""
@@ -12,8 +13,8 @@ import pytest
 import pytest_asyncio
 from fakeredis.aioredis import FakeRedis
 
-from dialog_worker.client import DialogClient
-from dialog_worker.verify import Sent, check
+from dialog_worker.client.dialog_client import DialogClient
+from dialog_worker.ops.verify import Sent, check
 
 LIMIT = 3
 SENT = [Sent("long", seq, f"m{seq}", f"pesan {seq}") for seq in range(1, 8)]

@@ -7,9 +7,15 @@ is written, `cancelled()` for a plain step to notice that its message was cancel
 `schedule` / `cancel_timer` for messages to the step's own session later (docs/engine.md).
 """
 
-from dialog_worker.cancellation import cancelled
-from dialog_worker.client import CancelResult, DialogClient, SendResult
-from dialog_worker.engine import Engine
+from dialog_worker.client.dialog_client import CancelResult, DialogClient, SendResult
+from dialog_worker.client.partial_reader import StreamEvent
+from dialog_worker.client.replies import Reply
+from dialog_worker.client.session_events import SessionEvent
+from dialog_worker.client.sync import SyncDialogClient
+from dialog_worker.engine.cancellation import cancelled
+from dialog_worker.engine.emit import emit
+from dialog_worker.engine.protocol import Engine
+from dialog_worker.engine.timers import cancel_timer, schedule
 from dialog_worker.errors import (
     PermanentError,
     ReplyStreamError,
@@ -17,12 +23,6 @@ from dialog_worker.errors import (
     TransientError,
     UncertainSendError,
 )
-from dialog_worker.partials import StreamEvent
-from dialog_worker.replies import Reply
-from dialog_worker.session_events import SessionEvent
-from dialog_worker.streaming import emit
-from dialog_worker.sync_client import SyncDialogClient
-from dialog_worker.timers import cancel_timer, schedule
 from dialog_worker.version import __version__
 
 __all__ = [

@@ -18,9 +18,8 @@ import redis.exceptions
 import structlog
 
 from dialog_worker import bench
-from dialog_worker.client import DEFAULT_CLAIM_IDLE_MS, DialogClient
+from dialog_worker.client.dialog_client import DEFAULT_CLAIM_IDLE_MS, DialogClient
 from dialog_worker.config import Settings, load_settings, redact_url
-from dialog_worker.dlq import duration_arg, handle_arg
 from dialog_worker.errors import (
     ConfigError,
     EngineHookError,
@@ -28,7 +27,8 @@ from dialog_worker.errors import (
     ReplyTimeout,
     ValidationError,
 )
-from dialog_worker.keys import Keys
+from dialog_worker.ops.dead_letters import duration_arg, handle_arg
+from dialog_worker.store.keys import Keys
 from dialog_worker.version import __version__
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -59,7 +59,7 @@ def _positive_int(raw: str) -> int:
 
 def _processes(raw: str) -> int:
     if raw == "auto":
-        from dialog_worker.supervisor import cpu_count
+        from dialog_worker.daemon.supervisor import cpu_count
 
         return cpu_count()
     return _positive_int(raw)
@@ -364,11 +364,11 @@ def _report(exc: BaseException, settings: Settings | None) -> int:
 
 
 def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
-    from dialog_worker import embedded as local
     from dialog_worker.config import DEFAULT_FALLBACK_REPLY
-    from dialog_worker.engine import fallback_reply
-    from dialog_worker.engine_loading import load_engine
+    from dialog_worker.engine.loading import load_engine
+    from dialog_worker.engine.protocol import fallback_reply
     from dialog_worker.log import configure
+    from dialog_worker.store import embedded_redis as local
 
     configure(settings.log_level, settings.log_format, settings.consumer)
     engine = load_engine(settings.engine or None, settings.rules_file or None)
@@ -382,8 +382,8 @@ def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
     try:
         if processes > 1:
             return _supervise(settings, processes, flags)
-        from dialog_worker.daemon import run_worker
-        from dialog_worker.supervisor import watch_supervisor
+        from dialog_worker.daemon.supervisor import watch_supervisor
+        from dialog_worker.daemon.worker import run_worker
 
         watch_supervisor()
         run_worker(settings, engine)
@@ -402,7 +402,7 @@ def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
 
 def _supervise(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
     from dialog_worker.config import default_consumer, env_name
-    from dialog_worker.supervisor import GaveUp, Supervisor, run_supervisor
+    from dialog_worker.daemon.supervisor import GaveUp, Supervisor, run_supervisor
 
     # Children read the same environment and config file; what only we know goes into theirs.
     env = dict(os.environ)
@@ -522,7 +522,7 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _token(settings: Settings, args: argparse.Namespace) -> int:
-    from dialog_worker import session_tokens
+    from dialog_worker.client import session_tokens
 
     actions = args.actions.split(",") if args.actions else None
     if not settings.http_signing_key:
@@ -547,8 +547,8 @@ async def _state(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _session(settings: Settings, args: argparse.Namespace) -> int:
-    from dialog_worker.codec import check_id
-    from dialog_worker.views import session_view
+    from dialog_worker.store.codec import check_id
+    from dialog_worker.store.queue_view import session_view
 
     check_id("session_id", args.session)
     if args.target is not None:
@@ -589,7 +589,7 @@ async def _erase_session(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _stats(settings: Settings, args: argparse.Namespace) -> int:
-    from dialog_worker.views import aggregate_stats
+    from dialog_worker.store.queue_view import aggregate_stats
 
     async with DialogClient(settings=settings) as c:
         stats = await aggregate_stats(c.redis, _shards(c, args))
@@ -604,7 +604,7 @@ async def _stats(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _verify(settings: Settings, args: argparse.Namespace) -> int:
-    from dialog_worker.verify import verify
+    from dialog_worker.ops.verify import verify
 
     async with DialogClient(settings=settings, max_connections=200) as c:
         # The built-in rules' conversation only where the workers run them (the same settings:
@@ -616,7 +616,7 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _dlq(settings: Settings, args: argparse.Namespace) -> int:
-    from dialog_worker import dlq
+    from dialog_worker.ops import dead_letters as dlq
 
     async with DialogClient(settings=settings) as c:
         if args.dlq_command == "list":
@@ -654,8 +654,8 @@ def _shards(client: DialogClient, args: argparse.Namespace) -> list[Keys]:
 
 
 async def _reshard(settings: Settings, args: argparse.Namespace) -> int:
-    from dialog_worker.redis_conn import connect, prepare
-    from dialog_worker.reshard import Interrupted, Refused, reshard, stop_after
+    from dialog_worker.ops.reshard import Interrupted, Refused, reshard, stop_after
+    from dialog_worker.store.connection import connect, prepare
 
     try:
         target = settings.replace(shards=args.to_shards)

@@ -99,7 +99,8 @@ class Settings:
     console_redact_fields: str = ""
     console_audit_maxlen: int = 100_000
 
-    # Streamed replies (dialog_worker/streaming.py) and the HTTP gateway (dialog_worker/gateway/).
+    # Streamed replies (dialog_worker/daemon/partial_writer.py) and the HTTP gateway
+    # (dialog_worker/gateway/).
     partial_ttl_s: int = 600
     partial_maxlen: int = 1000
     partial_flush_ms: int = 40
@@ -107,7 +108,8 @@ class Settings:
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     http_token: str = ""
-    # Session-scoped tokens for browsers (dialog_worker/session_tokens.py), the origins allowed to
+    # Session-scoped tokens for browsers (dialog_worker/client/session_tokens.py), the origins
+    # allowed to
     # call the gateway from a page of their own, and a hook for teams that have their users.
     http_signing_key: str = ""
     http_cors_origins: str = ""

@@ -28,7 +28,8 @@ class TransientError(DialogWorkerError):
     """Retry later with backoff: the same input may succeed (timeouts, outages, rate limits).
 
     ``retry_after`` (seconds) is the earliest useful retry, e.g. an HTTP 429's ``Retry-After``:
-    the next attempt waits at least that long (within a ceiling, see `dialog_worker.failures`). A
+    the next attempt waits at least that long (within a ceiling, see
+    `dialog_worker.daemon.failures`). A
     value that is not a finite number >= 0 is ignored rather than raised over, so a bad header
     still gives an ordinary retry.
     """

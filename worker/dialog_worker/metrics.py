@@ -137,7 +137,7 @@ class Metrics:
             registry=r,
             multiprocess_mode="liveall",
         )
-        # Redis as it runs (dialog_worker/redis_checks.py).
+        # Redis as it runs (dialog_worker/store/checks.py).
         self.redis_eviction_unsafe = Gauge(
             "dialog_redis_eviction_unsafe",
             "1 while Redis has maxmemory with a policy other than noeviction (it can evict "

@@ -1,6 +1,6 @@
 """Correctness of one run, per session: lost, duplicated, out of order, missing or extra reply,
 not applied (ours), from the replies the reader saw and the session states in Redis; plus
-dialog-worker's own checker (dialog_worker.verify) for ours."""
+dialog-worker's own checker (dialog_worker.ops.verify) for ours."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dialog_worker.bench.measure import ReplyReader
 from dialog_worker.bench.stats import inversions
 from dialog_worker.bench.target import Target
 from dialog_worker.bench.workload import Sent
-from dialog_worker.verify import Sent as VSent
+from dialog_worker.ops.verify import Sent as VSent
 
 # Systems that keep dialog-worker's state document (bare keeps none).
 STATEFUL = {"ours", "naive", "seed", "peer"}
@@ -111,9 +111,9 @@ def _session(
 
 
 async def verify_check(target: Target, sent: list[Sent], reader: ReplyReader) -> list[str]:
-    """dialog-worker's own checker (dialog_worker.verify.check) over this run."""
-    from dialog_worker.client import DialogClient
-    from dialog_worker.verify import check
+    """dialog-worker's own checker (dialog_worker.ops.verify.check) over this run."""
+    from dialog_worker.client.dialog_client import DialogClient
+    from dialog_worker.ops.verify import check
 
     checked: list[VSent] = list(sent)
     async with DialogClient(settings=target.settings, max_connections=8) as client:

@@ -49,7 +49,7 @@ from dialog_worker.bench.spawn import source_root
 from dialog_worker.bench.target import Target
 from dialog_worker.config import Settings
 from dialog_worker.errors import ValidationError
-from dialog_worker.redis_conn import connect
+from dialog_worker.store.connection import connect
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 

@@ -39,7 +39,7 @@ class CommandCounter:
             return
         from redis.asyncio.connection import AbstractConnection
 
-        from dialog_worker.redis_conn import HiredisPacking
+        from dialog_worker.store.connection import HiredisPacking
 
         counter = self
         original_send = AbstractConnection.send_packed_command
@@ -69,7 +69,7 @@ class CommandCounter:
                 counter.round_trips += 1
             return await original_send(conn, command, check_health)
 
-        # redis-py's packer and the worker's own (dialog_worker.redis_conn).
+        # redis-py's packer and the worker's own (dialog_worker.store.connection).
         for cls in (AbstractConnection, HiredisPacking):
             setattr(cls, "pack_command", counting(cls))  # noqa: B010
         setattr(AbstractConnection, "send_packed_command", send_packed_command)  # noqa: B010

@@ -23,8 +23,8 @@ from redis.asyncio import Redis
 
 from dialog_worker.config import Settings
 from dialog_worker.errors import ValidationError
-from dialog_worker.keys import Keys, escape_tag
-from dialog_worker.streams import xrange, xrevrange
+from dialog_worker.store.keys import Keys, escape_tag
+from dialog_worker.store.stream_entries import xrange, xrevrange
 
 DEFAULT = "bench"
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 
-from dialog_worker.rules import RuleEngine, load_rules
+from dialog_worker.engine.rules import RuleEngine, load_rules
 
 
 class SlowEngine:

@@ -29,13 +29,15 @@ WORKER_MODULES: dict[str, list[str]] = {
     "peer": ["bench.peer_worker"],
     "bare": ["bench.bare_roundtrip"],
 }
-# The directory that holds the `worker` package (and, in a checkout, `bench/`).
+# The directory that holds the `dialog_worker` package (worker/ in a checkout), and the
+# checkout around it, which holds the comparison workers in bench/.
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+CHECKOUT = PACKAGE_PARENT.parent
 
 
 def source_root() -> Path | None:
     """The checkout that holds bench/ next to worker/ (comparisons need it)."""
-    return PACKAGE_PARENT if (PACKAGE_PARENT / "bench" / "common.py").is_file() else None
+    return CHECKOUT if (CHECKOUT / "bench" / "common.py").is_file() else None
 
 
 @dataclasses.dataclass

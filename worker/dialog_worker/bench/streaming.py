@@ -36,9 +36,9 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from dialog_worker.client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
-from dialog_worker.streaming import emit
+from dialog_worker.engine.emit import emit
 
 T = TypeVar("T")
 

@@ -13,8 +13,8 @@ from redis.asyncio import Redis
 from dialog_worker.bench.spawn import WorkerProcess, Workers
 from dialog_worker.bench.workload import Producer, Sent
 from dialog_worker.config import Settings
-from dialog_worker.keys import Keys
-from dialog_worker.redis_conn import connect
+from dialog_worker.store.connection import connect
+from dialog_worker.store.keys import Keys
 
 
 class Target:

@@ -18,8 +18,8 @@ from redis.asyncio.client import Pipeline
 
 from dialog_worker.bench.stats import id_ms
 from dialog_worker.config import Settings
-from dialog_worker.keys import Keys
-from dialog_worker.verify import Sent as VSent
+from dialog_worker.ops.verify import Sent as VSent
+from dialog_worker.store.keys import Keys
 
 PIPELINE_CHUNK = 500
 TICK_S = 0.002
@@ -28,7 +28,7 @@ RATE_TEXTS = ["nama saya Budi", "saya ada kendala billing", "pesan"]
 
 @dataclasses.dataclass
 class Sent(VSent):
-    """A sent message as dialog_worker.verify checks it, plus when the bench sent it."""
+    """A sent message as dialog_worker.ops.verify checks it, plus when the bench sent it."""
 
     t_send: float
     enq_ms: int

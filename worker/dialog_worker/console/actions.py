@@ -1,6 +1,6 @@
 """Operator actions that need no script of their own: they go through the dead-letter tools
-(dialog_worker/dlq.py), one listed letter at a time, so an action touches exactly the letters the
-operator saw on the page and nothing that arrived since.
+(dialog_worker/ops/dead_letters.py), one listed letter at a time, so an action touches exactly the
+letters the operator saw on the page and nothing that arrived since.
 
 Each returns counts for the page and the audit stream: `done` (redriven or purged),
 `skipped` (the tool refused it: not UTF-8, another deployment's stream, ...), `missing`
@@ -16,13 +16,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from dialog_worker import dlq
-from dialog_worker.client import DialogClient
-from dialog_worker.codec import check_meta, check_text
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.console.reads import letter_fields, original_order, parse_handle
 from dialog_worker.errors import ValidationError
-from dialog_worker.keys import Keys
-from dialog_worker.scripts import Script, source
+from dialog_worker.ops import dead_letters as dlq
+from dialog_worker.store.codec import check_meta, check_text
+from dialog_worker.store.keys import Keys
+from dialog_worker.store.scripts import Script, source
 
 
 @dataclasses.dataclass(slots=True)

@@ -27,14 +27,14 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dialog_worker.client import DialogClient
-from dialog_worker.codec import check_id
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import Settings
 from dialog_worker.console import actions, reads
 from dialog_worker.console.audit import AuditLog
 from dialog_worker.console.auth import Authenticator, User
 from dialog_worker.errors import ValidationError
-from dialog_worker.keys import audit_key
+from dialog_worker.store.codec import check_id
+from dialog_worker.store.keys import audit_key
 from dialog_worker.version import __version__
 
 HERE = Path(__file__).resolve().parent

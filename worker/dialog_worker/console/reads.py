@@ -14,12 +14,17 @@ from typing import Any, cast
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from dialog_worker.client import DialogClient
-from dialog_worker.codec import check_id, unpack_timer
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.errors import ValidationError
-from dialog_worker.keys import Keys
-from dialog_worker.streams import StreamReader
-from dialog_worker.views import aggregate_stats, entry_age_s, reply_group_lags, session_view
+from dialog_worker.store.codec import check_id, unpack_timer
+from dialog_worker.store.keys import Keys
+from dialog_worker.store.queue_view import (
+    aggregate_stats,
+    entry_age_s,
+    reply_group_lags,
+    session_view,
+)
+from dialog_worker.store.stream_entries import StreamReader
 
 PAGE_DEFAULT = 50
 PAGE_MAX = 200

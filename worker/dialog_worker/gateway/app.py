@@ -8,8 +8,8 @@
 Every request carries a token (``Authorization: Bearer <token>``, or ``?access_token=`` for
 ``EventSource``, which cannot set headers) unless the app was built without auth: the server
 token (``DIALOG_HTTP_TOKEN``, for the application's servers: any session), or a session token
-minted by the application (dialog_worker/session_tokens.py: one session, some actions, until it
-expires), or whatever the ``DIALOG_HTTP_AUTHORIZE`` hook lets through. 401 without a valid
+minted by the application (dialog_worker/client/session_tokens.py: one session, some actions, until
+it expires), or whatever the ``DIALOG_HTTP_AUTHORIZE`` hook lets through. 401 without a valid
 one, 403 for a valid session token of another session or action. Pages on the origins of
 ``DIALOG_HTTP_CORS_ORIGINS`` may call it from their own origin. Bad input is
 a 4xx with ``{"error": "..."}``; Redis out of reach a 503.
@@ -41,13 +41,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from dialog_worker import session_tokens
-from dialog_worker.client import DialogClient
-from dialog_worker.codec import check_id
+from dialog_worker.client import session_tokens
+from dialog_worker.client.dialog_client import DialogClient
+from dialog_worker.client.partial_reader import StreamEvent
+from dialog_worker.client.session_events import parse_session_cursor
 from dialog_worker.config import Settings
 from dialog_worker.errors import ConfigError, ReplyStreamError, ValidationError
-from dialog_worker.partials import StreamEvent
-from dialog_worker.session_events import parse_session_cursor
+from dialog_worker.store.codec import check_id
 
 log = structlog.get_logger("dialog_worker.gateway")
 
@@ -104,8 +104,8 @@ def create_app(
             app.state.client = client
             yield
             return
-        # Streams share one blocking read (dialog_worker/partials.py); connections serve the sends
-        # and each stream's catch-up reads.
+        # Streams share one blocking read (dialog_worker/client/partial_reader.py); connections
+        # serve the sends and each stream's catch-up reads.
         async with DialogClient(settings=settings, max_connections=max_connections) as made:
             # Read replies from the start: a message rejected between its POST and the GET of
             # its stream is known only by its reply event.

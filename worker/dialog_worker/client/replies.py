@@ -35,7 +35,7 @@ from redis.asyncio import Redis
 
 from dialog_worker.errors import ReplyStreamError
 
-log = structlog.get_logger("dialog_worker.replies")
+log = structlog.get_logger("dialog_worker.client.replies")
 
 Outcome = Literal[
     "applied",

@@ -41,21 +41,21 @@ import structlog
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from dialog_worker import redis_checks
-from dialog_worker.codec import MAX_EXTRA_FIELDS, fields_dict, text
 from dialog_worker.config import Settings
-from dialog_worker.engine import Engine, shutdown_engine, startup_engine
+from dialog_worker.daemon.health_server import serve as serve_http
+from dialog_worker.daemon.pipeline import Committer, Job, Pipeline
+from dialog_worker.engine.protocol import Engine, shutdown_engine, startup_engine
 from dialog_worker.errors import ConfigError
-from dialog_worker.http import serve as serve_http
-from dialog_worker.keys import Keys, Topology
 from dialog_worker.metrics import Metrics
-from dialog_worker.pipeline import Committer, Job, Pipeline
-from dialog_worker.redis_conn import TOPOLOGY_LISTENERS, check_topology, connect, prepare
-from dialog_worker.scripts import Scripts
+from dialog_worker.store import checks as redis_checks
+from dialog_worker.store.codec import MAX_EXTRA_FIELDS, fields_dict, text
+from dialog_worker.store.connection import TOPOLOGY_LISTENERS, check_topology, connect, prepare
+from dialog_worker.store.keys import Keys, Topology
+from dialog_worker.store.queue_view import queue_stats, reply_group_lags
+from dialog_worker.store.scripts import Scripts
 from dialog_worker.version import __version__
-from dialog_worker.views import queue_stats, reply_group_lags
 
-log = structlog.get_logger("dialog_worker.daemon")
+log = structlog.get_logger("dialog_worker.daemon.worker")
 
 
 class MalformedNotice:

@@ -1,5 +1,6 @@
-"""Streamed replies, the worker's side: `emit` for engines, and the writer that batches what a
-step emits into its message's partial stream (lua/emit-2.lua).
+"""Streamed replies, the worker's side: the writer that batches what a step emits
+(`dialog_worker.emit`, dialog_worker/engine/emit.py) into its message's partial stream
+(lua/emit-2.lua).
 
 A step calls ``dialog_worker.emit(text)`` as its answer grows; the committed reply is still
 the text the step returns. The pipeline runs each step inside `PartialReplies.run`, which puts
@@ -11,7 +12,7 @@ The writer never makes one Redis call per token, nor one per answer: text is gat
 step of the worker emitted goes in one script call (one per shard), each answer's batch
 fenced by its session lock, so a worker that lost its lease writes nothing. After the commit
 the pipeline appends the end entry (outcome and committed reply); readers do not depend on it
-(dialog_worker/partials.py derives the end from the commit too).
+(dialog_worker/client/partial_reader.py derives the end from the commit too).
 """
 
 from __future__ import annotations
@@ -19,22 +20,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import contextvars
 import dataclasses
 import threading
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
 from dialog_worker.config import Settings
-from dialog_worker.keys import Keys
-from dialog_worker.scripts import Script, source
+from dialog_worker.engine import emit as emit_context
+from dialog_worker.store.keys import Keys
+from dialog_worker.store.scripts import Script, source
 
 if TYPE_CHECKING:
-    from dialog_worker.codec import Message
+    from dialog_worker.store.codec import Message
 
 
 class Job(Protocol):
@@ -50,7 +51,7 @@ class Job(Protocol):
     partial: PartialWriter | None
 
 
-log = structlog.get_logger("dialog_worker.streaming")
+log = structlog.get_logger("dialog_worker.daemon.partial_writer")
 
 T = TypeVar("T")
 
@@ -64,23 +65,8 @@ BATCH_WIDTH = 9
 # stream cannot expire while it is still written.
 REFRESH_SHARE = 1 / 8
 
-_current: contextvars.ContextVar[PartialWriter | None] = contextvars.ContextVar(
-    "dialog_worker_partial_writer", default=None
-)
 # The flush tasks (held here: the loop keeps only weak references to tasks).
 _background: set[asyncio.Task[None]] = set()
-
-
-def emit(text: str) -> None:
-    """Add ``text`` to the reply this step is streaming (readers see it within about
-    ``DIALOG_PARTIAL_FLUSH_MS``). Call it from a step, ``async def`` or plain ``def``; outside a
-    step (a unit test calling ``step`` directly) it does nothing. It never blocks and never
-    talks to Redis itself. The committed reply is what the step returns, not what it emitted."""
-    if not isinstance(text, str):
-        raise TypeError(f"emit() takes text (str), got {type(text).__name__}")
-    writer = _current.get()
-    if writer is not None and text:
-        writer.add(text)
 
 
 class PartialWriter:
@@ -365,14 +351,14 @@ class PartialReplies:
             self._loop = asyncio.get_running_loop()
             self._loop_thread = threading.get_ident()
         writer = job.partial = PartialWriter(self, job, msg.msg_id, job.attempts)
-        token = _current.set(writer)
+        token = emit_context.bind(writer)
         try:
             result = await step
         except BaseException:
             writer.abandon()
             raise
         finally:
-            _current.reset(token)
+            emit_context.unbind(token)
         await writer.finish()
         if writer.wrote and not writer.fenced:
             self._written[(job.token, job.seq)] = _Ended(
@@ -416,8 +402,3 @@ class PartialReplies:
                     log.warning(
                         "partial_end_failed", error=str(exc), note="readers take the commit"
                     )
-
-
-def current_writer() -> Any:
-    """The writer of the step running in this context (None outside a step); for tests."""
-    return _current.get()

@@ -11,9 +11,9 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from dialog_worker.codec import unpack_custody
-from dialog_worker.keys import Keys
-from dialog_worker.streams import StreamReader, first_id, shown, undecoded
+from dialog_worker.store.codec import unpack_custody
+from dialog_worker.store.keys import Keys
+from dialog_worker.store.stream_entries import StreamReader, first_id, shown, undecoded
 
 
 def entry_age_s(entry_id: str, now_ms: int) -> float:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import structlog
 
-log = structlog.get_logger("dialog_worker.embedded")
+log = structlog.get_logger("dialog_worker.store.embedded_redis")
 
 DATA_DIR = Path.home() / ".local" / "share" / "dialog-worker" / "redis"
 HOST, PORT = "127.0.0.1", 6379  # where it listens: the address of the default REDIS_URL

@@ -12,9 +12,9 @@ import sys
 from collections.abc import Callable
 from typing import Any, cast
 
-from dialog_worker.engine import ENGINE_SETTING, Engine, _one_line, describe
+from dialog_worker.engine.protocol import ENGINE_SETTING, Engine, _one_line, describe
+from dialog_worker.engine.rules import load_rules
 from dialog_worker.errors import ConfigError
-from dialog_worker.rules import load_rules
 
 _ENGINE_SPEC = re.compile(
     r"(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attr>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)"

@@ -48,8 +48,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from dialog_worker.config import Settings
-from dialog_worker.keys import Keys, Topology, shards_key
-from dialog_worker.streams import Entry, StreamReader
+from dialog_worker.store.keys import Keys, Topology, shards_key
+from dialog_worker.store.stream_entries import Entry, StreamReader
 
 _UNESCAPE = re.compile(r"%(25|7B|7D)")
 _CHARS = {"25": "%", "7B": "{", "7D": "}"}

@@ -34,9 +34,9 @@ from redis.asyncio import Redis
 from dialog_worker.config import Settings
 from dialog_worker.errors import ConfigError
 from dialog_worker.metrics import Metrics
-from dialog_worker.scripts import Scripts
+from dialog_worker.store.scripts import Scripts
 
-log = structlog.get_logger("dialog_worker.redis_checks")
+log = structlog.get_logger("dialog_worker.store.checks")
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ assigned seq, ``q<seq>`` each sequenced, unapplied message itself: its entry id 
 moved there from the stream at intake (codec.unpack_custody reads it), ``n``/``f``/``e``
 attempts of the next message, ``g`` when a gap was first seen), ``lock`` (holder token, PX
 lease), ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id),
-``partial:<msg_id>`` (a streamed reply's partial text, dialog_worker/streaming.py) and
+``partial:<msg_id>`` (a streamed reply's partial text, dialog_worker/daemon/partial_writer.py) and
 ``cancel:<msg_id>`` (a cancel mark, kept DIALOG_DEDUPE_TTL_S), ``timers`` (the session's timers)
 and ``ids`` (the msg_ids the keys above are named by). The state hash also holds
 ``xc``/``xs``: messages below that seq end cancelled / superseded in their turn.
@@ -113,7 +113,7 @@ class SessionKeys:
         return self.state.removesuffix(":state") + ":letters"
 
     def partial(self, msg_id: str) -> str:
-        """The stream of a message's partial reply (dialog_worker/streaming.py)."""
+        """The stream of a message's partial reply (dialog_worker/daemon/partial_writer.py)."""
         return self.state.removesuffix(":state") + ":partial:" + msg_id
 
 

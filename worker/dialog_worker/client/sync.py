@@ -33,13 +33,13 @@ from typing import Any, TypeVar, cast
 
 import anyio.from_thread
 
-from dialog_worker import session_tokens
-from dialog_worker.client import CancelResult, DialogClient, SendResult
-from dialog_worker.codec import check_id
+from dialog_worker.client import session_tokens
+from dialog_worker.client.dialog_client import CancelResult, DialogClient, SendResult
+from dialog_worker.client.erasure import EraseResult
+from dialog_worker.client.partial_reader import StreamEvent
+from dialog_worker.client.replies import Reply
 from dialog_worker.config import Settings, client_settings
-from dialog_worker.erasure import EraseResult
-from dialog_worker.partials import StreamEvent
-from dialog_worker.replies import Reply
+from dialog_worker.store.codec import check_id
 
 T = TypeVar("T")
 

@@ -21,8 +21,8 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from dialog_worker.codec import check_meta
 from dialog_worker.errors import ValidationError
+from dialog_worker.store.codec import check_meta
 
 # Mirrors of lua/_common.lua.
 MAX_TIMERS = 64  # per session

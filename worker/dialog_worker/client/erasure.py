@@ -13,9 +13,9 @@ from typing import Any, cast
 from redis.asyncio import Redis
 
 from dialog_worker.config import Settings
-from dialog_worker.engine import initial_state
-from dialog_worker.keys import Keys, audit_key
-from dialog_worker.scripts import Script
+from dialog_worker.engine.protocol import initial_state
+from dialog_worker.store.keys import Keys, audit_key
+from dialog_worker.store.scripts import Script
 
 # Entries read per XRANGE call while looking for a session's entries in a shard-wide stream.
 CHUNK = 500

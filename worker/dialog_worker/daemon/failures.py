@@ -101,7 +101,7 @@ _LIBRARY_DIRS = tuple(
         for name in ("stdlib", "platstdlib", "purelib", "platlib")
         if (path := sysconfig.get_paths().get(name))
     }
-    | {os.path.realpath(os.path.dirname(__file__)) + os.sep}
+    | {os.path.realpath(os.path.dirname(os.path.dirname(__file__))) + os.sep}  # the package
 )
 
 

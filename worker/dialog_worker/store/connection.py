@@ -28,7 +28,7 @@ from dialog_worker.config import (
     parse_sentinel_url,
 )
 from dialog_worker.errors import ConfigError
-from dialog_worker.keys import shards_key
+from dialog_worker.store.keys import shards_key
 
 # What every connection tells the server in CLIENT SETINFO, built once: redis-py otherwise looks
 # its own version up in the installed package's metadata for each new connection (about 2 ms of
@@ -280,7 +280,7 @@ async def check_topology(redis: Redis, settings: Settings, record: bool) -> None
     if stored is None:
         return
     value = stored.decode() if isinstance(stored, bytes) else str(stored)
-    if value.startswith("resharding"):  # dialog_worker.reshard.in_progress_marker
+    if value.startswith("resharding"):  # dialog_worker.ops.reshard.in_progress_marker
         raise ConfigError(
             "DIALOG_SHARDS",
             f"a reshard is in progress (Redis key {key!r} says {value!r}); nothing may run "

@@ -20,20 +20,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from dialog_worker import session_tokens
-from dialog_worker.codec import (
-    MAX_EXTRA_FIELDS,
-    RESERVED_FIELDS,
-    check_expires_at,
-    check_id,
-    check_meta,
-    check_text,
-)
-from dialog_worker.config import Settings, client_settings
-from dialog_worker.erasure import Eraser, EraseResult, erase
-from dialog_worker.errors import ReplyTimeout, UncertainSendError, ValidationError
-from dialog_worker.keys import Keys, Topology
-from dialog_worker.partials import (
+from dialog_worker.client import session_tokens
+from dialog_worker.client.erasure import Eraser, EraseResult, erase
+from dialog_worker.client.partial_reader import (
     Cursor,
     MessageKeys,
     PartialRouter,
@@ -41,16 +30,27 @@ from dialog_worker.partials import (
     follow,
     parse_cursor,
 )
-from dialog_worker.redis_conn import check_topology, connect, prepare
-from dialog_worker.replies import Reply, ReplyRouter, ReplySubscription
-from dialog_worker.scripts import Script, source
-from dialog_worker.session_events import SessionEvent, follow_session, parse_session_cursor
-from dialog_worker.streams import StreamReader
-from dialog_worker.timers import deliver_at_ms
+from dialog_worker.client.replies import Reply, ReplyRouter, ReplySubscription
+from dialog_worker.client.session_events import SessionEvent, follow_session, parse_session_cursor
+from dialog_worker.config import Settings, client_settings
+from dialog_worker.engine.timers import deliver_at_ms
+from dialog_worker.errors import ReplyTimeout, UncertainSendError, ValidationError
+from dialog_worker.store.codec import (
+    MAX_EXTRA_FIELDS,
+    RESERVED_FIELDS,
+    check_expires_at,
+    check_id,
+    check_meta,
+    check_text,
+)
+from dialog_worker.store.connection import check_topology, connect, prepare
+from dialog_worker.store.keys import Keys, Topology
+from dialog_worker.store.scripts import Script, source
+from dialog_worker.store.stream_entries import StreamReader
 
 # The standard library's logger: an application's own logging setup decides where a client's
 # warning goes (without one, Python prints warnings to stderr, never to stdout).
-log = logging.getLogger("dialog_worker.client")
+log = logging.getLogger("dialog_worker.client.dialog_client")
 
 # How long `replies()` lets another consumer's event sit unacknowledged before taking it over.
 DEFAULT_CLAIM_IDLE_MS = 60_000
@@ -119,7 +119,8 @@ class DialogClient:
         self._prepared = False
         self._checked = False
         self._max_connections = max_connections
-        # Reply streams are read as bytes on their own client (see dialog_worker/replies.py), made
+        # Reply streams are read as bytes on their own client (see
+        # dialog_worker/client/replies.py), made
         # on first use; blocked reads there never hold up sends.
         self._reader: Redis | None = None
         self._reader_prepared = False
@@ -135,7 +136,7 @@ class DialogClient:
 
         self._partial_routers: dict[
             int, PartialRouter
-        ] = {}  # per shard (dialog_worker/partials.py)
+        ] = {}  # per shard (dialog_worker/client/partial_reader.py)
 
     async def __aenter__(self) -> DialogClient:
         await self._prepare()
@@ -411,7 +412,7 @@ class DialogClient:
         """Every turn of the session as it lands, from ``after`` (the ``cursor`` of the last
         event you handled) on, until you stop iterating: `SessionEvent`s ``turn``, ``resync``
         (replace what you show) and ``idle`` (nothing new for a while). See
-        dialog_worker/session_events.py; the HTTP gateway's ``/events`` is this."""
+        dialog_worker/client/session_events.py; the HTTP gateway's ``/events`` is this."""
         check_id("session_id", session_id)
         cursor = parse_session_cursor(after) if after is not None else None
         shard = self.keys_for(session_id)
@@ -644,8 +645,8 @@ class DialogClient:
     @property
     def entries(self) -> StreamReader:
         """The operator tools' reader of stream entries (dead letters, the inbound stream):
-        bytes, every field pair kept (dialog_worker/streams.py). Its own client, made on first
-        use."""
+        bytes, every field pair kept (dialog_worker/store/stream_entries.py). Its own client, made
+        on first use."""
         if self._entries is None:
             self._entries_client = connect(self.settings, 8, decode_responses=False)
             self._entries = StreamReader(self._entries_client)

@@ -29,8 +29,22 @@ import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
-from dialog_worker import cancellation, timers
-from dialog_worker.codec import (
+from dialog_worker.config import Settings
+from dialog_worker.daemon.failures import describe_failure, retry_after_of, retry_delay_ms
+from dialog_worker.daemon.partial_writer import PartialReplies, PartialWriter
+from dialog_worker.engine import cancellation, timers
+from dialog_worker.engine.protocol import (
+    CheckedReply,
+    Engine,
+    RichReply,
+    initial_state,
+    reply_text,
+    run_step,
+)
+from dialog_worker.errors import PermanentError
+from dialog_worker.metrics import Metrics
+from dialog_worker.store.checks import ledger, oom
+from dialog_worker.store.codec import (
     MalformedEntry,
     Message,
     decode_message,
@@ -40,25 +54,11 @@ from dialog_worker.codec import (
     redis_text,
     text,
 )
-from dialog_worker.config import Settings
-from dialog_worker.engine import (
-    CheckedReply,
-    Engine,
-    RichReply,
-    initial_state,
-    reply_text,
-    run_step,
-)
-from dialog_worker.errors import PermanentError
-from dialog_worker.failures import describe_failure, retry_after_of, retry_delay_ms
-from dialog_worker.keys import Keys
-from dialog_worker.metrics import Metrics
-from dialog_worker.redis_checks import ledger, oom
-from dialog_worker.scripts import Code, Release, Scripts
-from dialog_worker.streaming import PartialReplies, PartialWriter
+from dialog_worker.store.keys import Keys
+from dialog_worker.store.scripts import Code, Release, Scripts
 from dialog_worker.version import __version__
 
-log = structlog.get_logger("dialog_worker.pipeline")
+log = structlog.get_logger("dialog_worker.daemon.pipeline")
 
 # The last error a streamed hand-back records: its attempt stays counted, and a dead letter
 # after DIALOG_MAX_ATTEMPTS of them says why rather than blaming a kill or a lost lease.
@@ -105,8 +105,8 @@ class Job:
     msg_id: str = ""  # once decoded
     # Set when the message is cancelled while its step runs (dialog_worker.cancelled()).
     cancel_flag: threading.Event = dataclasses.field(default_factory=threading.Event)
-    # What the step streams (dialog_worker/streaming.py), once it runs: a cancelled message keeps
-    # the text it showed.
+    # What the step streams (dialog_worker/daemon/partial_writer.py), once it runs: a cancelled
+    # message keeps the text it showed.
     partial: PartialWriter | None = None
     # What the step asked for with dialog_worker.schedule / cancel_timer (its last attempt).
     timer_ops: timers.TimerOps | None = None

@@ -42,9 +42,9 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from dialog_worker.http import serve
+from dialog_worker.daemon.health_server import serve
 
-log = structlog.get_logger("dialog_worker.supervisor")
+log = structlog.get_logger("dialog_worker.daemon.supervisor")
 
 SUPERVISOR_PID_ENV = "DIALOG_SUPERVISOR_PID"  # set for children; not a setting
 RESTART_BASE_S = 0.5

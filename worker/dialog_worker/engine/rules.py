@@ -1,6 +1,6 @@
 """The built-in engine: ELIZA-style rules read from a TOML file (the format is documented in
 `config/rules.toml`). It is what runs when `DIALOG_ENGINE` is unset; an engine of your own
-needs nothing from this module (see `dialog_worker.engine` and docs/engine.md).
+needs nothing from this module (see `dialog_worker.engine.protocol` and docs/engine.md).
 
 `load_rules` reads and checks a rule file once at start; `RuleEngine.step` then applies the
 first matching rule to each message, without I/O and without modifying its inputs.
@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dialog_worker.engine import INITIAL_STEP, InlineEngine, describe
+from dialog_worker.engine.protocol import INITIAL_STEP, InlineEngine, describe
 from dialog_worker.errors import ConfigError, PermanentError
 
 RULES_SETTING = "DIALOG_RULES_FILE"
 
 # An installed wheel carries config/rules.toml as dialog_worker/defaults/rules.toml (see
 # pyproject.toml); a source checkout only has the original, so look for both.
-_PACKAGED_RULES = Path(__file__).resolve().parent / "defaults" / "rules.toml"
-_CHECKOUT_RULES = Path(__file__).resolve().parent.parent.parent / "config" / "rules.toml"
+_PACKAGED_RULES = Path(__file__).resolve().parent.parent / "defaults" / "rules.toml"
+_CHECKOUT_RULES = Path(__file__).resolve().parents[3] / "config" / "rules.toml"
 
 
 def load_rules(path: str | os.PathLike[str] | None = None) -> RuleEngine:

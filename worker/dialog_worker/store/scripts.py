@@ -36,10 +36,10 @@ class Release(enum.StrEnum):
 
 def lua_dir() -> Path:
     """The installed wheel carries the scripts in dialog_worker/lua; a checkout has them in lua/."""
-    installed = Path(__file__).resolve().parent / "lua"
+    installed = Path(__file__).resolve().parent.parent / "lua"
     if installed.is_dir():
         return installed
-    return Path(__file__).resolve().parent.parent.parent / "lua"
+    return Path(__file__).resolve().parents[3] / "lua"
 
 
 # The flags each script declares in its `#!lua` line (Redis >= 7.0). Any flag line makes Redis

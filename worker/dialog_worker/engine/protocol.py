@@ -5,7 +5,7 @@ worker: the worker may run a step again for the same message after a crash or a 
 a step should depend only on its inputs and never change them.
 
 `load_engine` builds the engine named by `DIALOG_ENGINE=package.module:attr` (the built-in
-rules of `dialog_worker.rules` when unset) and checks it once at start; `startup_engine` /
+rules of `dialog_worker.engine.rules` when unset) and checks it once at start; `startup_engine` /
 `shutdown_engine` run its optional hooks; `run_step` runs every step (``async def`` on the
 event loop, plain ``def`` in a worker thread) and checks its result, so a broken engine fails
 loudly and in one place; `fallback_reply` is the text of a reply to a message that could not be
@@ -43,7 +43,7 @@ ENGINE_SETTING = "DIALOG_ENGINE"
 WORKER_OWNED = ("session_id", "history", "applied_seq", "version")
 
 
-log = structlog.get_logger("dialog_worker.engine")
+log = structlog.get_logger("dialog_worker.engine.protocol")
 
 
 class Engine(Protocol):

@@ -2,8 +2,8 @@
 
 A dead letter keeps the original entry's fields byte for byte, which need not be UTF-8 (that
 may be why it was dead-lettered) and may repeat a name (a malformed entry): letters are read
-through the one stream reader (dialog_worker/streams.py) and shown with undecodable bytes escaped
-(``\\xff``); such a letter cannot be redriven as it is and stays for a human.
+through the one stream reader (dialog_worker/store/stream_entries.py) and shown with undecodable
+bytes escaped (``\\xff``); such a letter cannot be redriven as it is and stays for a human.
 
 Handles. Entry ids are unique within one stream only: with N shards, N dead-letter streams can
 hold the same id. A letter's handle is its entry id in a deployment of one shard, and
@@ -38,11 +38,11 @@ from typing import Any
 import anyio
 from redis.exceptions import ResponseError
 
-from dialog_worker.client import DialogClient
-from dialog_worker.codec import RESERVED_FIELDS
+from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.errors import ValidationError
-from dialog_worker.keys import Keys
-from dialog_worker.streams import Entry
+from dialog_worker.store.codec import RESERVED_FIELDS
+from dialog_worker.store.keys import Keys
+from dialog_worker.store.stream_entries import Entry
 
 # What the worker adds to a dead letter (see lua/commit-5.lua and lua/intake-5.lua); the rest
 # are the original entry's fields.

@@ -38,13 +38,13 @@ from typing import Any, cast
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from dialog_worker.errors import ValidationError
-from dialog_worker.replies import (
+from dialog_worker.client.replies import (
     RawFields,
     ReplyRouter,
     entry_key,
     last_event_id,
 )
+from dialog_worker.errors import ValidationError
 
 # Entries of the reply stream read per call while catching up.
 PAGE = 500

@@ -14,8 +14,8 @@ from typing import Any
 
 import anyio
 
-from dialog_worker.client import DialogClient
-from dialog_worker.streams import scan_all, xrevrange
+from dialog_worker.client.dialog_client import DialogClient
+from dialog_worker.store.stream_entries import scan_all, xrevrange
 
 
 @dataclasses.dataclass

@@ -2,7 +2,8 @@
 (`DialogClient.stream`, the HTTP gateway).
 
 A message's partial stream (``<session keys>:partial:<msg_id>``, written by
-dialog_worker/streaming.py through lua/emit-2.lua) holds entries ``a`` (attempt), ``p`` (position in
+dialog_worker/daemon/partial_writer.py through lua/emit-2.lua) holds entries ``a`` (attempt), ``p``
+(position in
 that attempt's answer, 0, 1, 2...), ``s`` (the message's seq), ``k`` (``d`` text, ``e`` end),
 ``t`` (the text, or the committed reply), and sometimes ``f`` (the whole text up to this
 entry: a snapshot for readers that fell behind the stream's trimmed start) and ``o`` (the
@@ -42,10 +43,10 @@ import structlog
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from dialog_worker.client.replies import Reply, entry_key
 from dialog_worker.errors import ValidationError
-from dialog_worker.replies import Reply, entry_key
 
-log = structlog.get_logger("dialog_worker.partials")
+log = structlog.get_logger("dialog_worker.client.partial_reader")
 
 EVENT_KINDS = ("delta", "reset", "resync", "end")
 _MAX_NUMBER_DIGITS = 18

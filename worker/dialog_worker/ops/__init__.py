@@ -1,0 +1,1 @@
+"""Operations: dead letters, the concurrency verification, changing the shard count."""
