@@ -359,7 +359,7 @@ async def test_stats_and_the_lag_gauge_never_report_more_unread_than_the_stream_
     assert (shown["lag"], shown["stream_length"]) == (2, 2)
     worker = Worker(load_settings(environ=env), load_engine(None))
     try:
-        await worker._sample_once()
+        await worker.sampler.sample_once()
         gauge = worker.metrics.registry.get_sample_value("dialog_group_lag", {"shard": "0"})
     finally:
         await worker.raw.aclose()

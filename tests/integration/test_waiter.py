@@ -112,7 +112,7 @@ async def test_an_idle_reader_waits_from_the_last_id_its_intake_read(env):
         worker.shards[0].group_ready = True  # as after the reader's first call
         started = time.monotonic()
         with anyio.fail_after(2):
-            await worker._idle_wait(worker.shards[0], seen)
+            await worker.reader.idle_wait(worker.shards[0], seen)
         assert time.monotonic() - started < 1
     finally:
         await worker.raw.aclose()
@@ -333,7 +333,8 @@ async def test_an_idle_reader_makes_the_group_check_another_loop_asked_for(env):
     pool is replaced when next taken, so cutting every connection no longer makes such a
     failure come late: here a loop fails by itself, just after the reader's wait began.)"""
     from dialog_worker.config import load_settings
-    from dialog_worker.daemon.worker import IDLE_RECHECK_S, Worker
+    from dialog_worker.daemon.reader import IDLE_RECHECK_S
+    from dialog_worker.daemon.worker import Worker
     from dialog_worker.engine.loading import load_engine
 
     settings = load_settings(
@@ -342,7 +343,7 @@ async def test_an_idle_reader_makes_the_group_check_another_loop_asked_for(env):
     worker = Worker(settings, load_engine(None))
     fail_next = anyio.Event()
     failed_at: list[float] = []
-    sample_once, idle_wait = worker._sample_once, worker._idle_wait
+    sample_once, idle_wait = worker.sampler.sample_once, worker.reader.idle_wait
 
     async def sampler() -> float:
         if fail_next.is_set() and not failed_at:
@@ -356,8 +357,8 @@ async def test_an_idle_reader_makes_the_group_check_another_loop_asked_for(env):
             fail_next.set()  # this wait has just begun: the failure comes 0.05 s into it
         await idle_wait(*args, **kwargs)
 
-    worker._sample_once = sampler  # type: ignore[method-assign]
-    worker._idle_wait = waiting  # type: ignore[method-assign]
+    worker.sampler.sample_once = sampler  # type: ignore[method-assign]
+    worker.reader.idle_wait = waiting  # type: ignore[method-assign]
     async with anyio.create_task_group() as tg:
         tg.start_soon(worker.run)
 

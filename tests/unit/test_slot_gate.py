@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 
-from dialog_worker.daemon.worker import TURN_AFTER_S, SlotGate, take_turns
+from dialog_worker.daemon.slots import TURN_AFTER_S, SlotGate, take_turns
 
 pytestmark = pytest.mark.anyio
 
