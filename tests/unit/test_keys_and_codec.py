@@ -476,3 +476,28 @@ def test_a_jobs_cancel_mark_is_the_sessions_mark_of_its_message(session_id: str)
     job.msg_id = "m{1}%"
     assert job.cancel_mark() == KEYS.session(session_id).cancel_mark("m{1}%")
     assert job.cancel_mark() is job.cancel_mark()  # built once
+
+
+def test_a_message_belongs_to_its_tenant_field_else_the_pattern_else_the_default() -> None:
+    from dialog_worker.store.codec import DEFAULT_TENANT, tenant_of
+
+    assert tenant_of({b"tenant": b"acme"}, "globex:7", r"^([^:]+):") == "acme"
+    assert tenant_of({}, "globex:7", r"^([^:]+):") == "globex"
+    assert tenant_of({}, "globex:7") == DEFAULT_TENANT
+    assert tenant_of({}, "no-colon", r"^([^:]+):") == DEFAULT_TENANT
+    # An unusable tenant field (too long, a space, a control character, not UTF-8) is ignored.
+    for bad in (b"x" * 65, b"a b", b"a\nb", b"\xff", b""):
+        assert tenant_of({b"tenant": bad}, "globex:7", r"^([^:]+):") == "globex"
+    assert tenant_of({b"tenant": b"x" * 64}, "s") == "x" * 64
+    msg = decode_message("globex:7", 1, "1-0", 1, {b"text": b"hi"}, r"^([^:]+):")
+    assert msg.tenant == "globex"
+
+
+def test_a_tenant_pattern_needs_a_group_and_must_compile() -> None:
+    from dialog_worker.config import load_settings
+    from dialog_worker.errors import ConfigError
+
+    assert load_settings(environ={"DIALOG_TENANT_PATTERN": "^(a)"}).tenant_pattern == "^(a)"
+    for bad in ("^a", "(", "[z-a]"):
+        with pytest.raises(ConfigError, match="DIALOG_TENANT_PATTERN"):
+            load_settings(environ={"DIALOG_TENANT_PATTERN": bad})

@@ -13,6 +13,7 @@ import difflib
 import functools
 import math
 import os
+import re
 import secrets
 import socket
 import sys
@@ -76,6 +77,9 @@ class Settings:
     multitask: str = "enqueue"
     # Producer fields copied onto a message's reply events ("channel,chat_id"; docs/replies).
     echo_fields: str = ""
+    # Which tenant a message belongs to when it has no tenant field: the first group of this
+    # regular expression matched against its session id ("" or no match: the default tenant).
+    tenant_pattern: str = ""
     # A message whose turn comes this long after it was appended ends expired (0: never).
     message_ttl_s: float = 0.0
     # After a dead letter: "continue" with the session's next message, or "hold" the session
@@ -290,6 +294,20 @@ def _echo_fields(name: str, raw: Any) -> str:
     return ",".join(names)
 
 
+def _tenant_pattern(name: str, raw: Any) -> str:
+    """A regular expression with at least one group (its first names the tenant), or ""."""
+    value = str(raw)
+    if not value:
+        return ""
+    try:
+        compiled = re.compile(value)
+    except re.error as exc:
+        raise ConfigError(name, f"is not a regular expression: {exc}") from None
+    if compiled.groups < 1:
+        raise ConfigError(name, "needs a group, e.g. ^([^:]+): (its first group names the tenant)")
+    return value
+
+
 def _signing_key(name: str, raw: Any) -> str:
     value = str(raw).strip()
     if value and len(value.encode()) < 32:
@@ -479,6 +497,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "redis_mode": _choice("standalone", "cluster"),
     "multitask": _choice("enqueue", "reject", "interrupt", "coalesce"),
     "echo_fields": _echo_fields,
+    "tenant_pattern": _tenant_pattern,
     "message_ttl_s": _float(0.0),
     "on_dead_letter": _choice("continue", "hold"),
     "shards": _int(1, 16384),

@@ -294,7 +294,12 @@ class Pipeline:
                 )
             try:
                 msg = decode_message(
-                    job.session_id, job.seq, job.entry_id, job.attempts, job.fields
+                    job.session_id,
+                    job.seq,
+                    job.entry_id,
+                    job.attempts,
+                    job.fields,
+                    self.settings.tenant_pattern,
                 )
             except MalformedEntry as exc:
                 return await self._deadletter(job, None, "malformed", exc.reason)
@@ -643,7 +648,12 @@ class Pipeline:
         if msg is None:
             try:
                 msg = decode_message(
-                    job.session_id, job.seq, job.entry_id, job.attempts, job.fields
+                    job.session_id,
+                    job.seq,
+                    job.entry_id,
+                    job.attempts,
+                    job.fields,
+                    self.settings.tenant_pattern,
                 )
             except MalformedEntry:
                 msg = None  # ended all the same: the turn keeps what can be read

@@ -9,6 +9,7 @@ be UTF-8.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -25,6 +26,12 @@ MAX_ID_BYTES = 256
 # message["meta"]).
 MAX_EXTRA_FIELDS = 32
 # Names the worker gives meaning to: a producer-written value is ignored (not passed on).
+# The tenant of a message that names none (no tenant field, no DIALOG_TENANT_PATTERN match).
+DEFAULT_TENANT = "default"
+# Longest tenant name: tenants name keys and metrics' rows, never unbounded text.
+MAX_TENANT_BYTES = 64
+
+
 RESERVED_FIELDS = frozenset(
     {
         "session_id",
@@ -139,6 +146,7 @@ class Message:
     attempt: int
     meta: dict[str, str]
     expires_at_ms: int | None = None  # from the message's expires_at field
+    tenant: str = DEFAULT_TENANT  # tenant_of: its tenant field, or DIALOG_TENANT_PATTERN
 
     def as_engine_input(self) -> dict[str, Any]:
         return {
@@ -153,6 +161,40 @@ class Message:
         }
 
 
+@functools.lru_cache(maxsize=8)
+def _tenant_regex(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
+
+
+def tenant_of(fields: dict[bytes, bytes], session_id: str, pattern: str = "") -> str:
+    """The tenant a message belongs to: its ``tenant`` field when that is a usable name (UTF-8,
+    1 to MAX_TENANT_BYTES bytes, no control characters or spaces), else the first group of
+    ``pattern`` (DIALOG_TENANT_PATTERN) matched against the session id, else `DEFAULT_TENANT`.
+    Never raises: a message with an unusable tenant field belongs to the default tenant, it is
+    not refused for it."""
+    raw = fields.get(b"tenant")
+    if raw is not None:
+        name = _tenant_name(raw)
+        if name is not None:
+            return name
+    if pattern:
+        match = _tenant_regex(pattern).search(session_id)
+        if match is not None and match.group(1):
+            name = _tenant_name(match.group(1).encode("utf-8", "surrogatepass"))
+            if name is not None:
+                return name
+    return DEFAULT_TENANT
+
+
+def _tenant_name(raw: bytes) -> str | None:
+    if not 0 < len(raw) <= MAX_TENANT_BYTES or any(b <= 32 or b == 127 for b in raw):
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def entry_time_ms(entry_id: str) -> int:
     """The time part of a stream entry id (when it was appended, Redis clock)."""
     head = entry_id.split("-", 1)[0]
@@ -164,7 +206,12 @@ def fields_dict(flat: Sequence[bytes]) -> dict[bytes, bytes]:
 
 
 def decode_message(
-    session_id: str, seq: int, entry_id: str, attempt: int, fields: dict[bytes, bytes]
+    session_id: str,
+    seq: int,
+    entry_id: str,
+    attempt: int,
+    fields: dict[bytes, bytes],
+    tenant_pattern: str = "",
 ) -> Message:
     """The engine's view of a sequenced entry, or MalformedEntry naming what is wrong."""
     try:
@@ -197,6 +244,7 @@ def decode_message(
         attempt=attempt,
         meta=meta,
         expires_at_ms=expires_at_ms,
+        tenant=tenant_of(fields, session_id, tenant_pattern),
     )
 
 
