@@ -9,15 +9,19 @@ import asyncio
 import random
 import signal
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
+import redis.exceptions
 from queue_checks import lock_holders
 from redis_server import wait_until_async
 from stream_views import streamed
 from worker_procs import WorkerPool, WorkerProc
 
-from dialog_worker import StreamEvent
+from dialog_worker import StreamEvent, emit
 from dialog_worker.client.dialog_client import DialogClient
+from dialog_worker.client.partial_reader import Tracker
+from dialog_worker.daemon.partial_writer import PartialReplies
 
 pytestmark = pytest.mark.fault
 
@@ -184,3 +188,54 @@ async def test_an_answer_handed_back_at_shutdown_mid_stream_starts_over_for_its_
         text = streamed(events)
         assert text == reply, [(e.kind, e.attempt, e.pos, e.text[:20]) for e in events]
         assert (events[-1].kind, events[-1].text) == ("end", reply)
+
+
+class LostReplyOnce(PartialReplies):
+    """The worker's partial writer on the real Redis, whose first script call fails with a
+    broken connection: after it ran on the server (its reply lost) or before it reached it."""
+
+    def __init__(self, client: DialogClient, ran: bool) -> None:
+        super().__init__(client.redis, client.settings)
+        self.ran = ran
+        self.first_failed = asyncio.Event()
+
+    async def call(self, keys: list[str], args: list[str | int]) -> list[int]:
+        if self.first_failed.is_set():
+            return await super().call(keys, args)
+        if self.ran:
+            await super().call(keys, args)
+        self.first_failed.set()
+        raise redis.exceptions.ConnectionError("Connection reset by peer")
+
+
+@pytest.mark.parametrize("ran", [True, False], ids=["reply-lost", "never-arrived"])
+async def test_a_batch_whose_call_broke_is_sent_again_as_it_was_and_nothing_emitted_since_is_lost(
+    client: DialogClient, ran: bool
+) -> None:
+    """The first batch's call broke (whether it ran on the server is unknown to the worker);
+    the step emitted more before the writer tried again. The retry sends the first batch again
+    as it was (answered "already there" when it had run) and the new text as the next pieces:
+    a reader gets every piece once, in order."""
+    replies = LostReplyOnce(client, ran)
+    session = client.keys.session("s-lost")
+    await client.redis.set(session.lock, "tok", px=10_000)
+    job = SimpleNamespace(
+        keys=client.keys, session_id="s-lost", token="tok", seq=1, attempts=1, partial=None
+    )
+
+    async def step() -> str:
+        emit("one ")
+        await asyncio.wait_for(replies.first_failed.wait(), 5)
+        emit("two ")  # emitted between the lost reply and the retry
+        await asyncio.sleep(0.1)
+        emit("three ")
+        return "one two three "
+
+    assert await replies.run(job, SimpleNamespace(msg_id="m-lost"), step()) == "one two three "
+    rows = await client.raw.xrange(session.partial("m-lost"))
+    tracker = Tracker("m-lost")
+    events = [event for _, fields in rows for event in tracker.feed(fields)]
+    assert [e.kind for e in events] == ["delta"] * len(events)
+    assert [e.pos for e in events] == list(range(len(events)))
+    assert streamed(events) == "one two three "
+    assert job.partial.pos == len(events)  # the end entry will name the right place

@@ -88,6 +88,11 @@ class PartialWriter:
         self._pending: list[str] = []
         self._pending_chars = 0
         self._sent: list[str] = []  # the text written so far, for snapshots
+        # Entries (pos, piece, snapshot) of a call whose answer was lost (the connection broke):
+        # it may have run on the server, so they go again exactly as they were, before any
+        # text emitted since (merged with it, a piece would reuse a position the stream may
+        # have, be answered "already there", and the new text in it never reach a reader).
+        self.unsure: list[tuple[int, str, str]] = []
         self.closed = False
         self.used = False  # anything emitted at all (most steps emit nothing)
         self.fenced = False
@@ -124,31 +129,31 @@ class PartialWriter:
             parts, self._pending, self._pending_chars = self._pending, [], 0
         return "".join(parts)
 
-    def give_back(self, text: str) -> None:
-        """A write failed: the text goes first in the next one (dropped if the step ended)."""
-        with self._lock:
-            if self.fenced or self.abandoned:
-                return
-            self._pending.insert(0, text)
-            self._pending_chars += len(text)
+    def entries(self, text: str) -> list[tuple[int, str, str]]:
+        """What the next call sends for this answer: the entries of a call whose answer was
+        lost, as they were, then those of ``text``."""
+        return self.unsure + self.batches(text)
 
     def batches(self, text: str) -> list[tuple[int, str, str]]:
-        """(pos, piece, snapshot) for the entries of ``text``: a huge emit is split, and every
-        `partial_maxlen // 2` entries carries the whole text so far."""
+        """(pos, piece, snapshot) for the entries of ``text``, after those written and those
+        in doubt: a huge emit is split, and every `partial_maxlen // 2` entries carries the
+        whole text so far."""
         every = max(1, self.replies.settings.partial_maxlen // 2)
         out = []
-        so_far = None
+        first = self.pos + len(self.unsure)
         for i, start in enumerate(range(0, len(text), MAX_ENTRY_CHARS)):
             piece = text[start : start + MAX_ENTRY_CHARS]
-            pos = self.pos + i
+            pos = first + i
             full = ""
             if pos and pos % every == 0:
-                so_far = "".join(self._sent) + text[: start + len(piece)]
-                full = so_far
+                before = "".join(self._sent) + "".join(p for _, p, _ in self.unsure)
+                full = before + text[: start + len(piece)]
             out.append((pos, piece, full))
         return out
 
     def written(self, pieces: list[str], codes: list[int]) -> None:
+        """The answer to a call that carried ``pieces`` (the unsure ones first, if any)."""
+        self.unsure = []
         for piece, code in zip(pieces, codes, strict=True):
             if code in (FENCED, STALE, BAD):
                 # The lease is lost (the commit will be fenced as well), or the stream's key
@@ -160,7 +165,7 @@ class PartialWriter:
 
     def idle(self) -> bool:
         with self._lock:
-            return self.fenced or not (self._pending or self.inflight)
+            return self.fenced or not (self._pending or self.inflight or self.unsure)
 
     async def finish(self) -> None:
         """The step returned: wait until what it emitted is written (the next flush, sent at
@@ -281,7 +286,7 @@ class PartialReplies:
         by_shard: dict[int, list[tuple[PartialWriter, str]]] = {}
         for writer in writers:
             text = writer.take()
-            if text and not writer.fenced:
+            if (text or writer.unsure) and not writer.fenced:
                 # Counted from now: a writer waiting in a later call is not idle either.
                 writer.inflight += 1
                 by_shard.setdefault(writer.shard, []).append((writer, text))
@@ -294,25 +299,28 @@ class PartialReplies:
     async def _send(self, batch: list[tuple[PartialWriter, str]]) -> None:
         keys: list[str] = []
         args: list[str | int] = []
-        plan: list[tuple[PartialWriter, str, list[str], bool]] = []
+        plan: list[tuple[PartialWriter, list[tuple[int, str, str]], list[str], bool]] = []
         now = asyncio.get_running_loop().time()
         for writer, text in batch:
             pieces: list[str] = []
             refresh = now >= writer.refresh_at  # asked by the answer's first entry of the call
-            for pos, piece, full in writer.batches(text):
+            entries = writer.entries(text)
+            for pos, piece, full in entries:
                 keys += writer.keys
                 args += ["d", writer.token, writer.attempt, pos, writer.seq, piece, full, ""]
                 args.append("1" if refresh and not pieces else "")
                 pieces.append(piece)
-            plan.append((writer, text, pieces, refresh))
+            plan.append((writer, entries, pieces, refresh))
         try:
             codes = await self.call(keys, args)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+            # The call may have run on the server: its entries go again as they were.
             log.warning("partial_write_failed", error=str(exc), note="retried at the next flush")
-            for writer, text, _, _ in plan:
+            for writer, entries, _, _ in plan:
                 writer.inflight -= 1
-                writer.give_back(text)
-                self._dirty[writer] = None
+                if not writer.fenced:
+                    writer.unsure = entries
+                    self._dirty[writer] = None
             assert self._wakeup is not None
             self._wakeup.set()
             return
