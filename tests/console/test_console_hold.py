@@ -14,8 +14,10 @@ import httpx
 import pytest
 from console_support import OPERATOR, VIEWER, basic, form_token
 from redis_server import wait_until_async
+from stream_views import shown, streamed
 from worker_procs import WorkerPool
 
+from dialog_worker import StreamEvent
 from dialog_worker.client.dialog_client import DialogClient
 
 pytestmark = pytest.mark.integration
@@ -273,3 +275,80 @@ async def test_a_redrive_while_a_step_of_the_session_runs_is_refused_and_changes
     assert await r.xlen(client.keys.dlq) == 0
     assert await r.hget(sk.state, "h") is None
     assert await r.zscore(client.keys.ready, "dave") is not None
+
+
+async def letter_handle(http: httpx.AsyncClient, sid: str) -> tuple[str, str]:
+    """The session page and the handle of its one dead letter."""
+
+    async def listed() -> str | None:
+        page = await session_page(http, sid)
+        return page if page.count('data-handle="') == 1 else None
+
+    page = await wait_until_async(listed, 10, what=f"{sid}'s dead letter listed")
+    return page, page.split('data-handle="')[1].split('"')[0]
+
+
+async def redrive_letter(http: httpx.AsyncClient, sid: str, reason: str) -> None:
+    page, handle = await letter_handle(http, sid)
+    r = await http.post(
+        "/session/redrive",
+        headers=OP,
+        data={
+            "session_id": sid,
+            "handle": [handle],
+            "count": "1",
+            "reason": reason,
+            "form_token": form_token(page),
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert "1 of 1 listed letters done" in r.text
+
+
+async def test_a_redrive_renumbering_a_message_that_streamed_part_of_an_answer_resets_its_readers(
+    http: httpx.AsyncClient, client: DialogClient, workers: WorkerPool, tmp_path: Path
+) -> None:
+    """m2 streamed two pieces, failed and waits for its retry; the session is held and an
+    earlier dead letter redriven in front of it, so m2 runs again under the next seq and its
+    partial stream starts anew. Its reader, following since the first attempt, gets a reset
+    and the new answer whole (never the old pieces as the new answer's start, never an end
+    before it is applied); a reader after the end gets the new answer alone."""
+    flag = tmp_path / "flag"
+    flag.write_text("on")
+    workers.start(1, DIALOG_ENGINE="stream_engines:FailsWhileFlagged", FAULT_FLAG_FILE=str(flag))
+    await client.send("fay", "letter one", msg_id="l1")
+    await wait_until_async(
+        lambda: _xlen_is(client, client.keys.dlq, 1), 10, what="l1 dead-lettered"
+    )
+    events: list[StreamEvent] = []
+
+    async def read() -> None:
+        async for event in client.stream("fay", "m2", timeout=60):
+            events.append(event)
+
+    reader = asyncio.create_task(read())
+    await client.send("fay", "12 50", msg_id="m2")
+    sk = client.keys.session("fay")
+
+    async def failed_once() -> bool:
+        return len(events) == 2 and not await client.redis.exists(sk.lock)
+
+    await wait_until_async(failed_once, 10, what="m2's first attempt streamed and failed")
+    assert shown(events) == "OLD.0 OLD.1 "
+    await hold_action(http, "fay", "hold", "look at the letter")
+    flag.unlink()
+    await redrive_letter(http, "fay", "engine fixed")
+    await asyncio.wait_for(reader, 30)
+    answer = "".join(f"w{i} " for i in range(12))
+    assert (events[-1].kind, events[-1].outcome, events[-1].text) == ("end", "applied", answer)
+    assert [e.kind for e in events[:3]] == ["delta", "delta", "reset"]
+    assert streamed(events) == answer  # after the reset: the new answer, each piece once
+    rows = [(t["seq"], t["user"], t["bot"]) for t in await turns(client, "fay")]
+    assert rows[1:] == [(2, "letter one", "letter ok"), (3, "12 50", answer)]
+    late = [e async for e in client.stream("fay", "m2", timeout=10)]
+    assert (late[-1].outcome, late[-1].text) == ("applied", answer)
+    assert streamed(late) == answer and "reset" not in [e.kind for e in late]
+
+
+async def _xlen_is(client: DialogClient, key: str, n: int) -> bool:
+    return int(await client.redis.xlen(key)) == n

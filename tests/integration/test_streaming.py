@@ -5,6 +5,7 @@ lua/emit-2.lua)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from pathlib import Path
@@ -611,3 +612,40 @@ async def test_a_msg_id_sent_again_starts_its_partial_stream_anew(client: Dialog
         ("delta", "text"),
         ("end", "new text"),
     ]
+
+
+@pytest.mark.parametrize("msg_id", ["m2", "1700000000000-0"], ids=["msg-id", "plain-xadd"])
+async def test_a_reader_of_a_message_a_redrive_moved_up_waits_for_its_new_seq(
+    client: DialogClient, msg_id: str
+):
+    """A redrive into a held session put a dead letter at the message's seq (2) and moved the
+    message up to 3 (its dedupe key follows; a message sent without a msg_id has none): its
+    partial stream still holds the pieces its first attempt wrote under seq 2, and the letter
+    is applied. A reader must not take the letter's turn for its message's end (`expired`):
+    it waits, and ends with the answer once seq 3 is applied."""
+    sk = client.keys.session("st-mv")
+    # The workers' group has delivered past the message (it is not unread).
+    await client.raw.xgroup_create(
+        client.keys.stream, client.keys.group, id="1800000000000-0", mkstream=True
+    )
+    for pos, text in enumerate(("OLD.0 ", "OLD.1 ")):
+        fields = {"a": 1, "p": pos, "s": 2, "k": "d", "t": text}
+        await client.redis.xadd(sk.partial(msg_id), fields, id=f"2-{pos}")  # type: ignore[arg-type]
+    letter = {"seq": 2, "msg_id": "redrive:1-0", "user": "letter", "bot": "letter ok"}
+    state = {"a": 2, "s": 3, "d": json.dumps({"history": [letter]})}
+    await client.redis.hset(sk.state, mapping=state)  # type: ignore[arg-type]
+    if msg_id == "m2":
+        await client.redis.set(sk.dedupe(msg_id), 3)
+    else:
+        await client.redis.zadd(sk.ids, {msg_id: time.time() * 1000 + 60_000})
+    with pytest.raises(ReplyTimeout):
+        [e async for e in client.stream("st-mv", msg_id, timeout=2.5)]
+    turn = {"seq": 3, "msg_id": msg_id, "user": "12 50", "bot": "the answer"}
+    state = {"a": 3, "d": json.dumps({"history": [letter, turn]})}
+    await client.redis.hset(sk.state, mapping=state)  # type: ignore[arg-type]
+    events = [e async for e in client.stream("st-mv", msg_id, timeout=10)]
+    assert (events[-1].kind, events[-1].outcome, events[-1].text) == (
+        "end",
+        "applied",
+        "the answer",
+    )

@@ -9,7 +9,7 @@ import os
 import time
 from typing import Any
 
-from dialog_worker import TransientError, emit
+from dialog_worker import PermanentError, TransientError, emit
 
 
 def _plan(message: dict[str, Any]) -> tuple[list[str], float]:
@@ -133,6 +133,34 @@ class PerProcessWords:
     ) -> tuple[dict[str, Any], str]:
         words, delay = _plan(message)
         words = [f"p{os.getpid()}.{word}" for word in words]
+        for word in words:
+            emit(word)
+            await asyncio.sleep(delay)
+        return {**state, "step": "STREAMED"}, "".join(words)
+
+
+class FailsWhileFlagged:
+    """For the tests of a held session's redrive. While the file named by FAULT_FLAG_FILE
+    exists: ``letter ...`` fails for good (a dead letter), and ``<words> <delay_ms>`` streams
+    two pieces ``OLD.0 OLD.1`` and fails for a retry in a minute (a held session keeps it
+    waiting). Without the file: ``letter ...`` answers ``letter ok``, the others stream as
+    AsyncWords."""
+
+    async def step(
+        self, state: dict[str, Any], message: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        flag = os.environ.get("FAULT_FLAG_FILE")
+        flagged = bool(flag) and os.path.exists(flag)  # noqa: ASYNC240 - a test toggle
+        if message["text"].startswith("letter"):
+            if flagged:
+                raise PermanentError("letter refused while flagged")
+            return state, "letter ok"
+        if flagged:
+            for word in ("OLD.0 ", "OLD.1 "):
+                emit(word)
+                await asyncio.sleep(0.15)  # each its own batch
+            raise TransientError("flagged", retry_after=60)
+        words, delay = _plan(message)
         for word in words:
             emit(word)
             await asyncio.sleep(delay)

@@ -66,6 +66,20 @@ def test_a_fresh_reader_gets_old_attempts_then_a_reset():
     assert [k for k, _, _ in got] == ["delta", "reset", "delta"]
 
 
+def test_a_piece_of_a_later_seq_makes_the_reader_start_over_with_a_reset():
+    """The same message under a later seq (a redrive into its held session moved it up) with
+    no end between: its stream was started anew below the ids read, so the piece is not shown
+    after the old ones; once told to forget them, the new answer comes after a reset."""
+    t = Tracker("m")
+    assert run(t, [entry(1, 0, "OLD ", s=2), entry(1, 1, "new ", s=3)]) == [
+        ("delta", "OLD ", "m:1:0")
+    ]
+    assert t.renumbered == 3
+    t.forget_older(t.renumbered - 1)
+    got = run(t, [entry(1, 0, "OLD ", s=2), entry(1, 0, "a ", s=3), entry(1, 1, "b ", s=3)])
+    assert got == [("reset", "", None), ("delta", "a ", "m:1:0"), ("delta", "b ", "m:1:1")]
+
+
 def test_a_reader_behind_a_trimmed_start_waits_for_a_snapshot_and_resyncs():
     t = Tracker("m", Cursor("m", 1, 0))
     got = run(t, [entry(1, 5, "f"), entry(1, 6, "g", f="abcdefg"), entry(1, 7, "h")])

@@ -149,6 +149,11 @@ class Tracker:
         # (see `forget_older`): skipped.
         self.min_seq = 0
         self.shown = False  # an earlier message's pieces were yielded: reset before ours
+        # A piece of a later seq than those read, with no end between: the message runs again
+        # under a new seq (a redrive into its held session moved it up), and its stream was
+        # started anew below the ids read so far: the reader forgets what it has and reads the
+        # stream again from its start (`follow`).
+        self.renumbered = 0
 
     def forget_older(self, seq: int) -> None:
         """Everything read so far (up to an end of ``seq``) was an earlier message's, sent
@@ -157,6 +162,7 @@ class Tracker:
         self.min_seq = seq + 1
         self.shown = self.shown or self.attempt is not None
         self.attempt, self.pos, self.seq, self.end_seq = None, -1, None, None
+        self.renumbered = 0
         self.behind, self.top, self.after = False, (0, -1), None
 
     def feed(self, fields: Fields) -> Iterator[StreamEvent]:
@@ -166,6 +172,9 @@ class Tracker:
             return  # not ours (anyone with XADD can write anything): skipped
         if self.min_seq and (seq is None or seq < self.min_seq):
             return  # an earlier message's, under the same msg_id
+        if kind == b"d" and seq is not None and self.seq is not None and seq > self.seq:
+            self.renumbered = seq
+            return
         if seq is not None and seq > 0:
             self.seq = seq
         if kind == b"d":
@@ -373,6 +382,12 @@ async def follow(
                     watch.close()
                     watch = router.watch(keys.partial)
                     break
+                if tracker.renumbered:
+                    # This message under a later seq: its stream starts anew (a reset first).
+                    tracker.forget_older(tracker.renumbered - 1)
+                    restart = True
+                    watch.close()
+                    watch = router.watch(keys.partial)
                 if restart:
                     break
             if stale and tracker.seq is not None:
@@ -741,8 +756,20 @@ async def _finished(
     applied_seq = int(applied) if applied is not None and applied.isdigit() else 0
     if applied_seq < seq and last is not None:
         return None  # the session has it outstanding
+    found = reply_from_history(doc, msg_id, seq)
+    if found is not None:
+        return found
+    # Not its turn: the message may have a later seq now (a redrive into its held session
+    # moves the waiting messages up; their dedupe keys follow, their stream entries do not).
+    current = await _dedupe_seq(redis, keys)
+    if current is not None and current != seq:
+        if applied_seq < current and last is not None:
+            return None
+        found = reply_from_history(doc, msg_id, current)
+    elif current is None and _looks_like_entry_id(msg_id) and keys.ids and keys.timers:
+        return await _finished_without_seq(redis, keys, msg_id)  # no dedupe key to follow
     # A state that expired, or a turn no longer kept: finished, its text is gone.
-    return reply_from_history(doc, msg_id, seq) or ("expired", "")
+    return found or ("expired", "")
 
 
 async def _finished_without_seq(
