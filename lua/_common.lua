@@ -186,15 +186,20 @@ local function index_letter(ready, sprefix, sid, letter_id)
   end
 end
 
--- Cancellation (see cancel-2.lua). A message ends without a step, in its turn, when:
+-- Cancellation (see cancel-1.lua). A message ends without a step, in its turn, when:
 --   its cancel mark exists (key <session>:cancel:<msg_id>, written by a cancel or by an
 --     interrupting message; found by msg_id, so a mark may come before its message), or
 --     its seq is below the state hash's xc field (an interrupting message: everything
 --     outstanding before it ends cancelled)                            -> 'cancelled'
 --   its seq is below the state hash's xs field (a coalescing message supersedes everything
---     waiting before it)                                               -> 'superseded'
+--     waiting before it), or its cancel mark holds SUPERSEDED_MARK     -> 'superseded'
 -- A message already running when xs moved on is not stopped by it: xs is checked only when a
 -- message is handed out. Returns '' when the message goes on.
+-- A redrive into a held session (hold-3.lua) puts dead letters in front of the waiting
+-- messages: xc and xs would then cover the letters too, so it marks each waiting message they
+-- covered instead (a cancel mark, or SUPERSEDED_MARK) and removes them.
+local SUPERSEDED_MARK = 'superseded'
+
 local function cancel_key(sprefix, sid, msg_id)
   return session_key(sprefix, sid, 'cancel:' .. msg_id)
 end
@@ -209,7 +214,10 @@ end
 
 local function ending_of(sprefix, sid, seq, msg_id, xc, xs)
   if xc and (tonumber(xc) or 0) > seq then return 'cancelled' end
-  if rcall('EXISTS', cancel_key(sprefix, sid, msg_id)) == 1 then return 'cancelled' end
+  -- A key of another type answers an error (a table): a mark, as it always was.
+  local mark = redis.pcall('GET', cancel_key(sprefix, sid, msg_id))
+  if mark == SUPERSEDED_MARK then return 'superseded' end
+  if mark then return 'cancelled' end
   if xs and (tonumber(xs) or 0) > seq then return 'superseded' end
   return ''
 end

@@ -16,6 +16,11 @@
              is released (and they leave the session's letters index). A letter already gone is counted, one whose msg_id was seen
              (redriven before) is removed and counted as a duplicate. Refused while the lock
              is held (a step is running: its commit would apply the wrong seq).
+             An interrupting (coalescing) message that waits ends every message outstanding
+             before it (xc, xs: seqs below it, ending_of in _common.lua); the letters were
+             not outstanding when it came, so those fields do not move up over them: each
+             waiting message they covered gets a cancel mark (SUPERSEDED_MARK for xs) kept a
+             dedupe window, and the fields go.
 
   KEYS[1] ready set   KEYS[2] session key prefix   KEYS[3] dead-letter stream
 
@@ -99,6 +104,7 @@ for _, l in ipairs(letters) do
 end
 local k = #todo
 if k > 0 then
+  local xc, xs = tonumber(h[4]) or 0, tonumber(h[5]) or 0
   -- Move the waiting messages up by k, from the last down (a gap stays a gap).
   for seq = last, applied + 1, -1 do
     for _, role in ipairs({'q', 'u'}) do
@@ -112,9 +118,16 @@ if k > 0 then
       if role == 'q' and value then
         local ok, id, fields = pcall(cmsgpack.unpack, value)
         if ok and type(id) == 'string' and type(fields) == 'table' then
-          local dkey = session_key(sprefix, sid, 'msg:' .. msg_id_of(id, fields))
+          local mid = msg_id_of(id, fields)
+          local dkey = session_key(sprefix, sid, 'msg:' .. mid)
           if redis.pcall('GET', dkey) == tostring(seq) then
             rcall('SET', dkey, seq + k, 'KEEPTTL')
+          end
+          if xc > seq or xs > seq then
+            -- Ended by a waiting interrupt (coalesce): marked, as the fields no longer say.
+            rcall('SET', cancel_key(sprefix, sid, mid), xc > seq and now or SUPERSEDED_MARK,
+                  'EX', ttl)
+            index_msg_id(sprefix, sid, mid, seq + k, now + ttl * 1000, ttl * 1000)  -- for delete
           end
         end
       end
@@ -126,16 +139,8 @@ if k > 0 then
     rcall('XDEL', dlq, l.id)
     redis.pcall('ZREM', letters_key(sprefix, sid), l.id)
   end
-  local writes = {'s', last + k, 'n', 0}
-  for i, name in ipairs({'xc', 'xs'}) do
-    local at = tonumber(h[3 + i])
-    if at and at > applied then
-      writes[#writes + 1] = name
-      writes[#writes + 1] = at + k
-    end
-  end
-  rcall('HSET', state, unpack(writes))
-  rcall('HDEL', state, 'f', 'e', 'g')
+  rcall('HSET', state, 's', last + k, 'n', 0)
+  rcall('HDEL', state, 'f', 'e', 'g', 'xc', 'xs')
   rcall('PERSIST', state)
   rcall('ZADD', ages_key(ready), entry_ms(todo[1].id), sid)
   last = last + k

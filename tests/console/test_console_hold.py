@@ -352,3 +352,64 @@ async def test_a_redrive_renumbering_a_message_that_streamed_part_of_an_answer_r
 
 async def _xlen_is(client: DialogClient, key: str, n: int) -> bool:
     return int(await client.redis.xlen(key)) == n
+
+
+@pytest.mark.parametrize(
+    ("policy", "ended"), [("interrupt", "cancelled"), ("coalesce", "superseded")]
+)
+async def test_a_redrive_while_an_interrupt_or_coalesce_waits_ends_only_the_messages_it_covers(
+    http: httpx.AsyncClient,
+    client: DialogClient,
+    workers: WorkerPool,
+    tmp_path: Path,
+    policy: str,
+    ended: str,
+) -> None:
+    """Held by its dead letter (a1), the session gets b2, then c3 sent with multitask
+    interrupt (or coalesce), which ends every message outstanding before it (b2) in its turn.
+    Redriving a1 puts it in front of them: it was not outstanding when c3 came, so it is
+    applied; b2 still ends cancelled (superseded), c3 is applied."""
+    flag = tmp_path / "flag"
+    flag.write_text("on")
+    workers.start(
+        1,
+        DIALOG_ENGINE="fault_engine:make",
+        DIALOG_MAX_ATTEMPTS="1",
+        DIALOG_ON_DEAD_LETTER="hold",
+        FAULT_FLAG_FILE=str(flag),
+    )
+    await client.send("gus", "flaky one", msg_id="a1")
+    await letter_handle(http, "gus")  # dead-lettered, and so held
+    await client.send("gus", "two", msg_id="b2")
+    await client.send("gus", "three", msg_id="c3", multitask=policy)
+
+    async def two_waiting() -> bool:
+        return (await session_page(http, "gus")).count('class="cancel-go"') == 2
+
+    await wait_until_async(two_waiting, 10, what="b2 and c3 waiting")
+    flag.unlink()
+    await redrive_letter(http, "gus", "engine fixed")
+
+    async def all_ended() -> list[tuple[int, str, str]] | None:
+        rows = [
+            (
+                t["seq"],
+                t["user"],
+                "cancelled"
+                if t.get("cancelled")
+                else "superseded"
+                if t.get("superseded")
+                else "applied",
+            )
+            for t in await turns(client, "gus")
+        ]
+        return rows if len(rows) == 4 else None
+
+    rows = await wait_until_async(all_ended, 20, what="the letter and both waiting ended")
+    assert rows[1:] == [(2, "flaky one", "applied"), (3, "two", ended), (4, "three", "applied")]
+    outcomes = {
+        (f[b"msg_id"], f[b"outcome"])
+        for _, f in await client.raw.xrange(client.keys.replies)
+        if f[b"session_id"] == b"gus"
+    }
+    assert (b"b2", ended.encode()) in outcomes and (b"c3", b"applied") in outcomes
