@@ -4,6 +4,7 @@ may act, CSRF, paging bounds, hostile ids and texts, and the actions with their 
 from __future__ import annotations
 
 import html
+import json
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.exceptions
 from console_support import OPERATOR, VIEWER, basic, console_env, form_token
 from markupsafe import escape
 from redis_server import wait_until_async
@@ -21,6 +23,7 @@ from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import Settings, load_settings
 from dialog_worker.console.auth import Authenticator, NoUsers, Role, User
 from dialog_worker.errors import ConfigError
+from dialog_worker.store.keys import audit_key
 
 pytestmark = pytest.mark.integration
 
@@ -249,6 +252,59 @@ async def test_a_bulk_action_acts_only_on_the_listed_letters_and_needs_a_reason(
     assert left == [f"0:{entries[2]}", f"0:{late}"]
     audit = (await http.get("/audit", headers=VIEW)).text
     assert audit.count("purge_letters") == 2 and "test noise" in audit and "olga" in audit
+
+
+@pytest.mark.parametrize("action", ["redrive", "purge"])
+async def test_a_bulk_action_that_fails_part_way_records_what_it_did_as_its_outcome(
+    http: httpx.AsyncClient,
+    client: DialogClient,
+    console_settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+    action: str,
+) -> None:
+    """Redis fails on the third of four letters (the connection breaks): the first two are
+    done for good. The audit stream gets the action's outcome after its `requested` entry,
+    `failed`, with what was done (counts and handles) and the error; the operator is told."""
+    from dialog_worker.ops import dead_letters
+
+    for i in range(4):
+        await add_letter(client, "s1", i)
+    name = "resend" if action == "redrive" else "purge"
+    real = getattr(dead_letters, name)
+    calls = 0
+
+    async def breaks_on_the_third(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(dead_letters, name, breaks_on_the_third)
+    page = (await http.get("/letters", headers=OP)).text
+    listed = handles_on(page)
+    form = {
+        "action": action,
+        "handle": listed,
+        "count": "4",
+        "reason": "clean up",
+        "form_token": form_token(page),
+    }
+    r = await http.post("/letters/action", headers=OP, data=form)
+    assert r.status_code == 503 and "2 of 4 listed done" in r.text, r.text
+    assert await client.redis.xlen(client.keys.dlq) == 2
+    rows = [f for _, f in await client.redis.xrange(audit_key(console_settings))]
+    assert [(f["action"], f["outcome"]) for f in rows] == [
+        (f"{action}_letters", "requested"),
+        (f"{action}_letters", "failed"),
+    ]
+    requested_id = (await client.redis.xrange(audit_key(console_settings)))[0][0]
+    assert rows[1]["ref"] == requested_id and rows[1]["who"] == OPERATOR[0]
+    detail = json.loads(rows[1]["detail"])
+    assert (detail["done"], detail["handles_done"]) == (2, listed[:2])
+    assert "Connection closed by server" in detail["error"]
+    audit = (await http.get("/audit", headers=VIEW)).text
+    assert "failed" in audit
 
 
 # -- sessions ---------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ letters the operator saw on the page and nothing that arrived since.
 Each returns counts for the page and the audit stream: `done` (redriven or purged),
 `skipped` (the tool refused it: not UTF-8, another deployment's stream, ...), `missing`
 (gone since the page was rendered: redriven or purged by someone else) and `refused` (a
-letter of another session, for a session's redrive)."""
+letter of another session, for a session's redrive). One that fails part way (Redis goes
+away after some letters were done) raises `ActionFailed` with the counts so far, which the
+audit stream records as the action's outcome."""
 
 from __future__ import annotations
 
@@ -35,6 +37,15 @@ class Outcome:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class ActionFailed(Exception):
+    """An action stopped part way by an error (Redis unreachable, a command refused):
+    ``outcome`` counts what was done before it (each letter done is done for good)."""
+
+    def __init__(self, outcome: Outcome, error: BaseException) -> None:
+        super().__init__(str(error) or type(error).__name__)
+        self.outcome = outcome
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,11 +81,23 @@ async def redrive(
     held, the letters go back in front of its waiting messages and it is released
     (`redrive_held`)."""
     outcome = Outcome()
+    try:
+        await _redrive(client, handles, session_id, outcome)
+    except ValidationError:
+        raise
+    except Exception as exc:
+        raise ActionFailed(outcome, exc) from exc
+    return outcome
+
+
+async def _redrive(
+    client: DialogClient, handles: Sequence[str], session_id: str | None, outcome: Outcome
+) -> None:
     listed = await _load(client, handles, outcome, session_id)
     listed.sort(key=lambda item: original_order({"id": item.entry_id, "seq": _seq(item.fields)}))
     if session_id is not None and listed:
         if await redrive_held(client, session_id, listed, outcome):
-            return outcome
+            return
     for item in listed:
         try:
             result = await dlq.redrive([item.keys], client, None, None, item.entry_id)
@@ -86,11 +109,20 @@ async def redrive(
             outcome.handles_done.append(item.handle)
         else:
             outcome.skipped += 1
-    return outcome
 
 
 async def purge(client: DialogClient, handles: Sequence[str]) -> Outcome:
     outcome = Outcome()
+    try:
+        await _purge(client, handles, outcome)
+    except ValidationError:
+        raise
+    except Exception as exc:
+        raise ActionFailed(outcome, exc) from exc
+    return outcome
+
+
+async def _purge(client: DialogClient, handles: Sequence[str], outcome: Outcome) -> None:
     for item in await _load(client, handles, outcome, None):
         try:
             removed = await dlq.purge([item.keys], client, item.entry_id)
@@ -101,7 +133,6 @@ async def purge(client: DialogClient, handles: Sequence[str]) -> Outcome:
             outcome.handles_done.append(item.handle)
         else:
             outcome.missing += 1
-    return outcome
 
 
 def _seq(fields: dict[str, str]) -> int | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -36,6 +37,8 @@ from dialog_worker.errors import ValidationError
 from dialog_worker.store.codec import check_id
 from dialog_worker.store.keys import audit_key
 from dialog_worker.version import __version__
+
+log = structlog.get_logger("dialog_worker.console.app")
 
 HERE = Path(__file__).resolve().parent
 MAX_FORM_BYTES = 64 * 1024
@@ -460,6 +463,18 @@ async def _act(
     except ValidationError as exc:
         await c.audit.append(user, action, target, reason, "refused", {"error": str(exc)}, ref)
         raise HTTPException(400, str(exc)) from None
+    except Exception as exc:
+        # Stopped part way: what was done is done, and the audit says so, not only "requested".
+        done = exc.outcome if isinstance(exc, actions.ActionFailed) else None
+        detail = {**(done.as_dict() if done else {}), "error": str(exc) or type(exc).__name__}
+        try:
+            await c.audit.append(user, action, target, reason, "failed", detail, ref)
+        except Exception as audit_exc:  # Redis is away: the log is all that is left
+            log.error("audit_outcome_lost", action=action, ref=ref, error=str(audit_exc))
+        so_far = f"{done.done} of {len(handles)} listed done before it; " if done else ""
+        raise HTTPException(
+            503, f"{action} failed part way: {so_far}see the audit log ({exc})"
+        ) from None
     await c.audit.append(user, action, target, reason, "done", outcome.as_dict(), ref)
     if not back.startswith(("/letters", "/session?")):  # never another site ("//x", "/\\x")
         back = "/"
