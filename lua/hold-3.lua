@@ -127,7 +127,9 @@ if k > 0 then
             -- Ended by a waiting interrupt (coalesce): marked, as the fields no longer say.
             rcall('SET', cancel_key(sprefix, sid, mid), xc > seq and now or SUPERSEDED_MARK,
                   'EX', ttl)
-            index_msg_id(sprefix, sid, mid, seq + k, now + ttl * 1000, ttl * 1000)  -- for delete
+            -- Found by delete (seq 1: no pruning here, which the operator's ACL does not
+            -- allow; intake prunes).
+            index_msg_id(sprefix, sid, mid, 1, now + ttl * 1000, ttl * 1000)
           end
         end
       end
