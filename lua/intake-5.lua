@@ -25,7 +25,8 @@
               messages wait until an operator releases or redrives it.
   Double-texting: when the session already has a message outstanding, the entry's multitask
   field (else ARGV[15]) decides: enqueue (sequenced as above), reject (one rejected reply
-  event, seq 0, nothing else: its msg_id stays free), interrupt (sequenced; every message
+  event, seq 0, and, with ARGV[17], an end entry in its partial stream for readers that did
+  not see the event, mark_rejected below; its msg_id stays free), interrupt (sequenced; every message
   outstanding before it ends cancelled in its turn: xc = its seq, and the running one gets a
   cancel mark so its worker stops the step), coalesce (sequenced; every message before it
   that is not running yet ends superseded in its turn: xs = its seq). A multitask value
@@ -65,6 +66,8 @@
   ARGV[16] echoed fields: names, comma-separated, of the entry's fields copied onto the reply
            events this call writes for it (optional; the commit's events get them from the
            worker)
+  ARGV[17] partial stream ttl (s): how long a rejected message's end is kept (optional; absent
+           or 0: none is written)
 
   Returns {last id, entries read, jobs, held,
            {duplicates, refused, contended, trimmed, ahead, rejected}}
@@ -88,9 +91,10 @@ local POLICIES = {enqueue = true, reject = true, interrupt = true, coalesce = tr
 local default_policy = ARGV[15] or 'enqueue'
 local ECHO = {}
 for name in string.gmatch(ARGV[16] or '', '[^,]+') do ECHO[name] = true end
+local partial_ttl = tonumber(ARGV[17] or '0')
 
 if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen and claim_idle
-        and shard and shards) or count < 1 or count > 1000 or shards < 1
+        and shard and shards and partial_ttl) or count < 1 or count > 1000 or shards < 1
     or not POLICIES[default_policy] then
   return redis.error_reply('ERR intake: bad arguments')
 end
@@ -432,6 +436,30 @@ local function dedupe_seen(dkey, claim)
   return seen
 end
 
+-- A rejected message leaves no trace but its reply event, which a reader that starts later
+-- (another client, a gateway started since) cannot find: its partial stream gets an end
+-- (outcome rejected, seq 0, i: its entry id, so the client that sends the msg_id again can
+-- tell this end from its new message's), as emit-2.lua writes one, kept partial_ttl. It
+-- replaces the stream of an earlier message under the same msg_id, which has ended (a msg_id
+-- is rejected only when it is free). Its msg_id joins the session's index (for delete) after
+-- the loop. pcall: a key of another type (written by hand) refuses the end, not the call.
+local REJECTED_END_ID = '18446744073709551615-0'  -- an end's id (emit-2.lua)
+
+local function mark_rejected(s, sid, mid, id)
+  if partial_ttl <= 0 then return end
+  local pkey = session_key(sprefix, sid, 'partial:' .. mid)
+  local fields = {'a', 0, 'p', 0, 's', 0, 'k', 'e', 't', '', 'o', 'rejected', 'i', id}
+  local got = redis.pcall('XADD', pkey, REJECTED_END_ID, unpack(fields))
+  if type(got) == 'table' and got['err'] and string.sub(got['err'], 1, 9) ~= 'WRONGTYPE' then
+    redis.pcall('DEL', pkey)  -- an earlier message's end has that id
+    got = redis.pcall('XADD', pkey, REJECTED_END_ID, unpack(fields))
+  end
+  if type(got) == 'table' and got['err'] then return end
+  redis.pcall('EXPIRE', pkey, partial_ttl)
+  s.rejected = s.rejected or {}
+  s.rejected[#s.rejected + 1] = mid
+end
+
 -- An interrupting or coalescing message (seq) arrived while the session has messages
 -- outstanding. interrupt: all of them end cancelled in their turn (xc), and the running one
 -- (the next to apply, when the lock is held) gets a cancel mark, which its worker watches
@@ -539,6 +567,7 @@ for _, e in ipairs(entries) do
     elseif policy == 'reject' and s.last > s.a then
       -- Another message is in progress: this one ends here, unsequenced (its msg_id free).
       reply_event(replies, maxlen, sid, msg_id or id, 0, 'rejected', '', now, id, echoed(f))
+      mark_rejected(s, sid, msg_id or id, id)
       dels[#dels + 1] = id
       rejected = rejected + 1
     else
@@ -614,6 +643,15 @@ for _, sid in ipairs(order) do
                                   now + dedupe_ttl * 1000, dedupe_ttl * 1000, s.index_expires)
     if expires then
       s.writes[#s.writes + 1] = 'ie'  -- when its msg_id index expires (index_msg_ids)
+      s.writes[#s.writes + 1] = expires
+      s.index_expires = expires
+    end
+  end
+  if s.rejected then  -- their partial streams hold their ends (mark_rejected)
+    local expires = index_msg_ids(sprefix, sid, s.rejected, s.last, s.last,
+                                  now + dedupe_ttl * 1000, dedupe_ttl * 1000, s.index_expires)
+    if expires then
+      s.writes[#s.writes + 1] = 'ie'
       s.writes[#s.writes + 1] = expires
     end
   end

@@ -217,6 +217,54 @@ async def test_reject_ends_the_new_message_at_intake(
     assert (reply.outcome, reply.seq) == ("applied", 3)
 
 
+async def test_a_rejected_message_ends_rejected_at_once_for_a_reader_on_another_client(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """A message rejected at intake is never sequenced: a reader on a client that did not
+    read its reply event (another process, a gateway started later) learns it from the end
+    intake writes into its partial stream, within its timeout, not at its timeout. Sent again
+    once the session is idle, the same msg_id is applied, and such a reader gets that answer,
+    not the old rejection."""
+    log = start(workers, tmp_path, DIALOG_MULTITASK="reject")
+    url = env["REDIS_URL"]
+    await client.send("s-rj", "sleep 0.5", msg_id="busy")
+    await wait_for(lambda: engine_log(log))
+    await client.send("s-rj", "too soon", msg_id="rj1")
+    await wait_for(lambda: any(e["msg_id"] == "rj1" for e in events(url)))
+    async with DialogClient(settings=load_settings(environ=env)) as other:
+        got = [e async for e in other.stream("s-rj", "rj1", timeout=5)]
+        assert [(e.kind, e.outcome, e.text, e.msg_id) for e in got] == [
+            ("end", "rejected", "", "rj1")
+        ]
+    await wait_for(lambda: any(e["msg_id"] == "busy" for e in events(url)))
+    reply = await client.ask("s-rj", "now", msg_id="rj1", timeout=15)
+    assert (reply.outcome, reply.seq) == ("applied", 2)
+    async with DialogClient(settings=load_settings(environ=env)) as other:
+        got = [e async for e in other.stream("s-rj", "rj1", timeout=5)]
+        assert [(e.kind, e.outcome, e.text) for e in got] == [("end", "applied", "ok now")]
+
+
+async def test_a_rejected_msg_id_sent_again_is_not_ended_by_its_old_rejection_while_unread(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The client that sends a rejected msg_id again (the gateway: a POST, then the GET of its
+    stream) must not take the earlier rejection, still in the partial stream, for the new
+    message's end while no worker has read it: it waits, then gets the new answer."""
+    log = start(workers, tmp_path, DIALOG_MULTITASK="reject")
+    url = env["REDIS_URL"]
+    await client.send("s-rj2", "sleep 0.5", msg_id="busy")
+    await wait_for(lambda: engine_log(log))
+    await client.send("s-rj2", "too soon", msg_id="rj2")
+    await wait_for(lambda: any(e["msg_id"] == "busy" for e in events(url)))
+    workers.stop_all()
+    await client.send("s-rj2", "again", msg_id="rj2")
+    with pytest.raises(ReplyTimeout):
+        [e async for e in client.stream("s-rj2", "rj2", timeout=1.5)]
+    start(workers, tmp_path, DIALOG_MULTITASK="reject")
+    got = [e async for e in client.stream("s-rj2", "rj2", timeout=20)]
+    assert [(e.kind, e.outcome, e.text) for e in got] == [("end", "applied", "ok again")]
+
+
 async def test_interrupt_cancels_the_running_one_and_runs_next(
     workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -210,3 +210,22 @@ async def test_delete_removes_the_sessions_entries_past_the_first_chunk_and_no_o
         left = [f["session_id"] for _, f in r.xrange(stream)]
         assert "gone" not in left
         assert len(left) == 2 * CHUNK + 20
+
+
+async def test_delete_removes_the_end_a_rejected_message_left_in_its_partial_stream(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """A message rejected at intake (multitask=reject) leaves its end in its partial stream,
+    for readers on other clients: found through the session's msg_id index like every key
+    named by a msg_id, so a delete leaves nothing of the session."""
+    log = tmp_path / "engine.jsonl"
+    workers.start(1, DIALOG_ENGINE="timer_engines:Timers", TIMER_ENGINE_LOG=str(log))
+    url = env["REDIS_URL"]
+    await client.send("e-rj", "sleep 1", msg_id="m1")
+    await wait_for(lambda: any(e["msg_id"] == "m1" for e in engine_log(log)))
+    await client.send("e-rj", "too soon", msg_id="m2", multitask="reject")
+    await wait_for(lambda: any(e["outcome"] == "rejected" for e in session_events(url, "e-rj")))
+    partial = client.keys.session("e-rj").partial("m2")
+    assert await client.redis.exists(partial)
+    await client.delete("e-rj")
+    assert keys_of(url, "e-rj") == []

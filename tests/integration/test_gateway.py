@@ -220,6 +220,34 @@ async def test_post_takes_multitask_expires_at_and_deliver_at_as_send_does(
         assert time.time() >= due
 
 
+async def test_a_gateway_started_after_a_rejection_ends_its_stream_rejected_at_once(
+    env: dict[str, str], gateway: GatewayProc, workers: WorkerPool, tmp_path: Path
+):
+    """Behind a load balancer the GET of a stream may reach another gateway than the POST,
+    one that never read the rejection's reply event (started after it): it learns the
+    rejection from the end intake wrote, and the stream ends `rejected` at once, not after
+    its 10 minutes."""
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        running = await http.post("/sessions/web-r2/messages", json={"text": "40 20"}, headers=AUTH)
+        await read_sse(http, running.json()["stream"], stop_after=1)  # it is running
+        refused = await http.post(
+            "/sessions/web-r2/messages", json={"text": "5 5", "multitask": "reject"}, headers=AUTH
+        )
+        await wait_for(lambda: rejected_event(env, refused.json()["msg_id"]))
+    (tmp_path / "later").mkdir()
+    later = GatewayProc({**env, "DIALOG_HTTP_TOKEN": TOKEN}, tmp_path / "later")
+    try:
+        async with httpx.AsyncClient(base_url=later.url, timeout=30) as http:
+            async with asyncio.timeout(20):
+                _, sse = await read_sse(http, refused.json()["stream"])
+    finally:
+        later.stop()
+    assert [(e.kind, e.data["outcome"], e.data["text"]) for e in sse.events] == [
+        ("end", "rejected", "")
+    ]
+
+
 async def test_every_request_needs_the_token(gateway: GatewayProc):
     async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
         assert (await http.post("/sessions/a/messages", json={"text": "x"})).status_code == 401

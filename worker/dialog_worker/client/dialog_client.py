@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from types import TracebackType
@@ -54,6 +55,10 @@ log = logging.getLogger("dialog_worker.client.dialog_client")
 
 # How long `replies()` lets another consumer's event sit unacknowledged before taking it over.
 DEFAULT_CLAIM_IDLE_MS = 60_000
+# The entry each msg_id was last sent with, kept this long (at most this many): a `stream` of
+# it soon after (the gateway's POST, then the GET of its stream) must not take an earlier
+# rejection of the same msg_id for its message's end (`follow`'s ``sent_entry``).
+SENT_KEPT, SENT_KEPT_S = 4096, 60.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,6 +138,8 @@ class DialogClient:
         self._read_by_group: dict[str, bool] = {}
         self._cancel_script = Script(self.redis, source("cancel"))
         self._erase_script = Script(self.redis, source("erase"))
+        # (session_id, msg_id) -> (when, entry id) of its last send (SENT_KEPT), oldest first.
+        self._sent_entries: dict[tuple[str, str], tuple[float, str]] = {}
 
         self._partial_routers: dict[
             int, PartialRouter
@@ -241,7 +248,13 @@ class DialogClient:
                 entry_id = await self.redis.xadd(stream, fields)  # type: ignore[arg-type]
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise UncertainSendError(session_id, msg_id, exc) from exc
-        return SendResult(session_id, msg_id, str(entry_id))
+        entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        sent = self._sent_entries
+        sent.pop((session_id, msg_id), None)
+        sent[(session_id, msg_id)] = (time.monotonic(), entry)
+        if len(sent) > SENT_KEPT:
+            del sent[next(iter(sent))]
+        return SendResult(session_id, msg_id, entry)
 
     async def ask(
         self,
@@ -355,7 +368,11 @@ class DialogClient:
             rejected = router.rejected(session_id, msg_id)
             if rejected is not None and not waiter.done():
                 waiter.set_result(rejected)
-            async for event in self._follow(session_id, msg_id, cursor, waiter, deadline):
+            sent = self._sent_entries.get((session_id, msg_id))
+            sent_entry = sent[1] if sent and time.monotonic() - sent[0] <= SENT_KEPT_S else None
+            async for event in self._follow(
+                session_id, msg_id, cursor, waiter, deadline, sent_entry=sent_entry
+            ):
                 yield event
         except TimeoutError:
             raise ReplyTimeout(session_id, msg_id, timeout or 0, router.problem()) from None
@@ -444,6 +461,7 @@ class DialogClient:
         deadline: float | None,
         just_sent: bool = False,
         sent: bool = False,
+        sent_entry: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
         shard = self.keys_for(session_id)
         session = shard.session(session_id)
@@ -460,7 +478,9 @@ class DialogClient:
         if router is None:
             router = self._partial_routers[shard.shard] = PartialRouter(self._reader_client())
         reader = self._reader_client()
-        return follow(reader, router, keys, msg_id, after, waiter, deadline, just_sent, sent)
+        return follow(
+            reader, router, keys, msg_id, after, waiter, deadline, just_sent, sent, sent_entry
+        )
 
     @property
     def waiting_replies(self) -> int:

@@ -9,7 +9,9 @@ that attempt's answer, 0, 1, 2...), ``s`` (the message's seq), ``k`` (``d`` text
 entry: a snapshot for readers that fell behind the stream's trimmed start) and ``o`` (the
 outcome of an end). Its entry ids are ``<attempt + 1>-<pos>``, and ``18446744073709551615-0``
 for the end (clock ids in a stream an earlier version wrote): readers use them only to order
-entries and to go on reading where they stopped, never as a cursor.
+entries and to go on reading where they stopped, never as a cursor. A message rejected at
+intake (``multitask=reject``) is never sequenced: intake writes its end, seq 0, with ``i``,
+the rejected entry's id (lua/intake-5.lua).
 
 Readers see `StreamEvent`s:
 
@@ -101,12 +103,12 @@ Fields = Mapping[bytes, bytes] | list[bytes]
 
 
 def _values(fields: Fields) -> tuple[bytes | None, ...]:
-    """The raw ``a``, ``p``, ``s``, ``k``, ``t``, ``f`` and ``o`` of an entry. A text entry as
-    lua/emit-2.lua writes it (those five names, in that order) is read by position: no dict per
-    entry; any other list (an end, a snapshot, anything forged) goes through a dict (the last
-    of repeated names wins, as in a mapping)."""
+    """The raw ``a``, ``p``, ``s``, ``k``, ``t``, ``f``, ``o`` and ``i`` of an entry. A text
+    entry as lua/emit-2.lua writes it (its first five names, in that order) is read by
+    position: no dict per entry; any other list (an end, a snapshot, anything forged) goes
+    through a dict (the last of repeated names wins, as in a mapping)."""
     if not fields:
-        return (None,) * 7
+        return (None,) * 8
     if type(fields) is list:
         if (
             len(fields) == 10
@@ -116,10 +118,19 @@ def _values(fields: Fields) -> tuple[bytes | None, ...]:
             and fields[6] == b"k"
             and fields[8] == b"t"
         ):
-            return fields[1], fields[3], fields[5], fields[7], fields[9], None, None
+            return fields[1], fields[3], fields[5], fields[7], fields[9], None, None, None
         fields = _pairs(fields)
     get = cast(Mapping[bytes, bytes], fields).get
-    return get(b"a"), get(b"p"), get(b"s"), get(b"k"), get(b"t"), get(b"f"), get(b"o")
+    return (
+        get(b"a"),
+        get(b"p"),
+        get(b"s"),
+        get(b"k"),
+        get(b"t"),
+        get(b"f"),
+        get(b"o"),
+        get(b"i"),
+    )
 
 
 def _text(value: bytes | None) -> str | None:
@@ -143,6 +154,10 @@ class Tracker:
         self.after = after
         self.seq: int | None = None
         self.end_seq: int | None = None  # the seq the last end entry named
+        self.end_entry: bytes | None = None  # a rejection's end: the rejected entry's id
+        # Rejection ends of entries before this one are skipped: this client sent the msg_id
+        # again with this entry (`follow`'s ``sent_entry``), so they are earlier messages'.
+        self.rejected_before: str | None = None
         self.behind = False  # a gap: waiting for a snapshot
         self.top = (0, -1)  # the newest (attempt, pos) of the stream, whatever the cursor
         # Entries of a lower seq belong to an earlier message sent under the same msg_id
@@ -166,7 +181,7 @@ class Tracker:
         self.behind, self.top, self.after = False, (0, -1), None
 
     def feed(self, fields: Fields) -> Iterator[StreamEvent]:
-        a, p, s, kind, t, f, o = _values(fields)
+        a, p, s, kind, t, f, o, i = _values(fields)
         attempt, pos, seq = _int(a), _int(p), _int(s)
         if attempt is None or pos is None or (kind != b"d" and kind != b"e"):
             return  # not ours (anyone with XADD can write anything): skipped
@@ -180,7 +195,10 @@ class Tracker:
         if kind == b"d":
             self.top = max(self.top, (attempt, pos))
         else:
-            self.end_seq = seq
+            if seq == 0 and self.rejected_before is not None:
+                if i is None or entry_key(i) < entry_key(self.rejected_before):
+                    return  # an earlier rejection: not the re-sent message's end
+            self.end_seq, self.end_entry = seq, i
             yield self.end(_text(o) or "applied", _text(t) or "")
             return
         if self.attempt is not None and attempt < self.attempt:
@@ -297,6 +315,7 @@ async def follow(
     deadline: float | None,
     just_sent: bool = False,
     sent: bool = False,
+    sent_entry: str | None = None,
 ) -> AsyncIterator[StreamEvent]:
     """The events of one message's answer from ``after`` on, ending with ``end``.
 
@@ -311,6 +330,9 @@ async def follow(
     ``sent``: this caller sent the message just now (``ask_stream``): an end entry already in
     the stream may be an earlier message's under the same msg_id, so it counts only once the
     message's seq (its dedupe key, or its reply event) says it is this message's.
+    ``sent_entry``: the entry id this client last sent the msg_id with (lately), if it did: a
+    rejection's end of an earlier entry is not this message's (the msg_id was rejected, then
+    sent again): it is skipped while the new one is not read, and the stream read again.
 
     An end entry names its message's seq: one of a lower seq than the msg_id's current one
     belongs to an earlier message sent under the same msg_id (it ended unapplied, which frees
@@ -369,6 +391,18 @@ async def follow(
                     if event.kind != "end":
                         yield event
                         continue
+                    if (
+                        _rejected_earlier(tracker, sent_entry)
+                        and await _dedupe_seq(redis, keys) is None
+                    ):
+                        # An earlier rejection; the message sent again is not read yet: its
+                        # end (or its stream) comes in place of this one.
+                        tracker.rejected_before = sent_entry
+                        stale = restart = True
+                        next_check = loop.time()
+                        watch.close()
+                        watch = router.watch(keys.partial)
+                        break
                     own = await _own_end(redis, keys, tracker.end_seq, sent, reply)
                     if own:
                         if not tracker.resumed_at_end():
@@ -410,7 +444,9 @@ async def follow(
                     return
                 ended = (got.outcome, got.text)
             if ended is None and loop.time() >= next_check:
-                ended = await _finished(redis, keys, msg_id, tracker.seq, tracker.min_seq)
+                ended = await _finished(
+                    redis, keys, msg_id, tracker.seq, tracker.min_seq, sent_entry is not None
+                )
                 next_check, checked = loop.time() + IDLE_CHECK_S, True
             wait_until = next_check
             if ended is not None and not read_to_end:
@@ -730,6 +766,16 @@ async def _own_end(
     return None
 
 
+def _rejected_earlier(tracker: Tracker, sent_entry: str | None) -> bool:
+    """The end just read is a rejection of an entry before ``sent_entry``."""
+    return (
+        sent_entry is not None
+        and tracker.end_seq == 0
+        and tracker.end_entry is not None
+        and entry_key(tracker.end_entry) < entry_key(sent_entry)
+    )
+
+
 async def _dedupe_seq(redis: Redis, keys: MessageKeys) -> int | None:
     raw = cast(bytes | None, await redis.get(keys.dedupe))
     return int(raw) if raw is not None and 0 < len(raw) <= 18 and raw.isdigit() else None
@@ -741,14 +787,21 @@ def _looks_like_entry_id(value: str) -> bool:
 
 
 async def _finished(
-    redis: Redis, keys: MessageKeys, msg_id: str, seq: int | None, min_seq: int = 0
+    redis: Redis,
+    keys: MessageKeys,
+    msg_id: str,
+    seq: int | None,
+    min_seq: int = 0,
+    resent: bool = False,
 ) -> tuple[str, str] | None:
     """(outcome, reply) when the session's state says the message was applied (two O(1)
     reads while it is not; its history is read once, at the end). ``min_seq``: an earlier
-    message under the same msg_id had a lower seq (its turn does not answer for this one)."""
+    message under the same msg_id had a lower seq (its turn does not answer for this one).
+    ``resent``: this client sent the msg_id lately: without its dedupe key it is not read
+    yet (or ended unapplied, which writes its end into its stream)."""
     if seq is None:
         seq = await _dedupe_seq(redis, keys)
-        if seq is None and min_seq:
+        if seq is None and (min_seq or resent):
             return None  # sent again and not sequenced yet: its dedupe key will say
         if seq is None:
             return await _finished_without_seq(redis, keys, msg_id)

@@ -124,6 +124,7 @@ class Reader:
             len(self.shards),
             s.multitask,
             s.echo_fields,
+            s.partial_ttl_s,
         ]
 
     async def intake(self, shard: Shard, count: int, claim_idle_ms: int = 0) -> list[Any]:
