@@ -229,3 +229,21 @@ async def test_delete_removes_the_end_a_rejected_message_left_in_its_partial_str
     assert await client.redis.exists(partial)
     await client.delete("e-rj")
     assert keys_of(url, "e-rj") == []
+
+
+async def test_the_sender_streaming_a_message_of_a_deleted_session_gets_its_end_not_a_timeout(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """A message running and one waiting when their session is deleted end without a reply
+    event, and nothing of them is left. The client that sent them knows their entries: read by
+    the workers and gone, they are finished, so its stream of either ends (`expired`, no
+    text) instead of waiting for its timeout."""
+    log = tmp_path / "engine.jsonl"
+    workers.start(1, DIALOG_ENGINE="timer_engines:Timers", TIMER_ENGINE_LOG=str(log))
+    await client.send("e-gone", "sleep 2", msg_id="m1")
+    await client.send("e-gone", "w1", msg_id="m2")
+    await wait_for(lambda: any(e["msg_id"] == "m1" for e in engine_log(log)))
+    await client.delete("e-gone")
+    for msg_id in ("m1", "m2"):
+        got = [e async for e in client.stream("e-gone", msg_id, timeout=5)]
+        assert [(e.kind, e.outcome, e.text) for e in got] == [("end", "expired", "")]

@@ -273,6 +273,8 @@ def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> tuple
 # ---------------------------------------------------------------------------------------------
 # Following one message's answer
 
+# The id of an end entry (lua/emit-2.lua, and intake's for a rejected message).
+END_ID = "18446744073709551615-0"
 # Entries read per call: a reader catching up reads in bounded pieces, never all at once.
 PAGE = 64
 # While nothing arrives, how often a reader looks at the session's state for the commit (the
@@ -445,7 +447,7 @@ async def follow(
                 ended = (got.outcome, got.text)
             if ended is None and loop.time() >= next_check:
                 ended = await _finished(
-                    redis, keys, msg_id, tracker.seq, tracker.min_seq, sent_entry is not None
+                    redis, keys, msg_id, tracker.seq, tracker.min_seq, sent_entry
                 )
                 next_check, checked = loop.time() + IDLE_CHECK_S, True
             wait_until = next_check
@@ -792,17 +794,18 @@ async def _finished(
     msg_id: str,
     seq: int | None,
     min_seq: int = 0,
-    resent: bool = False,
+    sent_entry: str | None = None,
 ) -> tuple[str, str] | None:
     """(outcome, reply) when the session's state says the message was applied (two O(1)
     reads while it is not; its history is read once, at the end). ``min_seq``: an earlier
     message under the same msg_id had a lower seq (its turn does not answer for this one).
-    ``resent``: this client sent the msg_id lately: without its dedupe key it is not read
-    yet (or ended unapplied, which writes its end into its stream)."""
+    ``sent_entry``: the entry this client sent the msg_id with lately."""
     if seq is None:
         seq = await _dedupe_seq(redis, keys)
-        if seq is None and (min_seq or resent):
+        if seq is None and min_seq:
             return None  # sent again and not sequenced yet: its dedupe key will say
+        if seq is None and sent_entry is not None and keys.inbound:
+            return await _finished_sent(redis, keys, msg_id, sent_entry)
         if seq is None:
             return await _finished_without_seq(redis, keys, msg_id)
     applied, last, doc = cast(list[bytes | None], await redis.hmget(keys.state, ["a", "s", "d"]))
@@ -823,6 +826,30 @@ async def _finished(
         return await _finished_without_seq(redis, keys, msg_id)  # no dedupe key to follow
     # A state that expired, or a turn no longer kept: finished, its text is gone.
     return found or ("expired", "")
+
+
+async def _finished_sent(
+    redis: Redis, keys: MessageKeys, msg_id: str, sent_entry: str
+) -> tuple[str, str] | None:
+    """(outcome, reply) of a message this client sent as ``sent_entry`` whose msg_id has no
+    dedupe key: not finished while the entry is unread or waits as a timer (deliver_at).
+    Read, it was sequenced (intake sets the dedupe key in the same step) or rejected (its end
+    is in its stream), and the key went: it ended unapplied (its turn says how) or its
+    session was deleted (``expired``, no text)."""
+    if await _unread(redis, keys, sent_entry):
+        return None
+    if keys.timers and await redis.hexists(keys.timers, "t:msg:" + msg_id):
+        return None
+    if await _dedupe_seq(redis, keys) is not None:
+        return None  # sequenced between the two reads: the next look follows it
+    ends = cast(list[Entry], await redis.xrange(keys.partial, min=END_ID, max="+", count=1))
+    if ends:
+        _, _, s, kind, _, _, outcome, entry = _values(ends[0][1])
+        if s == b"0" and kind == b"e" and outcome == b"rejected" and entry is not None:
+            if entry_key(entry) >= entry_key(sent_entry):
+                return "rejected", ""  # rejected again (its end came after our last read)
+    doc = cast(bytes | None, await redis.hget(keys.state, "d"))
+    return reply_from_history(doc, msg_id, None) or ("expired", "")
 
 
 async def _finished_without_seq(
