@@ -405,7 +405,9 @@ async def follow(
                         watch.close()
                         watch = router.watch(keys.partial)
                         break
-                    own = await _own_end(redis, keys, tracker.end_seq, sent, reply)
+                    own = await _own_end(
+                        redis, keys, tracker.end_seq, sent, reply, msg_id, sent_entry
+                    )
                     if own:
                         if not tracker.resumed_at_end():
                             yield event
@@ -751,16 +753,25 @@ def _unwrapped(entries: list[Any]) -> list[Any]:
 
 
 async def _own_end(
-    redis: Redis, keys: MessageKeys, end_seq: int | None, sent: bool, reply: asyncio.Future[Reply]
+    redis: Redis,
+    keys: MessageKeys,
+    end_seq: int | None,
+    sent: bool,
+    reply: asyncio.Future[Reply],
+    msg_id: str = "",
+    sent_entry: str | None = None,
 ) -> bool | None:
     """Is an end entry of ``end_seq`` this message's? True, False (an earlier message's under
-    the same msg_id: its msg_id now names a later seq), or None (``sent``: the message is not
+    the same msg_id: its msg_id now names a later seq, or, ``sent_entry``, the message this
+    client sent again is still waiting to be read), or None (``sent``: the message is not
     sequenced yet, or it ended unapplied, which frees its msg_id: its reply event will say)."""
     if end_seq is None:
         return True  # written by an earlier version: no seq to tell
     current = await _dedupe_seq(redis, keys)
     if current is not None:
         return current == end_seq
+    if not sent and sent_entry is not None and end_seq > 0:
+        return not await _waiting(redis, keys, msg_id, sent_entry)
     if not sent:
         return True
     if reply.done() and not reply.cancelled() and reply.exception() is None:
@@ -802,10 +813,10 @@ async def _finished(
     ``sent_entry``: the entry this client sent the msg_id with lately."""
     if seq is None:
         seq = await _dedupe_seq(redis, keys)
-        if seq is None and min_seq:
-            return None  # sent again and not sequenced yet: its dedupe key will say
         if seq is None and sent_entry is not None and keys.inbound:
             return await _finished_sent(redis, keys, msg_id, sent_entry)
+        if seq is None and min_seq:
+            return None  # sent again and not sequenced yet: its dedupe key will say
         if seq is None:
             return await _finished_without_seq(redis, keys, msg_id)
     applied, last, doc = cast(list[bytes | None], await redis.hmget(keys.state, ["a", "s", "d"]))
@@ -836,9 +847,7 @@ async def _finished_sent(
     Read, it was sequenced (intake sets the dedupe key in the same step) or rejected (its end
     is in its stream), and the key went: it ended unapplied (its turn says how) or its
     session was deleted (``expired``, no text)."""
-    if await _unread(redis, keys, sent_entry):
-        return None
-    if keys.timers and await redis.hexists(keys.timers, "t:msg:" + msg_id):
+    if await _waiting(redis, keys, msg_id, sent_entry):
         return None
     if await _dedupe_seq(redis, keys) is not None:
         return None  # sequenced between the two reads: the next look follows it
@@ -850,6 +859,15 @@ async def _finished_sent(
                 return "rejected", ""  # rejected again (its end came after our last read)
     doc = cast(bytes | None, await redis.hget(keys.state, "d"))
     return reply_from_history(doc, msg_id, None) or ("expired", "")
+
+
+async def _waiting(redis: Redis, keys: MessageKeys, msg_id: str, sent_entry: str) -> bool:
+    """Is the message this client sent as ``sent_entry`` still waiting to be read: unread in
+    the inbound stream, or a timer of its session (deliver_at)? Without an inbound stream to
+    look at (a caller that gave no keys for it), it is taken as read."""
+    if keys.inbound and await _unread(redis, keys, sent_entry):
+        return True
+    return bool(keys.timers) and bool(await redis.hexists(keys.timers, "t:msg:" + msg_id))
 
 
 async def _finished_without_seq(
