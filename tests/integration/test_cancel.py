@@ -436,9 +436,9 @@ async def test_the_sender_streaming_a_msg_id_sent_again_after_its_cancel_waits_f
     workers: Any, client: DialogClient
 ) -> None:
     """As the gateway does (a POST, then the GET of its stream): the client sends a cancelled
-    message's msg_id again and streams it while no worker has read it. The old end in its
-    partial stream is not the new message's (the entry this client sent is unread): the
-    stream waits, then, once a worker runs, gets the new answer."""
+    message's msg_id again and streams it while no worker has read it. The old pieces and end
+    in its partial stream are not the new message's (the entry this client sent is unread):
+    the stream shows none of them and waits, then, once a worker runs, gets the new answer."""
     workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
     got: list[Any] = []
     async for event in client.ask_stream("s-wait2", "200 20", msg_id="w2", timeout=30):
@@ -448,8 +448,11 @@ async def test_the_sender_streaming_a_msg_id_sent_again_after_its_cancel_waits_f
     assert (got[-1].kind, got[-1].outcome) == ("end", "cancelled")
     workers.stop_all()
     await client.send("s-wait2", "3 5", msg_id="w2")
+    early: list[Any] = []
     with pytest.raises(ReplyTimeout):
-        [e async for e in client.stream("s-wait2", "w2", timeout=1.5)]
+        async for event in client.stream("s-wait2", "w2", timeout=1.5):
+            early.append(event)
+    assert early == []  # nothing of the old answer either
     workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
     late = [e async for e in client.stream("s-wait2", "w2", timeout=20)]
     assert (late[-1].outcome, late[-1].text) == ("applied", "w0 w1 w2 ")

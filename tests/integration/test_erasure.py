@@ -247,3 +247,38 @@ async def test_the_sender_streaming_a_message_of_a_deleted_session_gets_its_end_
     for msg_id in ("m1", "m2"):
         got = [e async for e in client.stream("e-gone", msg_id, timeout=5)]
         assert [(e.kind, e.outcome, e.text) for e in got] == [("end", "expired", "")]
+
+
+async def test_a_reader_of_an_answer_cut_by_a_delete_ends_when_the_session_starts_over(
+    workers: Any, client: DialogClient, env: dict[str, str]
+) -> None:
+    """A reader on another client follows m2 (seq 2) as it streams; the session is deleted
+    and written to again (m3 is seq 1 of the new one). m2 will never be applied: the reader
+    ends (`expired`, no text) instead of taking the new state for one that still has seq 2
+    to apply."""
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    await client.ask("e-cut", "3 5", msg_id="m1", timeout=20)
+    await client.send("e-cut", "300 20", msg_id="m2")
+    async with DialogClient(settings=load_settings(environ=env)) as other:
+        got: list[Any] = []
+
+        async def follow() -> None:
+            async for event in other.stream("e-cut", "m2", timeout=15):
+                got.append(event)
+
+        reader = anyio.Event()
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                await follow()
+                reader.set()
+
+            tg.start_soon(run)
+            await wait_for(lambda: len(got) >= 2)
+            await client.delete("e-cut")
+            reply = await client.ask("e-cut", "2 5", msg_id="m3", timeout=20)
+            assert (reply.outcome, reply.seq) == ("applied", 1)
+            with anyio.fail_after(10):
+                await reader.wait()
+    assert (got[-1].kind, got[-1].outcome, got[-1].text) == ("end", "expired", "")
+    assert all(e.kind == "delta" for e in got[:-1])

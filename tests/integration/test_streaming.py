@@ -649,3 +649,36 @@ async def test_a_reader_of_a_message_a_redrive_moved_up_waits_for_its_new_seq(
         "applied",
         "the answer",
     )
+
+
+async def test_a_reader_starting_while_the_stream_holds_an_earlier_message_shows_none_of_it(
+    client: DialogClient,
+):
+    """m9 (seq 1) ended cancelled and left its pieces and its end; sent again it is seq 2 (its
+    dedupe key says so) and has streamed nothing yet. A reader starting now shows none of
+    the old pieces (no old text, then a reset): it waits for seq 2's, which start the stream
+    anew below the ids it read."""
+    session = client.keys.session("st-9")
+    await client.redis.set(session.lock, "tok", px=5000)
+    assert await _emit(client, "d", "tok", 1, 0, 1, "old ", "", "") == 1
+    assert await _emit(client, "e", "", 1, 1, 1, "old ", "", "cancelled") == 1
+    await client.redis.set(session.dedupe("m9"), 2)
+    await client.redis.hset(session.state, mapping={"a": 1, "s": 2})
+    got: list[StreamEvent] = []
+
+    async def read() -> None:
+        async for event in client.stream("st-9", "m9", timeout=10):
+            got.append(event)
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(0.5)
+    assert got == []
+    assert await _emit(client, "d", "tok", 1, 0, 2, "new ", "", "") == 1
+    assert await _emit(client, "d", "tok", 1, 1, 2, "text", "", "") == 1
+    assert await _emit(client, "e", "", 1, 2, 2, "new text", "", "applied") == 1
+    await asyncio.wait_for(reader, 10)
+    assert [(e.kind, e.text) for e in got] == [
+        ("delta", "new "),
+        ("delta", "text"),
+        ("end", "new text"),
+    ]

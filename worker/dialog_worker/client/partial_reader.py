@@ -163,6 +163,11 @@ class Tracker:
         # Entries of a lower seq belong to an earlier message sent under the same msg_id
         # (see `forget_older`): skipped.
         self.min_seq = 0
+        # Entries of a lower seq are skipped from the start too: the msg_id names this seq now
+        # (its dedupe key), or this client sent it again and what the stream held then was an
+        # earlier message's (`_first_seq`). ``skipped``: some were.
+        self.floor = 0
+        self.skipped = False
         self.shown = False  # an earlier message's pieces were yielded: reset before ours
         # A piece of a later seq than those read, with no end between: the message runs again
         # under a new seq (a redrive into its held session moved it up), and its stream was
@@ -185,7 +190,9 @@ class Tracker:
         attempt, pos, seq = _int(a), _int(p), _int(s)
         if attempt is None or pos is None or (kind != b"d" and kind != b"e"):
             return  # not ours (anyone with XADD can write anything): skipped
-        if self.min_seq and (seq is None or seq < self.min_seq):
+        lowest = max(self.min_seq, self.floor)
+        if lowest and (seq is None or seq < lowest):
+            self.skipped = True
             return  # an earlier message's, under the same msg_id
         if kind == b"d" and seq is not None and self.seq is not None and seq > self.seq:
             self.renumbered = seq
@@ -359,6 +366,10 @@ async def follow(
     sync: tuple[int, float] | None = None  # (router read, give up at) once ended
     stale = False  # the stream holds an earlier message's answer: read it again from its start
     held_end: StreamEvent | None = None  # an end not known yet to be this message's (``sent``)
+    start_seq: int | None = None  # the dedupe key's seq read at start, for the first check
+    if not just_sent and not sent:
+        tracker.floor, known = await _first_seq(redis, keys, msg_id, sent_entry)
+        start_seq = tracker.floor if known else None
     watch = router.watch(keys.partial)
     reply.add_done_callback(lambda _: watch.wake())
     if just_sent:
@@ -428,6 +439,13 @@ async def follow(
                     watch = router.watch(keys.partial)
                 if restart:
                     break
+            if tracker.skipped and tracker.seq is None and not stale:
+                # An earlier message's answer: this one's starts the stream anew, below the
+                # ids read, which the router would not bring: read it again from its start.
+                stale = True
+                next_check = loop.time()
+                watch.close()
+                watch = router.watch(keys.partial)
             if stale and tracker.seq is not None:
                 stale = False  # this message's own entries are there now: follow them
                 watch.listen_after(last_id)
@@ -448,9 +466,9 @@ async def follow(
                     return
                 ended = (got.outcome, got.text)
             if ended is None and loop.time() >= next_check:
-                ended = await _finished(
-                    redis, keys, msg_id, tracker.seq, tracker.min_seq, sent_entry
-                )
+                seq = tracker.seq if tracker.seq is not None else start_seq
+                start_seq = None
+                ended = await _finished(redis, keys, msg_id, seq, tracker.min_seq, sent_entry)
                 next_check, checked = loop.time() + IDLE_CHECK_S, True
             wait_until = next_check
             if ended is not None and not read_to_end:
@@ -779,6 +797,25 @@ async def _own_end(
     return None
 
 
+async def _first_seq(
+    redis: Redis, keys: MessageKeys, msg_id: str, sent_entry: str | None
+) -> tuple[int, bool]:
+    """The lowest seq whose entries are this message's, for a reader that starts while the
+    stream may hold an earlier message's answer under the same msg_id (one that ended
+    unapplied, which frees the msg_id, or a message a redrive moved up): the seq its dedupe key
+    names; else, when this client sent the msg_id again and that entry is not read yet, one
+    past the seq of the stream's first entry (one message's at a time: a new one starts the
+    stream anew). 0: any. And whether it is the dedupe key's seq."""
+    current = await _dedupe_seq(redis, keys)
+    if current is not None:
+        return current, True
+    if sent_entry is None or not await _waiting(redis, keys, msg_id, sent_entry):
+        return 0, False
+    first = cast(list[Entry], await redis.xrange(keys.partial, min="-", max="+", count=1))
+    seq = _int(_values(first[0][1])[2]) if first else None
+    return (seq + 1 if seq is not None else 0), False
+
+
 def _rejected_earlier(tracker: Tracker, sent_entry: str | None) -> bool:
     """The end just read is a rejection of an entry before ``sent_entry``."""
     return (
@@ -821,7 +858,7 @@ async def _finished(
             return await _finished_without_seq(redis, keys, msg_id)
     applied, last, doc = cast(list[bytes | None], await redis.hmget(keys.state, ["a", "s", "d"]))
     applied_seq = int(applied) if applied is not None and applied.isdigit() else 0
-    if applied_seq < seq and last is not None:
+    if _outstanding(applied_seq, last, seq):
         return None  # the session has it outstanding
     found = reply_from_history(doc, msg_id, seq)
     if found is not None:
@@ -830,13 +867,21 @@ async def _finished(
     # moves the waiting messages up; their dedupe keys follow, their stream entries do not).
     current = await _dedupe_seq(redis, keys)
     if current is not None and current != seq:
-        if applied_seq < current and last is not None:
+        if _outstanding(applied_seq, last, current):
             return None
         found = reply_from_history(doc, msg_id, current)
     elif current is None and _looks_like_entry_id(msg_id) and keys.ids and keys.timers:
         return await _finished_without_seq(redis, keys, msg_id)  # no dedupe key to follow
     # A state that expired, or a turn no longer kept: finished, its text is gone.
     return found or ("expired", "")
+
+
+def _outstanding(applied_seq: int, last: bytes | None, seq: int) -> bool:
+    """Does the session's state have ``seq`` sequenced and not applied? A last seq below it
+    is another incarnation's (the session was deleted and written to again): not there."""
+    if applied_seq >= seq or last is None:
+        return False
+    return not last.isdigit() or int(last) >= seq
 
 
 async def _finished_sent(
