@@ -16,6 +16,19 @@ the committed reply and, when the end came, was exactly the committed reply; the
 ``applied`` with that reply. And for the queue: each message has exactly one reply event
 (``applied``, its reply), each session's history holds its messages once, in send order, with
 those replies, and nothing is left over. Seeded (printed; CHAOS_SEED replays a run).
+
+A second phase (about 15 s, the same faults) re-sends msg_ids and deletes sessions mid
+conversation. In each of 8 sessions a long answer is cancelled once its reader saw it start,
+and its msg_id is sent again (a new answer under the same msg_id); then two more messages,
+and in half the sessions a delete while the first of them streams, then two more messages,
+which start the session over. Checked by the same accounting: the cancelled message's reader
+ends `cancelled` with a start of its answer; every reader of the re-sent msg_id ends with the
+new answer (a start of the old answer may show first, cleared by a reset), no piece twice
+between two resets; a message running when its session was deleted ends its readers
+`expired` (or `applied`, when its commit came first), as do the readers of its earlier
+messages still reading then (nothing is left of their answers); every other message is
+answered once, `applied`; each session's history holds, in send order and once, what was
+sent since its last delete.
 """
 
 from __future__ import annotations
@@ -26,7 +39,9 @@ import random
 import signal
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from queue_checks import assert_drained, lock_holders
@@ -64,11 +79,17 @@ def answer_of(text: str) -> str:
 
 
 async def read(
-    client: DialogClient, session: str, msg_id: str, rng: random.Random, join_after_s: float
+    client: DialogClient,
+    session: str,
+    msg_id: str,
+    rng: random.Random,
+    join_after_s: float,
+    reader: Reader | None = None,
 ) -> Reader:
-    """One reader of one answer over as many connections as it takes."""
+    """One reader of one answer over as many connections as it takes (into ``reader``, if
+    given, so the caller can watch it as it goes)."""
     await asyncio.sleep(join_after_s)
-    reader = Reader(msg_id)
+    reader = reader or Reader(msg_id)
     cursor: str | None = None
     while not reader.events or reader.events[-1].kind != "end":
         reader.connections += 1
@@ -85,10 +106,17 @@ async def read(
     return reader
 
 
-def problems_of(reader: Reader, reply: str) -> tuple[list[str], int]:
-    """What is wrong with what this reader was shown, and how many resets it honoured."""
+def problems_of(
+    reader: Reader, reply: str, earlier: str | None = None, ends: tuple[str, ...] = ("applied",)
+) -> tuple[list[str], int]:
+    """What is wrong with what this reader was shown, and how many resets it honoured.
+    ``earlier``: the answer of an earlier message under the same msg_id, which may show
+    before a reset (each reset starts the count of pieces seen anew). ``ends``: the outcomes
+    it may end with: ``applied`` with the reply; ``cancelled`` or ``expired`` with a start of
+    it (what was shown when it stopped; nothing, for a deleted session's)."""
     wrong: list[str] = []
     text, seen, resets = "", set(), 0
+    starts = [reply] if earlier is None else [reply, earlier]
     for event in reader.events[:-1]:
         if event.kind == "delta":
             piece = (event.attempt, event.pos)
@@ -98,19 +126,21 @@ def problems_of(reader: Reader, reply: str) -> tuple[list[str], int]:
             text += event.text
         elif event.kind == "reset":
             resets += 1
-            text = ""
+            text, seen = "", set()
         elif event.kind == "resync":
             text = event.text
         else:
             wrong.append(f"{reader.msg_id}: {event.kind} before the end")
-        if not reply.startswith(text):
+        if not any(start.startswith(text) for start in starts):
             wrong.append(f"{reader.msg_id}: showed {text[-40:]!r}, not a start of the reply")
             break
-    end = reader.events[-1]
-    if (end.kind, end.outcome, end.text) != ("end", "applied", reply):
-        wrong.append(f"{reader.msg_id}: ended {end.kind} {end.outcome} {end.text[:40]!r}")
-    if text != reply:
-        wrong.append(f"{reader.msg_id}: the pieces built {len(text)} of {len(reply)} chars")
+    end = reader.events[-1] if reader.events else None
+    if end is None or end.kind != "end" or end.outcome not in ends:
+        wrong.append(f"{reader.msg_id}: ended {end}")
+    elif end.outcome == "applied" and (end.text != reply or text != reply):
+        wrong.append(f"{reader.msg_id}: applied with {len(end.text)} / shown {len(text)} chars")
+    elif end.outcome != "applied" and not reply.startswith(end.text):
+        wrong.append(f"{reader.msg_id}: ended {end.outcome} with {end.text[-40:]!r}")
     return wrong, resets
 
 
@@ -140,31 +170,7 @@ async def test_streamed_answers_through_kill9_and_paused_workers_reach_every_rea
             for join in (0.0, rng.uniform(0, 2)):
                 readers.append(asyncio.create_task(read(client, sid, msg_id, rng, join)))
 
-    async def busiest() -> WorkerProc:
-        held = Counter((await lock_holders(client)).values())
-        return max(procs.values(), key=lambda w: held.get(w.name, 0))
-
-    async def inject() -> None:
-        kill = rng.random() < 0.5
-        ends = time.monotonic() + FAULT_PHASE_S
-        while time.monotonic() < ends:
-            await asyncio.sleep(rng.uniform(1.0, 2.5))
-            victim = await busiest()
-            if kill:
-                victim.signal(signal.SIGKILL)
-                kind = kinds.pop(victim.name)
-                del procs[victim.name]
-                [new] = workers.start(1, DIALOG_ENGINE=f"stream_engines:{kind}", **ENV)
-                procs[new.name], kinds[new.name] = new, kind
-                faults["kill -9"] += 1
-            else:
-                victim.signal(signal.SIGSTOP)
-                await asyncio.sleep(rng.uniform(1.0, 1.6))  # past the 600 ms lease
-                victim.signal(signal.SIGCONT)
-                faults["SIGSTOP past the lease"] += 1
-            kill = not kill
-
-    driver = asyncio.create_task(inject())
+    driver = asyncio.create_task(inject(client, workers, procs, kinds, rng, faults, FAULT_PHASE_S))
     await asyncio.gather(*(session(i) for i in range(SESSIONS)))
     done = await asyncio.wait_for(asyncio.gather(*readers), 40)
     await driver
@@ -197,3 +203,183 @@ async def test_streamed_answers_through_kill9_and_paused_workers_reach_every_rea
     assert faults["kill -9"] >= 2 and faults["SIGSTOP past the lease"] >= 2
     assert resets >= 1, "a fault hit an answer mid-way"
     assert connections >= 3 * len(done)
+    await resend_and_delete_phase(client, workers, procs, kinds, rng)
+
+
+async def inject(
+    client: DialogClient,
+    workers: WorkerPool,
+    procs: dict[str, WorkerProc],
+    kinds: dict[str, str],
+    rng: random.Random,
+    faults: Counter[str],
+    phase_s: float,
+) -> None:
+    """Every 1-2.5 s, the worker holding the most session locks is killed (kill -9; a new one
+    of its kind starts) or paused past its lease, in turns."""
+
+    async def busiest() -> WorkerProc:
+        held = Counter((await lock_holders(client)).values())
+        return max(procs.values(), key=lambda w: held.get(w.name, 0))
+
+    kill = rng.random() < 0.5
+    ends = time.monotonic() + phase_s
+    while time.monotonic() < ends:
+        await asyncio.sleep(rng.uniform(1.0, 2.5))
+        victim = await busiest()
+        if kill:
+            victim.signal(signal.SIGKILL)
+            kind = kinds.pop(victim.name)
+            del procs[victim.name]
+            [new] = workers.start(1, DIALOG_ENGINE=f"stream_engines:{kind}", **ENV)
+            procs[new.name], kinds[new.name] = new, kind
+            faults["kill -9"] += 1
+        else:
+            victim.signal(signal.SIGSTOP)
+            await asyncio.sleep(rng.uniform(1.0, 1.6))  # past the 600 ms lease
+            victim.signal(signal.SIGCONT)
+            faults["SIGSTOP past the lease"] += 1
+        kill = not kill
+
+
+RESEND_SESSIONS = 8
+RESEND_FAULT_PHASE_S = 10.0
+
+
+async def until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+def deltas(reader: Reader) -> int:
+    return sum(e.kind == "delta" for e in reader.events)
+
+
+@dataclass
+class Sent:
+    """One message of the second phase and what its readers must see."""
+
+    msg_id: str
+    reply: str
+    readers: list[asyncio.Task[Reader]]
+    earlier: str | None = None  # the answer of the message first sent under its msg_id
+    ends: tuple[str, ...] = ("applied",)
+    events: tuple[str, ...] = ("applied",)  # its reply events, in order, or a choice of
+    # ("applied",) and () for a message a delete may erase
+
+
+async def resend_and_delete_phase(
+    client: DialogClient,
+    workers: WorkerPool,
+    procs: dict[str, WorkerProc],
+    kinds: dict[str, str],
+    rng: random.Random,
+) -> None:
+    started = time.monotonic()
+    faults: Counter[str] = Counter()
+    sent: dict[str, list[Sent]] = defaultdict(list)  # in send order
+    kept: dict[str, list[Sent]] = defaultdict(list)  # what each session's history must hold
+    cancelled: dict[str, tuple[str, Reader]] = {}  # session -> (answer, its one reader)
+    deleted: set[str] = set()
+
+    def readers(sid: str, msg_id: str) -> list[asyncio.Task[Reader]]:
+        return [
+            asyncio.create_task(read(client, sid, msg_id, rng, join))
+            for join in (0.0, rng.uniform(0, 1))
+        ]
+
+    async def send(sid: str, msg_id: str, text: str, **expect: Any) -> Sent:
+        await client.send(sid, text, msg_id=msg_id)
+        item = Sent(msg_id, answer_of(text), readers(sid, msg_id), **expect)
+        sent[sid].append(item)
+        kept[sid].append(item)
+        return item
+
+    async def session(i: int) -> None:
+        sid = f"sr-{i}"
+        await asyncio.sleep(rng.uniform(0, 2))
+        # A long answer, cancelled once its reader saw it start; its msg_id sent again.
+        again = f"{sid}-a"
+        long_text = f"300 20 r{i}x"
+        await client.send(sid, long_text, msg_id=again)
+        first = Reader(again)
+        whole = asyncio.create_task(read(client, sid, again, rng, 0.0, first))
+        await until(lambda: deltas(first) >= 2, 30, f"{again} started")
+        assert (await client.cancel(sid, again)).status == "cancelled"
+        await asyncio.wait_for(whole, 30)
+        cancelled[sid] = (answer_of(long_text), first)
+        kept[sid].append(Sent(again, "", [], events=("cancelled",)))
+        short = f"{rng.randint(20, 40)} {rng.randint(10, 20)} r{i}a"
+        await send(sid, again, short, earlier=answer_of(long_text))
+        b = await send(sid, f"{sid}-b", f"{rng.randint(40, 60)} 20 r{i}b")
+        if i % 2 == 0:
+            # Deleted while b streams: b ends without a reply event (or, its commit first,
+            # applied), and the next messages start the session over.
+            watch = Reader(b.msg_id)
+            b.readers.append(asyncio.create_task(read(client, sid, b.msg_id, rng, 0.0, watch)))
+            await until(lambda: deltas(watch) >= 1, 30, f"{b.msg_id} started")
+            await client.delete(sid)
+            deleted.add(sid)
+            b.events = ()
+            for item in sent[sid]:  # a reader still reading finds nothing left of its answer
+                item.ends = ("applied", "expired")
+            kept[sid] = []
+        for k in ("c", "d"):
+            await asyncio.sleep(rng.uniform(0, 0.5))
+            await send(sid, f"{sid}-{k}", f"{rng.randint(20, 40)} {rng.randint(10, 20)} r{i}{k}")
+
+    driver = asyncio.create_task(
+        inject(client, workers, procs, kinds, rng, faults, RESEND_FAULT_PHASE_S)
+    )
+    await asyncio.gather(*(session(i) for i in range(RESEND_SESSIONS)))
+    items = [item for msgs in sent.values() for item in msgs]
+    done = await asyncio.wait_for(asyncio.gather(*(t for it in items for t in it.readers)), 60)
+    await driver
+
+    wrong: list[str] = []
+    resets = 0
+    by_task = dict(zip([t for it in items for t in it.readers], done, strict=True))
+    for item in items:
+        for task in item.readers:
+            found, honoured = problems_of(by_task[task], item.reply, item.earlier, item.ends)
+            wrong += found
+            resets += honoured
+    for answer, reader in cancelled.values():
+        wrong += problems_of(reader, answer, ends=("cancelled",))[0]
+    assert wrong == []
+    # Each message's reply events, in order: one each (a message a delete erased: none, or
+    # its applied one when its commit came first), the re-sent msg_id's cancelled then applied.
+    events: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for _, e in await client.redis.xrange(client.keys.replies):
+        if e["session_id"].startswith("sr-"):
+            events[e["msg_id"]].append((e["outcome"], e["reply"]))
+    for msgs in sent.values():
+        for item in msgs:
+            got = [outcome for outcome, _ in events[item.msg_id]]
+            if item.earlier is not None:
+                got = got[1:] if got[:1] == ["cancelled"] else ["no cancelled event first"]
+            if item.events == ():
+                assert got in ([], ["applied"]), (item.msg_id, got)
+            else:
+                assert got == list(item.events), (item.msg_id, got)
+            if got == ["applied"]:
+                assert events[item.msg_id][-1][1] == item.reply, item.msg_id
+    # Each session's history: what was sent since its last delete, once, in order.
+    for sid in sent:
+        state = await client.state(sid)
+        assert state is not None
+        turns = [(t["seq"], t["msg_id"], bool(t.get("cancelled"))) for t in state["history"]]
+        want = [m.msg_id for m in kept[sid]]
+        assert [m for _, m, _ in turns] == want, sid
+        assert [seq for seq, _, _ in turns] == list(range(1, len(want) + 1)), sid
+        assert [c for _, _, c in turns] == [m.events == ("cancelled",) for m in kept[sid]], sid
+        applied = [t["bot"] for t in state["history"] if not t.get("cancelled")]
+        assert applied == [m.reply for m in kept[sid] if m.events != ("cancelled",)], sid
+    await assert_drained(client, timeout_s=15)
+    print(
+        f"phase 2: {len(items)} messages ({len(cancelled)} re-sent after a cancel, "
+        f"{len(deleted)} sessions deleted mid-answer), {len(done)} readers, {resets} resets, "
+        f"faults {dict(faults)}, {time.monotonic() - started:.1f} s"
+    )
