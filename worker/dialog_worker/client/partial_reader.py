@@ -154,10 +154,6 @@ class Tracker:
         self.after = after
         self.seq: int | None = None
         self.end_seq: int | None = None  # the seq the last end entry named
-        self.end_entry: bytes | None = None  # a rejection's end: the rejected entry's id
-        # Rejection ends of entries before this one are skipped: this client sent the msg_id
-        # again with this entry (`follow`'s ``sent_entry``), so they are earlier messages'.
-        self.rejected_before: str | None = None
         self.behind = False  # a gap: waiting for a snapshot
         self.top = (0, -1)  # the newest (attempt, pos) of the stream, whatever the cursor
         # Entries of a lower seq belong to an earlier message sent under the same msg_id
@@ -186,7 +182,7 @@ class Tracker:
         self.behind, self.top, self.after = False, (0, -1), None
 
     def feed(self, fields: Fields) -> Iterator[StreamEvent]:
-        a, p, s, kind, t, f, o, i = _values(fields)
+        a, p, s, kind, t, f, o, _ = _values(fields)
         attempt, pos, seq = _int(a), _int(p), _int(s)
         if attempt is None or pos is None or (kind != b"d" and kind != b"e"):
             return  # not ours (anyone with XADD can write anything): skipped
@@ -202,10 +198,7 @@ class Tracker:
         if kind == b"d":
             self.top = max(self.top, (attempt, pos))
         else:
-            if seq == 0 and self.rejected_before is not None:
-                if i is None or entry_key(i) < entry_key(self.rejected_before):
-                    return  # an earlier rejection: not the re-sent message's end
-            self.end_seq, self.end_entry = seq, i
+            self.end_seq = seq
             yield self.end(_text(o) or "applied", _text(t) or "")
             return
         if self.attempt is not None and attempt < self.attempt:
@@ -339,9 +332,9 @@ async def follow(
     ``sent``: this caller sent the message just now (``ask_stream``): an end entry already in
     the stream may be an earlier message's under the same msg_id, so it counts only once the
     message's seq (its dedupe key, or its reply event) says it is this message's.
-    ``sent_entry``: the entry id this client last sent the msg_id with (lately), if it did: a
-    rejection's end of an earlier entry is not this message's (the msg_id was rejected, then
-    sent again): it is skipped while the new one is not read, and the stream read again.
+    ``sent_entry``: the entry id this client last sent the msg_id with (lately), if it did:
+    while that entry waits to be read, what the stream holds is an earlier message's
+    (`_first_seq`), and once it was read a message without a dedupe key ended (`_finished`).
 
     An end entry names its message's seq: one of a lower seq than the msg_id's current one
     belongs to an earlier message sent under the same msg_id (it ended unapplied, which frees
@@ -404,21 +397,7 @@ async def follow(
                     if event.kind != "end":
                         yield event
                         continue
-                    if (
-                        _rejected_earlier(tracker, sent_entry)
-                        and await _dedupe_seq(redis, keys) is None
-                    ):
-                        # An earlier rejection; the message sent again is not read yet: its
-                        # end (or its stream) comes in place of this one.
-                        tracker.rejected_before = sent_entry
-                        stale = restart = True
-                        next_check = loop.time()
-                        watch.close()
-                        watch = router.watch(keys.partial)
-                        break
-                    own = await _own_end(
-                        redis, keys, tracker.end_seq, sent, reply, msg_id, sent_entry
-                    )
+                    own = await _own_end(redis, keys, tracker.end_seq, sent, reply)
                     if own:
                         if not tracker.resumed_at_end():
                             yield event
@@ -771,25 +750,16 @@ def _unwrapped(entries: list[Any]) -> list[Any]:
 
 
 async def _own_end(
-    redis: Redis,
-    keys: MessageKeys,
-    end_seq: int | None,
-    sent: bool,
-    reply: asyncio.Future[Reply],
-    msg_id: str = "",
-    sent_entry: str | None = None,
+    redis: Redis, keys: MessageKeys, end_seq: int | None, sent: bool, reply: asyncio.Future[Reply]
 ) -> bool | None:
     """Is an end entry of ``end_seq`` this message's? True, False (an earlier message's under
-    the same msg_id: its msg_id now names a later seq, or, ``sent_entry``, the message this
-    client sent again is still waiting to be read), or None (``sent``: the message is not
+    the same msg_id: its msg_id now names a later seq), or None (``sent``: the message is not
     sequenced yet, or it ended unapplied, which frees its msg_id: its reply event will say)."""
     if end_seq is None:
         return True  # written by an earlier version: no seq to tell
     current = await _dedupe_seq(redis, keys)
     if current is not None:
         return current == end_seq
-    if not sent and sent_entry is not None and end_seq > 0:
-        return not await _waiting(redis, keys, msg_id, sent_entry)
     if not sent:
         return True
     if reply.done() and not reply.cancelled() and reply.exception() is None:
@@ -814,16 +784,6 @@ async def _first_seq(
     first = cast(list[Entry], await redis.xrange(keys.partial, min="-", max="+", count=1))
     seq = _int(_values(first[0][1])[2]) if first else None
     return (seq + 1 if seq is not None else 0), False
-
-
-def _rejected_earlier(tracker: Tracker, sent_entry: str | None) -> bool:
-    """The end just read is a rejection of an entry before ``sent_entry``."""
-    return (
-        sent_entry is not None
-        and tracker.end_seq == 0
-        and tracker.end_entry is not None
-        and entry_key(tracker.end_entry) < entry_key(sent_entry)
-    )
 
 
 async def _dedupe_seq(redis: Redis, keys: MessageKeys) -> int | None:
