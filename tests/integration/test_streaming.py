@@ -618,11 +618,11 @@ async def test_a_msg_id_sent_again_starts_its_partial_stream_anew(client: Dialog
 async def test_a_reader_of_a_message_a_redrive_moved_up_waits_for_its_new_seq(
     client: DialogClient, msg_id: str
 ):
-    """A redrive into a held session put a dead letter at the message's seq (2) and moved the
-    message up to 3 (its dedupe key follows; a message sent without a msg_id has none): its
-    partial stream still holds the pieces its first attempt wrote under seq 2, and the letter
-    is applied. A reader must not take the letter's turn for its message's end (`expired`):
-    it waits, and ends with the answer once seq 3 is applied."""
+    """A reader follows the message (seq 2) as its first attempt streams. A redrive into its
+    held session then puts a dead letter at seq 2 and moves the message up to 3 (its dedupe
+    key follows; a message sent without a msg_id has none), and the letter is applied. The
+    reader must not take the letter's turn for its message's end (`expired`): it waits, and
+    ends with the answer once seq 3 is applied."""
     sk = client.keys.session("st-mv")
     # The workers' group has delivered past the message (it is not unread).
     await client.raw.xgroup_create(
@@ -631,24 +631,36 @@ async def test_a_reader_of_a_message_a_redrive_moved_up_waits_for_its_new_seq(
     for pos, text in enumerate(("OLD.0 ", "OLD.1 ")):
         fields = {"a": 1, "p": pos, "s": 2, "k": "d", "t": text}
         await client.redis.xadd(sk.partial(msg_id), fields, id=f"2-{pos}")  # type: ignore[arg-type]
+    await client.redis.hset(sk.state, mapping={"a": 1, "s": 2, "d": "{}"})
+    if msg_id == "m2":
+        await client.redis.set(sk.dedupe(msg_id), 2)
+    else:
+        await client.redis.zadd(sk.ids, {msg_id: time.time() * 1000 + 60_000})
+    got: list[StreamEvent] = []
+
+    async def read() -> None:
+        async for event in client.stream("st-mv", msg_id, timeout=20):
+            got.append(event)
+
+    reader = asyncio.create_task(read())
+    await wait_until_async(lambda: _true(len(got) == 2), 5, what="the first attempt's pieces")
+    # The redrive, then the letter applied.
     letter = {"seq": 2, "msg_id": "redrive:1-0", "user": "letter", "bot": "letter ok"}
     state = {"a": 2, "s": 3, "d": json.dumps({"history": [letter]})}
     await client.redis.hset(sk.state, mapping=state)  # type: ignore[arg-type]
     if msg_id == "m2":
         await client.redis.set(sk.dedupe(msg_id), 3)
-    else:
-        await client.redis.zadd(sk.ids, {msg_id: time.time() * 1000 + 60_000})
-    with pytest.raises(ReplyTimeout):
-        [e async for e in client.stream("st-mv", msg_id, timeout=2.5)]
+    await asyncio.sleep(3)  # past the reader's look at the state after a silence (2 s)
+    assert not reader.done(), got
     turn = {"seq": 3, "msg_id": msg_id, "user": "12 50", "bot": "the answer"}
     state = {"a": 3, "d": json.dumps({"history": [letter, turn]})}
     await client.redis.hset(sk.state, mapping=state)  # type: ignore[arg-type]
-    events = [e async for e in client.stream("st-mv", msg_id, timeout=10)]
-    assert (events[-1].kind, events[-1].outcome, events[-1].text) == (
-        "end",
-        "applied",
-        "the answer",
-    )
+    await asyncio.wait_for(reader, 10)
+    assert (got[-1].kind, got[-1].outcome, got[-1].text) == ("end", "applied", "the answer")
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def test_a_reader_starting_while_the_stream_holds_an_earlier_message_shows_none_of_it(
