@@ -588,3 +588,20 @@ async def test_the_ends_of_messages_committed_together_go_in_one_call() -> None:
     assert len(replies.calls) == 1
     ends = [replies.calls[0][i : i + BATCH_WIDTH] for i in range(0, 50 * BATCH_WIDTH, BATCH_WIDTH)]
     assert [(e[0], e[4], e[7]) for e in ends] == [("e", i + 1, "dead_lettered") for i in range(50)]
+
+
+def test_a_rejection_read_with_nobody_waiting_is_kept_until_the_msg_id_is_sent_again() -> None:
+    """The reply reader keeps a `rejected` event it read with nobody waiting, for a stream of
+    it that starts a moment later on the same client: what ends such a stream when the worker
+    that rejected it wrote no end into its partial stream (a worker of the previous version,
+    during an upgrade). Sent again, the msg_id's old rejection answers it no more."""
+    from dialog_worker.client.replies import ReplyRouter
+
+    router = ReplyRouter(None, "dialog-replies", block_ms=100)  # type: ignore[arg-type]
+    fields = {b"session_id": b"s", b"msg_id": b"m", b"seq": b"0", b"outcome": b"rejected"}
+    router._route(b"1-1", fields)
+    kept = router.rejected("s", "m")
+    assert kept is not None and (kept.outcome, kept.seq, kept.id) == ("rejected", 0, "1-1")
+    assert router.rejected("s", "other") is None
+    router.sent("s", "m")
+    assert router.rejected("s", "m") is None
