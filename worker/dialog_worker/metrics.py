@@ -73,6 +73,12 @@ class Metrics:
             "Messages handed straight to the lock holder by its previous commit",
             registry=r,
         )
+        self.dispatches = Counter(
+            "dialog_dispatches",
+            "Slots freed by a commit and given, in the same call, to a session waiting in a "
+            "tenant's queue",
+            registry=r,
+        )
         # Unread inbound entries removed by something other than a worker (MAXLEN, MINID,
         # XTRIM, XDEL), and a stream whose last id was pushed ahead (see lua/intake-5.lua).
         self.inbound_trimmed = Counter(

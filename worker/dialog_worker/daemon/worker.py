@@ -97,7 +97,10 @@ class Worker:
         redis_checks.oom.metrics = self.metrics
         self.stopping = anyio.Event()
         self.committers = {
-            s.keys.shard: Committer(self.scripts, s.keys, settings) for s in self.shards
+            s.keys.shard: Committer(
+                self.scripts, s.keys, settings, token_base=lambda: self.sessions.token_base()
+            )
+            for s in self.shards
         }
         self.pipeline = Pipeline(settings, self.scripts, engine, self.metrics, {}, self.committers)
         self.sessions = Sessions(
@@ -219,11 +222,11 @@ class Worker:
                                 partial(self.upkeep.fire_once, shard),
                             )
                         await self.stopping.wait()
+                        for committer in self.committers.values():
+                            committer.dispatching = False  # no new session after intake stops
                         await self.reader.end_reads_ahead()
                         intake.cancel_scope.cancel()
                     await self.reader.leave_waiter_roles()
-                    for waiting in list(self.sessions.waiting_for_slots.values()):
-                        waiting.cancel()  # each hands its session back at once
                     # Intake has stopped; in-flight work gets the grace period, then is cancelled
                     # (cancelled steps hand their message back, see Pipeline._process).
                     work.cancel_scope.deadline = (
