@@ -29,6 +29,7 @@ import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
+from dialog_worker import tracing
 from dialog_worker.config import Settings
 from dialog_worker.daemon.failures import describe_failure, retry_after_of, retry_delay_ms
 from dialog_worker.daemon.partial_writer import PartialReplies, PartialWriter
@@ -110,6 +111,8 @@ class Job:
     partial: PartialWriter | None = None
     # What the step asked for with dialog_worker.schedule / cancel_timer (its last attempt).
     timer_ops: timers.TimerOps | None = None
+    # Its spans, while tracing is on (dialog_worker/tracing.py).
+    trace: tracing.MessageTrace | None = None
     # Its cancel mark's key, built once: the cancel watch asks for it every interval.
     _mark: str = ""
 
@@ -282,6 +285,16 @@ class Pipeline:
             if self.stopping:
                 await self.hand_back(job)
                 return None
+            if tracing.enabled and not job.gap:
+                job.trace = tracing.message_trace(
+                    job.fields,
+                    job.session_id,
+                    job.entry_id,
+                    job.seq,
+                    job.attempts,
+                    job.keys.stream,
+                    self.metrics.trace_context_invalid.inc,
+                )
             if job.ending:
                 return await self._end(job, job.ending)
             if job.gap:
@@ -315,6 +328,8 @@ class Pipeline:
                 )
                 # This delivery is not an attempt: the step is not run again.
                 return await self._deadletter(job, msg, "exhausted", error, job.attempts - 1)
+            if job.trace is not None:
+                job.trace.begin_step()
             try:
                 new_state, reply = await self.partials.run(job, msg, self._step(job, msg))
             except anyio.get_cancelled_exc_class():
@@ -354,6 +369,8 @@ class Pipeline:
         finally:
             if self.leases.get(job.token) is job:
                 del self.leases[job.token]
+            if job.trace is not None:
+                job.trace.end(lost=job.lost)
 
     def _expired(self, msg: Message) -> bool:
         deadline = msg.expires_at_ms
@@ -369,6 +386,8 @@ class Pipeline:
             value = job.fields.get(name)
             if value is not None:
                 extras += [name.decode(), redis_text(value.decode("utf-8", "replace"))]
+        if job.trace is not None and tracing.TRACEPARENT not in extras[::2]:
+            extras += job.trace.reply_fields()  # reply consumers continue the trace
         return extras
 
     async def _step(self, job: Job, msg: Message) -> tuple[dict[str, Any], CheckedReply]:
@@ -495,8 +514,12 @@ class Pipeline:
             # without a step keeps none).
             job.timer_ops.encoded() if outcome == "applied" and job.timer_ops else "",
         ]
+        if job.trace is not None:
+            job.trace.begin_commit(outcome, dead_letter["error"] if dead_letter else "")
         result = await self.committers[job.keys.shard].commit(args)
         code = Code(int(result[0]))
+        if job.trace is not None:
+            job.trace.end_commit(code.name.lower())
         if code is Code.INVALID:
             # Refused by the script for this commit alone (the others of the call were
             # written): nothing was written for it. A normal result is dead-lettered; a dead
@@ -566,6 +589,8 @@ class Pipeline:
         delay = retry_delay_ms(
             job.attempts, settings.backoff_base_ms, settings.backoff_max_ms, retry_after_s
         )
+        if job.trace is not None:
+            job.trace.failed(error)
         code = await self._release(job, delay, error, Release.FAILED)
         if code is Code.RELEASED:
             self.metrics.retries.labels("error").inc()
@@ -579,6 +604,8 @@ class Pipeline:
         step streamed text: those entries carry the attempt's number, and the next attempt
         must have a new one, or readers would take its first pieces for ones they have."""
         streamed = job.partial is not None and job.partial.used
+        if job.trace is not None:
+            job.trace.handed_back(counted=streamed)
         if streamed:  # the reason is kept: shutdowns alone can use up the attempts
             await self._release(job, 0, HANDED_BACK_STREAMED, Release.HAND_BACK_STREAMED)
         else:
