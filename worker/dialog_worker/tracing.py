@@ -117,10 +117,13 @@ def wanted(environ: Mapping[str, str] = os.environ) -> bool:
 
 def installed() -> bool:
     """Whether the extra's packages are there (without importing them)."""
-    return all(
-        importlib.util.find_spec(name) is not None
-        for name in ("opentelemetry", "opentelemetry.sdk", "opentelemetry.trace")
-    )
+    try:
+        return all(
+            importlib.util.find_spec(name) is not None
+            for name in ("opentelemetry", "opentelemetry.sdk", "opentelemetry.trace")
+        )
+    except (ImportError, ValueError):  # a broken install is a missing one
+        return False
 
 
 def setup(service_name: str, environ: Mapping[str, str] = os.environ) -> bool:
@@ -511,6 +514,7 @@ class MessageTrace:
         "_commit",
         "_step",
         "_token",
+        "all_lost",
         "attempt",
         "entry_id",
         "msg_id",
@@ -531,6 +535,7 @@ class MessageTrace:
         attempt: int,
         stream: str,
         invalid: Callable[[], object] | None,
+        failed_before: bool = False,
     ) -> None:
         self.session_id, self.entry_id, self.seq, self.attempt = session_id, entry_id, seq, attempt
         self.stream = stream
@@ -550,8 +555,16 @@ class MessageTrace:
             self.root_ids = (trace_id, _derive(64, "intake", trace_id))
             parent = self._root_context(trace_id, self.root_ids[1])
         self.parent = parent
+        # No attempt before this one ended in a way the worker recorded (a failure, a
+        # hand-back that kept its attempt): each was lost with its worker (kill -9, a pause
+        # past the lease) before its dialog.step was exported. This delivery stands in for
+        # the one before it, under its id (that one stood in for its own predecessor when it
+        # started); a lost delivery of this kind leaves its span to its successor.
+        self.all_lost = _own_ids and bool(entry_id) and not failed_before
         if attempt == 1 and entry_id:
             self._intake(tracer)
+        elif self.all_lost:
+            self._stand_in(tracer)
 
     def _attributes(self) -> dict[str, str | int]:
         return {
@@ -609,6 +622,33 @@ class MessageTrace:
                 from opentelemetry import trace
 
                 self.parent = trace.set_span_in_context(span)
+        span.end(end_time=now_ns)
+
+    def _stand_in(self, tracer: Tracer) -> None:
+        """A dialog.step for the attempt before this one, lost: zero length, at the time the
+        loss was found, under the lost attempt's id (what its exported children name)."""
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        trace_id = self._trace_id()
+        if trace_id is None:
+            return
+        now_ns = time.time_ns()
+        attributes = self._attributes()
+        attributes["dialog.attempt"] = lost = self.attempt - 1
+        attributes["dialog.outcome"] = "lost"
+        with _forcing(trace_id, self._step_ids(trace_id, lost)):
+            span = tracer.start_span(
+                "dialog.step",
+                context=self.parent or _empty_context(),
+                kind=SpanKind.CONSUMER,
+                attributes=attributes,
+                start_time=now_ns,
+            )
+        span.set_status(
+            Status(
+                StatusCode.ERROR, "worker lost during the step (killed, or paused past its lease)"
+            )
+        )
         span.end(end_time=now_ns)
 
     def _step_ids(self, trace_id: int, attempt: int) -> int:
@@ -731,6 +771,8 @@ class MessageTrace:
             self.end_commit("unknown")
         span, self._step = self._step, None
         self._detach()
+        if span is not None and lost and self.all_lost:
+            return  # the successor stands in for it (see __init__): not ended, not exported
         if span is not None:
             if lost:
                 from opentelemetry.trace import Status, StatusCode
@@ -755,13 +797,18 @@ def message_trace(
     attempt: int,
     stream: str,
     invalid: Callable[[], object] | None = None,
+    failed_before: bool = False,
 ) -> MessageTrace | None:
     """The spans of one delivery of a message (None when tracing is off). ``invalid`` is
-    called once when its trace context fields are bad (they are ignored)."""
+    called once when its trace context fields are bad (they are ignored). ``failed_before``:
+    an earlier attempt's end was recorded (its error: a failure, or a hand-back that kept
+    its attempt)."""
     tracer = _tracer
     if not enabled or tracer is None:
         return None
-    return MessageTrace(tracer, fields, session_id, entry_id, seq, attempt, stream, invalid)
+    return MessageTrace(
+        tracer, fields, session_id, entry_id, seq, attempt, stream, invalid, failed_before
+    )
 
 
 def _earlier(trace_id: int, span_id: int, parent: Context | None) -> SpanContext:

@@ -294,6 +294,7 @@ class Pipeline:
                     job.attempts,
                     job.keys.stream,
                     self.metrics.trace_context_invalid.inc,
+                    failed_before=bool(job.first_failed_at or job.last_error),
                 )
             if job.ending:
                 return await self._end(job, job.ending)
