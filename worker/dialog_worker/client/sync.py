@@ -200,7 +200,9 @@ class SyncDialogClient:
             )
         portal, client = self._started()
         carried = tracing.current()
-        if carried is not None:  # the caller's trace goes on in the loop thread
+        # The caller's trace goes on in the loop thread (recent anyio versions copy the
+        # calling thread's context into the portal's task as well; older ones do not).
+        if carried is not None:
             return cast(T, portal.call(_in_context, carried, call, client))
         return cast(T, portal.call(call, client))
 
