@@ -567,13 +567,12 @@ class MessageTrace:
             self._stand_in(tracer)
 
     def _attributes(self) -> dict[str, str | int]:
+        # Few on purpose: each attribute is encoded for every span, and at thousands of
+        # messages a second the encoding is most of what tracing costs (docs/benchmarks.md).
         return {
             "dialog.session_id": _cut(self.session_id),
             "dialog.msg_id": _cut(self.msg_id),
             "dialog.seq": self.seq,
-            "messaging.system": "redis",
-            "messaging.destination.name": _cut(self.stream),
-            "messaging.message.id": _cut(self.msg_id),
         }
 
     def _root_context(self, trace_id: int, span_id: int) -> Context:
@@ -599,7 +598,7 @@ class MessageTrace:
         now_ns = time.time_ns()
         appended_ns = min(now_ns, _entry_time_ms(self.entry_id) * 1_000_000) or now_ns
         attributes = self._attributes()
-        attributes["messaging.operation.type"] = "receive"
+        attributes["messaging.destination.name"] = _cut(self.stream)
         attributes["dialog.queue_wait_ms"] = (now_ns - appended_ns) // 1_000_000
         if self.root_ids is not None:
             with _forcing(*self.root_ids):  # the message's root: no parent
@@ -664,7 +663,6 @@ class MessageTrace:
         from opentelemetry.trace import Link, SpanKind
 
         attributes = self._attributes()
-        attributes["messaging.operation.type"] = "process"
         attributes["dialog.attempt"] = self.attempt
         trace_id = self._trace_id()
         if trace_id is not None and _own_ids and self.entry_id:
@@ -747,8 +745,9 @@ class MessageTrace:
         from opentelemetry import trace
 
         parent = trace.set_span_in_context(self._step) if self._step is not None else self.parent
-        attributes = self._attributes()
-        attributes["dialog.outcome"] = outcome
+        attributes: dict[str, str | int] = {"dialog.outcome": outcome}  # its step has the ids
+        if self._step is None:
+            attributes.update(self._attributes())
         self._commit = tracer.start_span(
             "dialog.commit", context=parent or _empty_context(), attributes=attributes
         )
