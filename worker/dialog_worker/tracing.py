@@ -519,6 +519,7 @@ class MessageTrace:
         "entry_id",
         "msg_id",
         "parent",
+        "quiet",
         "root_ids",
         "seq",
         "session_id",
@@ -555,12 +556,18 @@ class MessageTrace:
             self.root_ids = (trace_id, _derive(64, "intake", trace_id))
             parent = self._root_context(trace_id, self.root_ids[1])
         self.parent = parent
+        # Not sampled (the producer's choice, or the sampler's for an untraced message):
+        # no span is made, the context is only passed on (the step's own calls inherit it,
+        # the reply event carries it). Most of what a message costs traced is then saved.
+        self.quiet = parent is not None and not _sampled(parent)
         # No attempt before this one ended in a way the worker recorded (a failure, a
         # hand-back that kept its attempt): each was lost with its worker (kill -9, a pause
         # past the lease) before its dialog.step was exported. This delivery stands in for
         # the one before it, under its id (that one stood in for its own predecessor when it
         # started); a lost delivery of this kind leaves its span to its successor.
         self.all_lost = _own_ids and bool(entry_id) and not failed_before
+        if self.quiet:
+            return
         if attempt == 1 and entry_id:
             self._intake(tracer)
         elif self.all_lost:
@@ -657,10 +664,15 @@ class MessageTrace:
         """The engine's step for this attempt starts: a ``dialog.step`` span, current (model
         calls made in the step hang from it) until `end`."""
         tracer = _tracer
-        if tracer is None or self._step is not None:
+        if tracer is None or self._step is not None or self._token is not None:
             return
         from opentelemetry import context, trace
         from opentelemetry.trace import Link, SpanKind
+
+        if self.quiet:
+            assert self.parent is not None
+            self._token = context.attach(self.parent)  # the step's calls stay unsampled
+            return
 
         attributes = self._attributes()
         attributes["dialog.attempt"] = self.attempt
@@ -740,7 +752,7 @@ class MessageTrace:
 
     def begin_commit(self, outcome: str, error: str = "") -> None:
         tracer = _tracer
-        if tracer is None:
+        if tracer is None or self.quiet:
             return
         from opentelemetry import trace
 
@@ -808,6 +820,12 @@ def message_trace(
     return MessageTrace(
         tracer, fields, session_id, entry_id, seq, attempt, stream, invalid, failed_before
     )
+
+
+def _sampled(ctx: Context) -> bool:
+    from opentelemetry import trace
+
+    return trace.get_current_span(ctx).get_span_context().trace_flags.sampled
 
 
 def _earlier(trace_id: int, span_id: int, parent: Context | None) -> SpanContext:
