@@ -87,6 +87,13 @@ class Metrics:
         self.inbound_id_ahead = Counter(
             "dialog_inbound_id_ahead", "Inbound stream found with its last id ahead", registry=r
         )
+        # Inbound traceparent / tracestate fields that are not W3C Trace Context (counted
+        # while tracing is on; the message goes on without them: dialog_worker/tracing.py).
+        self.trace_context_invalid = Counter(
+            "dialog_trace_context_invalid",
+            "Inbound messages whose traceparent or tracestate field was malformed (ignored)",
+            registry=r,
+        )
         self.processing = Histogram(
             "dialog_processing_seconds",
             "From start of processing to commit, per message",

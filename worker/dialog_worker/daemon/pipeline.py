@@ -29,6 +29,7 @@ import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
+from dialog_worker import tracing
 from dialog_worker.config import Settings
 from dialog_worker.daemon.failures import describe_failure, retry_after_of, retry_delay_ms
 from dialog_worker.daemon.partial_writer import PartialReplies, PartialWriter
@@ -116,6 +117,8 @@ class Job:
     fresh: bool = False
     # Its cancel mark was looked at since its step started (Pipeline.watch_cancels).
     watched: bool = False
+    # Its spans, while tracing is on (dialog_worker/tracing.py).
+    trace: tracing.MessageTrace | None = None
     # Its cancel mark's key, built once: the cancel watch asks for it every interval.
     _mark: str = ""
 
@@ -316,6 +319,17 @@ class Pipeline:
             if self.stopping:
                 await self.hand_back(job)
                 return None
+            if tracing.enabled and not job.gap:
+                job.trace = tracing.message_trace(
+                    job.fields,
+                    job.session_id,
+                    job.entry_id,
+                    job.seq,
+                    job.attempts,
+                    job.keys.stream,
+                    self.metrics.trace_context_invalid.inc,
+                    failed_before=bool(job.first_failed_at or job.last_error),
+                )
             if job.ending:
                 return await self._end(job, job.ending)
             if job.gap:
@@ -349,6 +363,8 @@ class Pipeline:
                 )
                 # This delivery is not an attempt: the step is not run again.
                 return await self._deadletter(job, msg, "exhausted", error, job.attempts - 1)
+            if job.trace is not None:
+                job.trace.begin_step()
             try:
                 new_state, reply = await self.partials.run(job, msg, self._step(job, msg))
             except anyio.get_cancelled_exc_class():
@@ -388,6 +404,8 @@ class Pipeline:
         finally:
             if self.leases.get(job.token) is job:
                 del self.leases[job.token]
+            if job.trace is not None:
+                job.trace.end(lost=job.lost)
 
     def _expired(self, msg: Message) -> bool:
         deadline = msg.expires_at_ms
@@ -403,6 +421,8 @@ class Pipeline:
             value = job.fields.get(name)
             if value is not None:
                 extras += [name.decode(), redis_text(value.decode("utf-8", "replace"))]
+        if job.trace is not None and tracing.TRACEPARENT not in extras[::2]:
+            extras += job.trace.reply_fields()  # reply consumers continue the trace
         return extras
 
     async def _step(self, job: Job, msg: Message) -> tuple[dict[str, Any], CheckedReply]:
@@ -539,9 +559,13 @@ class Pipeline:
             # without a step keeps none).
             job.timer_ops.encoded() if outcome == "applied" and job.timer_ops else "",
         ]
+        if job.trace is not None:
+            job.trace.begin_commit(outcome, dead_letter["error"] if dead_letter else "")
         slow = time.perf_counter() - started >= TURN_AFTER_S
         result = await self.committers[job.keys.shard].commit(args, slow)
         code = Code(int(result[0]))
+        if job.trace is not None:
+            job.trace.end_commit(code.name.lower())
         if code is Code.INVALID:
             # Refused by the script for this commit alone (the others of the call were
             # written): nothing was written for it. A normal result is dead-lettered; a dead
@@ -615,6 +639,8 @@ class Pipeline:
         delay = retry_delay_ms(
             job.attempts, settings.backoff_base_ms, settings.backoff_max_ms, retry_after_s
         )
+        if job.trace is not None:
+            job.trace.failed(error)
         code = await self._release(job, delay, error, Release.FAILED)
         if code is Code.RELEASED:
             self.metrics.retries.labels("error").inc()
@@ -628,6 +654,8 @@ class Pipeline:
         step streamed text: those entries carry the attempt's number, and the next attempt
         must have a new one, or readers would take its first pieces for ones they have."""
         streamed = job.partial is not None and job.partial.used
+        if job.trace is not None:
+            job.trace.handed_back(counted=streamed)
         if streamed:  # the reason is kept: shutdowns alone can use up the attempts
             await self._release(job, 0, HANDED_BACK_STREAMED, Release.HAND_BACK_STREAMED)
         else:

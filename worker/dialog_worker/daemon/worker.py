@@ -35,6 +35,7 @@ import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
+from dialog_worker import tracing
 from dialog_worker.config import Settings
 from dialog_worker.daemon.health_server import serve as serve_http
 from dialog_worker.daemon.pipeline import Committer, Pipeline
@@ -362,4 +363,10 @@ def run_worker(settings: Settings, engine: Engine, **kwargs: Any) -> None:
     except ImportError:
         pass
     worker = Worker(settings, engine, freeze_startup=True, **kwargs)
-    anyio.run(worker.run, backend_options=backend_options)
+    # Traces when the OTEL_* variables ask for them (the process is the worker's, so the
+    # tracer provider is ours to install); what is still buffered is exported at exit.
+    tracing.setup("dialog-worker")
+    try:
+        anyio.run(worker.run, backend_options=backend_options)
+    finally:
+        tracing.shutdown()

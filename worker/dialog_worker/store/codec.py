@@ -21,6 +21,7 @@ import orjson
 
 from dialog_worker.config import tenant_pattern_forms
 from dialog_worker.errors import ValidationError
+from dialog_worker.tracing import TRACE_FIELD_BYTES
 
 MAX_ID_BYTES = 256
 # Fields a producer may add besides session_id, text and msg_id (they reach the engine as
@@ -235,6 +236,8 @@ def decode_message(
                 continue
             meta[name] = raw_value.decode("utf-8")
         except UnicodeDecodeError:
+            if raw_name in TRACE_FIELD_BYTES:
+                continue  # bad trace context is ignored (and counted by tracing), never fatal
             shown = raw_name.decode("utf-8", "replace")
             raise MalformedEntry(f"field {shown!r} is not valid UTF-8") from None
     return Message(
