@@ -302,6 +302,7 @@ async def test_a_redrive_into_a_held_idle_session_removes_its_idle_expiry_while_
     assert result[:2] == ["redriven", "1"], result
     assert await client.redis.hget(sk.state, "s") == "2"  # the letter waits as seq 2
     assert await client.redis.ttl(sk.state) == -1  # no expiry while it waits
+    assert await client.redis.hget(sk.state, "h") is None  # released with the redrive
     assert await client.redis.zscore(client.keys.ready, "erin") is not None
 
 

@@ -791,7 +791,8 @@ async def test_an_interrupt_read_with_the_running_message_ends_that_one_without_
 async def test_a_reset_fences_a_commit_that_read_the_old_state_by_its_version_too(h):
     """Reset deletes the lock (the running step's commit is refused by its token) and moves
     the version on: a commit that read the state before the reset is refused by the version
-    as well, even under a lock that is its own again (two fences, each enough alone)."""
+    as well, even under a lock that is its own again (two fences, each enough alone). The
+    message that was running waits again, due at once."""
     await xadd(h, "rv", "t1", msg_id="m1")
     _, _, [job], _, _ = await h.intake()
     k = h.k
@@ -799,6 +800,8 @@ async def test_a_reset_fences_a_commit_that_read_the_old_state_by_its_version_to
         keys=[k.ready, k.session_prefix], args=["reset", "rv", '{"step":"ROOT"}']
     )
     assert int(erase[0]) == 1 and int(erase[4]) == 1  # found, and a step was running
+    # Its message waits again, due now (not when the fenced step's lease would have ended).
+    assert await h.r.zscore(k.ready, "rv") <= await server_ms(h)
     [r] = await h.commit(commit_args(job))
     assert int(r[0]) == Code.FENCED_TOKEN
     await h.r.set(k.session("rv").lock, job[1], px=TTL_MS)  # the lock is the step's again
