@@ -101,9 +101,22 @@ class SyncDialogClient:
         msg_id: str | None = None,
         meta: Mapping[str, str] | None = None,
         expires_at: float | None = None,
+        *,
+        multitask: str | None = None,
+        deliver_at: float | None = None,
     ) -> SendResult:
         """Enqueue one message and return at once (`DialogClient.send`)."""
-        return self._call(lambda c: c.send(session_id, text, msg_id, meta, expires_at=expires_at))
+        return self._call(
+            lambda c: c.send(
+                session_id,
+                text,
+                msg_id,
+                meta,
+                multitask=multitask,
+                expires_at=expires_at,
+                deliver_at=deliver_at,
+            )
+        )
 
     def ask(
         self,
@@ -112,11 +125,20 @@ class SyncDialogClient:
         msg_id: str | None = None,
         timeout: float = 30,
         expires_at: float | None = None,
+        *,
+        multitask: str | None = None,
     ) -> Reply:
         """Send and wait up to ``timeout`` seconds for the reply (`DialogClient.ask`): raises
         `ReplyTimeout` (ask again with its ``msg_id`` to keep waiting)."""
         return self._call(
-            lambda c: c.ask(session_id, text, msg_id, timeout=timeout, expires_at=expires_at)
+            lambda c: c.ask(
+                session_id,
+                text,
+                msg_id,
+                timeout=timeout,
+                multitask=multitask,
+                expires_at=expires_at,
+            )
         )
 
     def state(self, session_id: str) -> dict[str, Any] | None:
