@@ -387,17 +387,15 @@ def test_messages_the_server_starts_appear_on_the_page(
             what="the timer's message, a second after the answer",
         )
         later = run_cli(
-            env, "send", session, "your order shipped", "--deliver-at", str(time.time() + 0.5)
+            env, "send", session, "your order shipped", "--deliver-at", str(time.time() + 1)
         )
         assert later.returncode == 0, later.stderr
         wait_until(lambda: len(_turns(browser)) == 3, 20, what="the delivered message")
         turns = _turns(browser)
     finally:
         browser.quit()
-    # The engine answers a delivered message as it does a timer's (it waits as one).
-    later_id = turns[2]["msg_id"] if len(turns) == 3 else "?"
     shown = [(t["user"], t["bot"], t["outcome"], t["visible"]) for t in turns]
-    assert shown == [
+    assert shown[:2] == [
         (
             "remind 1 nudge are you still there?",
             "ok remind 1 nudge are you still there?",
@@ -405,8 +403,13 @@ def test_messages_the_server_starts_appear_on_the_page(
             True,
         ),
         (None, "fired nudge: are you still there?", "applied", True),
-        ("your order shipped", f"fired msg:{later_id}: your order shipped", "applied", True),
     ]
+    # The engine answers a message that waited for its time as it does a timer's; one whose
+    # time had come by the time it was sent (a slow machine), as any other message.
+    later_id = turns[2]["msg_id"]
+    answers = {f"fired msg:{later_id}: your order shipped", "ok your order shipped"}
+    assert shown[2][0] == "your order shipped" and shown[2][1] in answers, shown[2]
+    assert shown[2][2:] == ("applied", True)
 
 
 def test_a_reload_mid_answer_shows_the_conversation_and_resumes_the_answer(
