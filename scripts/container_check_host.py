@@ -183,6 +183,10 @@ class Check:
             str(REPO / "docker-compose.yml"),
             "-f",
             str(self.work / "compose.override.yml"),
+            # Every command sees the services of the profile "web" (serve, console): without
+            # it podman-compose knows no such service (exec, stop) and `down` leaves them.
+            "--profile",
+            "web",
             *args,
         ]
 
@@ -719,16 +723,7 @@ runroot = "{work}/run"
         # and no network created.
         self.step(
             "compose-dry-run",
-            self.pc(
-                "--verbose",
-                "--dry-run",
-                "--profile",
-                "web",
-                "up",
-                "-d",
-                "--no-build",
-                *WEB_SERVICES,
-            ),
+            self.pc("--verbose", "--dry-run", "up", "-d", "--no-build", *WEB_SERVICES),
         )
         dry = self.log("compose-dry-run").read_text()
         creates = dry.count("podman create ")
@@ -745,9 +740,7 @@ runroot = "{work}/run"
             self.fail("compose", "the override would not keep every container on the host network")
 
         self.compose_up = True
-        self.step(
-            "compose-up", self.pc("--profile", "web", "up", "-d", "--no-build", *WEB_SERVICES)
-        )
+        self.step("compose-up", self.pc("up", "-d", "--no-build", *WEB_SERVICES))
         ready = f"http://127.0.0.1:{metrics_port}/readyz"
         if not wait_until(60, lambda: http_code(ready) == 200):
             self.show_log(self.log("compose-up"), 20)
