@@ -335,6 +335,10 @@ def test_stop_after_a_double_text_stops_the_answer_being_written_not_the_queued_
         )
         queued = _turns(browser)[1]
         assert queued["state"] == "waiting" and not queued["visible"], "no second typing mark"
+        typing = browser.execute_script(
+            "return [document.getElementById('status').textContent,"
+            " getComputedStyle(document.querySelector('.bot'), '::after').content]"
+        )
         stop = browser.find_element("id", "stop")
         assert stop.is_enabled()
         stop.click()
@@ -351,6 +355,7 @@ def test_stop_after_a_double_text_stops_the_answer_being_written_not_the_queued_
     finally:
         browser.quit()
     reply = "".join(f"w{i} " for i in range(200))
+    assert typing[0] == "typing…" and "▍" in typing[1], typing  # while it was being written
     assert (first["outcome"], first["cancel"]) == ("cancelled", "cancelled")
     assert 0 < len(first["bot"]) < len(reply) and reply.startswith(first["bot"])
     assert (second["outcome"], second["bot"], second["cancel"]) == (
