@@ -29,8 +29,6 @@ class Shard:
     waiter_seen_until: float = 0.0
     # Set when the read with an intake call behind it (Reader.read_ahead) has returned.
     read_ahead_done: anyio.Event | None = None
-    # Sessions this process locked beyond its free slots, waiting for one (Sessions.start).
-    locked_waiting: int = 0
 
     @property
     def reading_ahead(self) -> bool:

@@ -75,6 +75,7 @@ class Upkeep:
                         self.sessions.token_base(),
                         s.lock_ttl_ms,
                         int(s.gap_timeout_s * 1000),
+                        s.tenant_lua_pattern,
                     ],
                 )
                 jobs = [Job.from_script(k, row[1:], gap=row[0] == b"g") for row in rows]
