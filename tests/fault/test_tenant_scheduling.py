@@ -39,7 +39,11 @@ def test_a_tenant_behind_a_flood_is_served_within_a_round_of_slots(
     r = redis.Redis.from_url(env["REDIS_URL"])
     log = tmp_path / "steps.jsonl"
     workers.start(
-        1, DIALOG_CONCURRENCY="4", DIALOG_ENGINE="tenant_engines:Paced", TENANT_ENGINE_LOG=str(log)
+        1,
+        DIALOG_CONCURRENCY="4",
+        DIALOG_ENGINE="tenant_engines:Paced",
+        TENANT_ENGINE_LOG=str(log),
+        DIALOG_TENANT_PATTERN="^([a-z]+)-",  # tenants in use: the workers read ahead
     )
     flood(r, "a", sessions, 200)
     wait_until(lambda: log.exists(), 20, what="a's first steps")

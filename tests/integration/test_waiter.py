@@ -268,8 +268,10 @@ def test_a_worker_short_of_slots_reads_the_backlog_into_the_queue_and_its_commit
     session, each session into its tenant's queue, no lock taken), so the scheduler sees every
     tenant's messages, not only the backlog ahead of them; each freed slot goes to the queue's
     next session in the commit that freed it: in stream order, one slot at a time, each step
-    once."""
+    once. (Tenants in use: some tenant has settings; without, the backlog waits in the stream
+    for a slot, test_a_worker_without_tenants_leaves_the_backlog_in_the_stream.)"""
     r = redis.Redis.from_url(env["REDIS_URL"])
+    r.hset("dialog:{dialog}:ready:tset", "default", "1 0 0")
     steps = tmp_path / "steps.jsonl"
     workers.start(
         1,
@@ -301,12 +303,28 @@ def test_a_worker_short_of_slots_reads_the_backlog_into_the_queue_and_its_commit
     assert r.zcard("dialog:{dialog}:ready:busy:default") == 0
 
 
+def test_a_worker_without_tenants_leaves_the_backlog_in_the_stream(workers, env, tmp_path):
+    """No tenants configured: a worker whose slots are all busy reads nothing more, so the
+    unread backlog stays in the stream, where an autoscaler sees it (XLEN); the next slot that
+    frees reads it."""
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    workers.start(1, DIALOG_CONCURRENCY="1", DIALOG_ENGINE="timer_engines:Timers")
+    r.xadd("dialog", {"session_id": "first", "text": "sleep 1", "msg_id": "first"})
+    wait_until(lambda: r.exists("dialog:{dialog}:s:{first}:lock"), 20, what="the first step")
+    for i in range(10):
+        r.xadd("dialog", {"session_id": f"s{i}", "text": "hi", "msg_id": f"m{i}"})
+    time.sleep(0.3)  # several of the reader's 20 ms turns, had it been reading ahead
+    assert r.xlen("dialog") == 10 and r.exists("dialog:{dialog}:s:{first}:lock")
+    wait_until(lambda: r.xlen("dialog-replies") == 11, 20, what="all answered")
+
+
 async def test_a_queued_session_whose_message_is_cancelled_ends_without_a_step(
     client: DialogClient, workers, env, tmp_path
 ):
     """A session read while every slot is busy waits in its tenant's queue: a queued message
     to its user. Cancelled meanwhile, it ends cancelled in its turn and its step never runs."""
     r = redis.Redis.from_url(env["REDIS_URL"])
+    r.hset("dialog:{dialog}:ready:tset", "default", "1 0 0")  # tenants in use: read ahead
     steps = tmp_path / "steps.jsonl"
     workers.start(
         1, DIALOG_CONCURRENCY="1", DIALOG_ENGINE="timer_engines:Timers", TIMER_ENGINE_LOG=str(steps)

@@ -124,6 +124,11 @@ class Metrics:
             "dialog_delayed", "Sessions with messages outstanding (the ready set)"
         )
         self.dlq_length = queue_gauge("dialog_dlq_length", "XLEN of the dead-letter stream")
+        self.sessions_queued = queue_gauge(
+            "dialog_sessions_queued",
+            "Sessions waiting in the tenants' queues for a slot (read ahead while tenants are "
+            "in use)",
+        )
         self.in_flight = Gauge(
             "dialog_in_flight",
             "Messages being processed here",
@@ -205,4 +210,5 @@ class Metrics:
             self.oldest_pending_age,
             self.delayed,
             self.dlq_length,
+            self.sessions_queued,
         )

@@ -33,7 +33,7 @@ from dialog_worker import tracing
 from dialog_worker.config import Settings
 from dialog_worker.daemon.failures import describe_failure, retry_after_of, retry_delay_ms
 from dialog_worker.daemon.partial_writer import PartialReplies, PartialWriter
-from dialog_worker.daemon.slots import TURN_AFTER_S
+from dialog_worker.daemon.slots import TURN_AFTER_S, SlotGate
 from dialog_worker.engine import cancellation, timers
 from dialog_worker.engine.protocol import (
     CheckedReply,
@@ -169,7 +169,8 @@ class Committer:
     Each call also carries what the tenants' scheduling needs (lua/commit-5.lua): a commit
     that hands its session on gives the slot up when another session is owed it, and one that
     frees its slot fills it with the session owed it, in the same call, while `dispatching`
-    (not once the worker stops)."""
+    (not once the worker stops) and the shard's resumer does not wait for a slot (a due
+    session of the ready set, a crashed worker's, has first call on the next one)."""
 
     def __init__(
         self,
@@ -177,11 +178,13 @@ class Committer:
         keys: Keys,
         settings: Settings,
         token_base: Callable[[], str] | None = None,
+        slots: SlotGate | None = None,
     ) -> None:
         self.scripts = scripts
         self.keys = keys
         self.settings = settings
         self.token_base = token_base
+        self.slots = slots
         self.dispatching = token_base is not None
         self._queue: list[tuple[list[Any], bool, _Slot]] = []
         self._wakeup = anyio.Event()
@@ -213,8 +216,9 @@ class Committer:
             args += commit_args
         args.append(s.on_dead_letter)  # "hold": a dead letter holds its session
         if self.token_base is not None:
+            resumer_waiting = self.slots is not None and self.slots.resumer_waiting
             args += [
-                "1" if self.dispatching else "0",
+                "1" if self.dispatching and not resumer_waiting else "0",
                 self.token_base(),
                 s.tenant_lua_pattern,
                 "".join("1" if slow else "0" for _, slow, _ in batch),

@@ -33,10 +33,14 @@ INTAKE_BATCH = 1000
 # may start beyond them join their tenants' queues (lua/_common.lua, the tenants), where a
 # slot freed by any worker's commit finds the one owed it.
 READ_BATCH_SHORT_OF_SLOTS = 64
-# A reader with no free slot still reads new entries into their sessions and queues (so the
-# scheduler sees every tenant's messages, not only the backlog ahead of them), once a slot
-# frees or after this long, whichever comes first: under a backlog the calls read batches.
+# Where tenants are in use, a reader with no free slot still reads new entries into their
+# sessions and queues (so the scheduler sees every tenant's messages, not only the backlog
+# ahead of them), once a slot frees or after this long, whichever comes first: under a backlog
+# the calls read batches. Without tenants it waits for a slot, as the unread backlog stays in
+# the stream, where an autoscaler reads it (XLEN).
 READ_WITHOUT_SLOTS_S = 0.02
+# How often a reader asks whether the shard has tenants' settings (Reader.tenants_in_use).
+TENANTS_RECHECK_S = 5.0
 # The waiter role of a shard (see Reader.idle_wait): a lease at least this long (and three
 # blocking reads), renewed when half of it is left; a worker that waits on the wake stream asks
 # whether the role is free this often (a waiter that died leaves it to expire), and blocks
@@ -150,7 +154,10 @@ class Reader:
         if shard.slots.free == 0 and shard.lease_until:
             await self.hand_over(shard)  # busy: another worker waits for new entries
         slots = self.take_free_slots(shard)
-        if not slots:
+        if not slots and not await self.tenants_in_use(shard):
+            await shard.slots.acquire()
+            slots = 1 + self.take_free_slots(shard)
+        elif not slots:
             with anyio.move_on_after(READ_WITHOUT_SLOTS_S):
                 await shard.slots.acquire()
                 slots = 1 + self.take_free_slots(shard)
@@ -181,6 +188,17 @@ class Reader:
             await self.commits_first(read)
             await self.idle_wait(shard, last_id, work)
         return 0
+
+    async def tenants_in_use(self, shard: Shard) -> bool:
+        """Whether tenants share this shard: DIALOG_TENANT_PATTERN is set, or some tenant has
+        settings (`dialog-worker tenants set`), looked up every TENANTS_RECHECK_S."""
+        if self.settings.tenant_pattern:
+            return True
+        now = time.monotonic()
+        if now - shard.tenants_checked_at >= TENANTS_RECHECK_S:
+            shard.tenants_checked_at = now
+            shard.tenants_configured = bool(await self.raw.exists(shard.keys.tenant_settings))
+        return shard.tenants_configured
 
     @staticmethod
     async def commits_first(started: int) -> None:

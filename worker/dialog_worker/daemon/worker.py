@@ -99,7 +99,11 @@ class Worker:
         self.stopping = anyio.Event()
         self.committers = {
             s.keys.shard: Committer(
-                self.scripts, s.keys, settings, token_base=lambda: self.sessions.token_base()
+                self.scripts,
+                s.keys,
+                settings,
+                token_base=lambda: self.sessions.token_base(),
+                slots=s.slots,
             )
             for s in self.shards
         }
