@@ -41,16 +41,18 @@ for _, check in ipairs({{ready, 'zset'}, {state, 'hash'}, {tkey, 'hash'}, {ikey,
   if err then return err end
 end
 
-local h = rcall('HMGET', state, 'a', 's', 'v')
+local h = rcall('HMGET', state, 'a', 's', 'v', 'T', 'Q')
 local applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
 local running = rcall('EXISTS', lock)
 local found = (h[3] or running == 1) and 1 or 0
 local waiting = math.max(0, last - applied)
 local now = now_ms()
 rcall('DEL', lock)
+busy_leave(ready, sid, h[4])  -- its step (if one ran) no longer counts in flight
 
 if mode == 'reset' then
   if rcall('EXISTS', state) == 1 then
+    if h[4] then rcall('HDEL', state, 'T') end
     rcall('HSET', state, 'd', ARGV[3])
     rcall('HINCRBY', state, 'v', 1)
     rcall('HDEL', state, 'c')  -- no commit is answered as already written any more
@@ -95,4 +97,5 @@ if bucket_ms > 0 then
 end
 rcall('ZREM', ready, sid)
 rcall('ZREM', ages_key(ready), sid)
+if h[5] then redis.pcall('ZREM', runq_key(ready, h[5]), sid) end  -- its place in a queue
 return {found, deleted, waiting, timers, running}
