@@ -118,12 +118,7 @@ class TenantSettings:
             except (ValidationError, TypeError):
                 continue
             kept[name] = doc[name] if doc[name] is not None else default
-        try:
-            return cls(**kept)
-        except ValidationError:  # min above max: both fall back
-            kept.pop("min", None)
-            kept.pop("max", None)
-            return cls(**kept)
+        return cls(**kept)  # each field was checked with those before it
 
 
 async def load_all(redis: Redis, keys: Keys) -> dict[str, TenantSettings]:
