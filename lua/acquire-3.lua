@@ -102,8 +102,8 @@ local turn, kept = nil, nil
 if h[9] then
   local t, n = string.match(h[9], '^([%d.]+):(%d+)$')
   turn, kept = tonumber(t), tonumber(n)
-  if not (turn and kept) or (paused and turn < pu) then
-    forget(id)  -- unreadable, or the pause came after it was kept: queued again below
+  if not (turn and kept) or (paused and turn < pu) or turn <= now - RESERVATION_GRACE_MS then
+    forget(id)  -- unreadable, lapsed, or the pause came after it was kept: queued again
     turn = nil
   end
 end
