@@ -79,9 +79,8 @@ local hold_on_letter = #ARGV == 5 + n * WIDTH and ARGV[#ARGV] == 'hold'
 local inbound, ages = inbound_key(ready), ages_key(ready)
 
 local OUTCOMES = {applied = true, dead_lettered = true, cancelled = true, superseded = true,
-                  expired = true, budget_exceeded = true}
--- Outcomes that end a message without applying it: its msg_id may be sent again.
-local UNAPPLIED = {cancelled = true, superseded = true, expired = true, budget_exceeded = true}
+                  expired = true}
+OUTCOMES.budget_exceeded = true  -- over its tenant's (or session's) token budget: no step
 local USAGE_KEEP_S = 40 * 86400
 local MAX_COUNT = 1e15
 -- Reply extras may not replace the fields every event carries.
@@ -332,7 +331,9 @@ for _, c in ipairs(commits) do
       rcall('XADD', dlq, '*', unpack(letter))
       index_letter(ready, sprefix, c.sid, rcall('XREVRANGE', dlq, '+', '-', 'COUNT', 1)[1][1])
     end
-    if c.msg_id ~= '' and ((not id and c.outcome == 'dead_lettered') or UNAPPLIED[c.outcome]) then
+    if c.msg_id ~= '' and ((not id and c.outcome == 'dead_lettered') or c.outcome == 'expired'
+        or c.outcome == 'budget_exceeded'
+        or c.outcome == 'cancelled' or c.outcome == 'superseded') then
       -- A gap, or a message that was cancelled, superseded, expired or over its budget: it
       -- ended without being applied, so its msg_id may be sent again.
       local dkey = session_key(sprefix, c.sid, 'msg:' .. c.msg_id)

@@ -187,3 +187,33 @@ async def test_limits_cli_lists_sets_and_pauses_keys_audited(
     assert bad.returncode == 2 and "--reason" in bad.stderr
     bad = run_cli(env, "limits", "set", KEY)
     assert bad.returncode == 2 and "at least one" in bad.stderr
+
+
+async def test_an_attempt_that_did_not_commit_counts_its_usage_as_wasted_only(
+    client: DialogClient, workers, env: dict[str, str]
+):
+    """A step that reported usage and then failed (retried), and one whose call was refused
+    with a 429 (handed back): their usage is counted apart, as wasted, never as committed."""
+    workers.start(
+        1,
+        DIALOG_ENGINE="usage_engines:UsageEngine",
+        DIALOG_BACKOFF_BASE_MS="20",
+        DIALOG_BACKOFF_MAX_MS="50",
+        DIALOG_MAX_ATTEMPTS="2",
+    )
+    failed = await client.ask("w-1", "fail-once please", timeout=30)
+    limited = await client.ask("w-1", "limit me", timeout=30)
+    threaded = await client.ask("w-1", "thread step", timeout=30)
+    for reply in (failed, limited, threaded):
+        assert reply.outcome == "applied"
+        assert reply.usage == {"input_tokens": 10, "output_tokens": 5, "cost": 0.01}
+    session = await client.usage("w-1")
+    assert (session["input_tokens"], session["output_tokens"], session["calls"]) == (30, 15, 3)
+    assert session["cost"] == pytest.approx(0.03)
+    assert session["wasted"] == {"input_tokens": 20, "output_tokens": 10, "cost": 0.02,
+                                 "calls": 2}  # fmt: skip
+    tenant = await client.tenant_usage("default")
+    assert (tenant["input_tokens"], tenant["calls"]) == (30, 3)
+    assert (tenant["wasted"]["input_tokens"], tenant["wasted"]["calls"]) == (20, 2)
+    state = await client.state("w-1")
+    assert state is not None and state["usage"]["calls"] == 3

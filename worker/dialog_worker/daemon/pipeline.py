@@ -644,9 +644,9 @@ class Pipeline:
                 "rate_limited", key=exc.key, retry_after_s=exc.retry_after_s, opens_in_ms=delay_ms
             )
         await self._wasted(job)
-        streamed = job.partial is not None and job.partial.used
-        mode = Release.HAND_BACK_STREAMED if streamed else Release.HAND_BACK
-        error = f"waited for {exc.key} ({why})" if streamed else ""
+        shown = job.partial is not None and job.partial.used  # streamed: a new attempt number
+        mode = Release.HAND_BACK_STREAMED if shown else Release.HAND_BACK
+        error = f"waited for {exc.key} ({why})" if shown else ""
         code = await self._release(job, max(1, delay_ms), error, mode)
         if code is Code.RELEASED:
             self.metrics.retries.labels("rate_limited").inc()
