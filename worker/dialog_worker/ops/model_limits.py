@@ -47,17 +47,27 @@ async def set_limits(
 
 
 async def pause_key(
-    redis: Redis, settings: Settings, key: str, for_s: float, reason: str, who: str, role: str
+    redis: Redis,
+    settings: Settings,
+    key: str,
+    for_s: float,
+    reason: str,
+    who: str,
+    role: str,
+    *,
+    record: bool = True,
 ) -> dict[str, Any]:
     """Close a key for every worker for ``for_s`` seconds (a pause in force is never
-    shortened); its callers queue up and resume in order."""
+    shortened); its callers queue up and resume in order. ``record``: write the audit entry
+    here (the console writes its own around the action)."""
     store = limit_store(redis, settings)
     check_key(key)
     if not reason.strip():
         raise ValidationError("a pause needs a reason (--reason)")
-    await audit.record(
-        redis, settings, who, "limit_pause", key, reason, {"for_s": for_s}, role=role
-    )
+    if record:
+        await audit.record(
+            redis, settings, who, "limit_pause", key, reason, {"for_s": for_s}, role=role
+        )
     await store.pause(key, for_s, f"{who}: {reason}")
     await redis.sadd(limits_index(settings.prefix), key)
     return await store.view(key)

@@ -16,6 +16,7 @@ import time
 from typing import Any, cast
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from dialog_worker.config import Settings, limit_key_problem, parse_model_limits
 from dialog_worker.errors import ValidationError
@@ -181,7 +182,10 @@ class LimitStore:
 
     async def known(self) -> list[str]:
         """The settings' keys and those set or paused at runtime, sorted."""
-        listed = await self.redis.smembers(limits_index(self.prefix))
+        try:
+            listed = await self.redis.smembers(limits_index(self.prefix))
+        except ResponseError:  # a reader without SMEMBERS (the operator ACL user)
+            listed = set()
         names = set(self.base) | {text(n) for n in listed}
         return sorted(n for n in names if limit_key_problem(n) is None)
 
@@ -191,7 +195,7 @@ class LimitStore:
         fields = ("rpm", "tpm", "mif", "pu", "pr", "mb", "mc", "mt", "pc", "pt")
         values = dict(zip(fields, await self.redis.hmget(k.config, *fields), strict=True))
         now_ms = int(time.time() * 1000)
-        in_flight = await self.redis.zcount(k.in_flight, now_ms, "+inf")
+        in_flight = await self.redis.zcard(k.in_flight)  # a crashed caller's until its lease ends
         runtime = Runtime(_count(values["rpm"]), _count(values["tpm"]), _count(values["mif"]), 0)
         limits = runtime.effective(self.base.get(key, LimitConfig()))
         paused_until = _count(values["pu"]) or 0
