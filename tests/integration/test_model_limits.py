@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import anyio
 import pytest
 from examples_path import with_examples
+from redis_server import wait_until_async as poll
 from worker_procs import run_cli
 
 from dialog_worker import DialogClient
@@ -57,9 +58,18 @@ async def test_a_429_pauses_the_key_for_every_worker_and_costs_no_attempt(
     provider.provider.reset()
     provider.provider.throttle(MODEL, 2.0)
     sessions = [f"s{i}" for i in range(8)]
+    await client.send(sessions[0], "satu")
+
+    async def limited() -> bool:
+        return any(e["status"] == 429 for e in provider.provider.stats()["log"])
+
+    await poll(limited, 10, what="the first 429")
+    await anyio.sleep(0.3)  # past the 100 ms in which the pause reaches every worker
+    # Sessions that had not called yet: they must wait for the pause too.
     for text in ("satu", "dua", "tiga"):
         for sid in sessions:
-            await client.send(sid, text)
+            if (sid, text) != (sessions[0], "satu"):
+                await client.send(sid, text)
     replies = []
     async for reply in client.replies(start="0", follow=True):
         if reply.session_id in sessions:
@@ -149,18 +159,20 @@ async def test_a_spent_budget_ends_messages_budget_exceeded_without_a_call(
 
 
 async def test_a_message_whose_tenant_spent_its_budget_ends_before_its_step(
-    client: DialogClient, workers, env: dict[str, str], provider: Running
+    client: DialogClient, workers, env: dict[str, str]
 ):
-    workers.start(1, **llm_env(env, provider), DIALOG_TENANT_DAILY_TOKENS="10")
+    """The step of a "pre" message reports usage before its model_call: had it run, its
+    usage would be committed with the budget_exceeded reply."""
+    workers.start(1, DIALOG_ENGINE="usage_engines:UsageEngine", DIALOG_TENANT_DAILY_TOKENS="10")
     # Spent already (another worker's calls of the day): nothing more is called for today.
     from dialog_worker.store import tenants
 
     await client.redis.hset(client.keys.budget("default", tenants.today()).meter, "spent", 10)
-    reply = await client.ask("c-1", "halo", timeout=30)
-    assert reply.outcome == "budget_exceeded" and reply.usage is None
-    assert provider.provider.stats()["log"] == []
-    again = await client.ask("c-1", "halo", msg_id=reply.msg_id, timeout=30)
+    reply = await client.ask("c-1", "pre halo", timeout=30)
+    assert reply.outcome == "budget_exceeded" and reply.usage is None, "no step ran"
+    again = await client.ask("c-1", "pre halo", msg_id=reply.msg_id, timeout=30)
     assert again.outcome == "budget_exceeded", "its msg_id was freed: sent again, it is tried"
+    assert (await client.usage("c-1"))["calls"] == 0
 
 
 async def test_limits_cli_lists_sets_and_pauses_keys_audited(

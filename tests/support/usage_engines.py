@@ -5,6 +5,7 @@ step reports 10 input and 5 output tokens of model "m" (cost 0.01); the text dec
                       key "k", retry after 0.2 s), after reporting; the attempt it comes
                       back with is the same (a 429 spends none), so "first" is per process
     "thread ..."      a plain def step reporting through a plain `with model_call`
+    "pre ..."         reports 1 + 1 tokens (model "pre") before its model_call
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class UsageEngine:
         text = message["text"]
         if text.startswith("thread"):
             return await anyio.to_thread.run_sync(_thread_step, state, message)
+        if text.startswith("pre"):
+            dialog_worker.usage("pre", 1, 1)
         async with dialog_worker.model_call("k", tokens=15) as call:
             call.usage(10, 5, cost=0.01, model="m")
             if text.startswith("limit") and message["msg_id"] not in self.limited:
