@@ -207,8 +207,9 @@ async def test_an_attempt_that_did_not_commit_counts_its_usage_as_wasted_only(
 ):
     """A step that reported usage and then failed (retried), and one whose call was refused
     with a 429 (handed back): their usage is counted apart, as wasted, never as committed."""
-    workers.start(
+    [worker] = workers.start(
         1,
+        metrics=True,
         DIALOG_ENGINE="usage_engines:UsageEngine",
         DIALOG_BACKOFF_BASE_MS="20",
         DIALOG_BACKOFF_MAX_MS="50",
@@ -230,3 +231,23 @@ async def test_an_attempt_that_did_not_commit_counts_its_usage_as_wasted_only(
     assert (tenant["wasted"]["input_tokens"], tenant["wasted"]["calls"]) == (20, 2)
     state = await client.state("w-1")
     assert state is not None and state["usage"]["calls"] == 3
+    metrics = worker.metrics_text()
+    assert 'dialog_llm_tokens_total{kind="input",model="m"} 50.0' in metrics  # 30 + 20 wasted
+    assert 'dialog_llm_rate_limited_total{key="k"} 1.0' in metrics
+    assert 'dialog_retries_total{reason="rate_limited"} 1.0' in metrics
+
+
+async def test_a_sessions_daily_budget_ends_its_messages_and_no_other_sessions(
+    client: DialogClient, workers, env: dict[str, str]
+):
+    workers.start(1, DIALOG_ENGINE="usage_engines:UsageEngine", DIALOG_SESSION_DAILY_TOKENS="20")
+    first = await client.ask("sb-1", "halo", timeout=30)
+    assert first.outcome == "applied"  # 15 tokens of its 20
+    second = await client.ask("sb-1", "lagi", timeout=30)  # 15 + an estimate of 15 > 20
+    assert second.outcome == "budget_exceeded"
+    other = await client.ask("sb-2", "halo", timeout=30)
+    assert other.outcome == "applied", "another session's budget is its own"
+    done = run_cli(env, "tenants")
+    assert done.returncode == 0, done.stderr
+    [row] = [json.loads(line) for line in done.stdout.splitlines()]
+    assert (row["tenant"], row["used_today"], row["daily_tokens"]) == ("default", 30, 0)
