@@ -289,7 +289,7 @@ async def _limits_command(settings: Settings, args: argparse.Namespace) -> int:
     if settings.redis_mode != "standalone" or settings.shards != 1:
         raise ValidationError("bench supports the plain (standalone, one shard) layout only")
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        signal.signal(signal.SIGTERM, handler=_exit_on_sigterm)  # its workers stop too
     embedded: EmbeddedRedis | None = None
     if args.redis == "embedded":
         embedded = await anyio.to_thread.run_sync(EmbeddedRedis)
