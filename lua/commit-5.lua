@@ -18,7 +18,8 @@
 
   Commits are isolated: one whose arguments cannot be used (a seq that is not a number, an
   outcome we do not know, dead-letter fields or reply extras that are not a JSON array of
-  strings in pairs, reply extras naming a field every event carries) is answered
+  strings in pairs, reply extras naming a field every event carries, usage that is not what
+  this header says) is answered
   INVALID and writes nothing; the others of the call are written. Only a call whose shape is
   wrong, or a shared key its writes touch of the wrong type, fails as a whole, before its first
   write (see the plan below).

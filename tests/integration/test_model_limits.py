@@ -173,6 +173,8 @@ async def test_a_message_whose_tenant_spent_its_budget_ends_before_its_step(
     again = await client.ask("c-1", "pre halo", msg_id=reply.msg_id, timeout=30)
     assert again.outcome == "budget_exceeded", "its msg_id was freed: sent again, it is tried"
     assert (await client.usage("c-1"))["calls"] == 0
+    found = await client.cancel("c-1", reply.msg_id)
+    assert (found.status, found.outcome) == ("finished", "budget_exceeded")
 
 
 async def test_limits_cli_lists_sets_and_pauses_keys_audited(

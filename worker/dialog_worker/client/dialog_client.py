@@ -74,8 +74,8 @@ class CancelResult:
     - ``cancelled``: the message is waiting or running; it ends ``cancelled`` (one reply event),
       a running step is stopped.
     - ``finished``: it had already ended; ``seq`` is its seq and ``outcome`` is
-      ``cancelled`` or ``superseded`` when its history turn says so, else None (applied or
-      dead-lettered: its reply event tells which).
+      ``cancelled``, ``superseded``, ``expired`` or ``budget_exceeded`` when its history turn
+      says so, else None (applied or dead-lettered: its reply event tells which).
     - ``pending``: no outstanding message with this msg_id was found (not arrived yet, or
       sent without a msg_id); the cancel is kept for DIALOG_DEDUPE_TTL_S and ends the
       message ``cancelled`` if it is outstanding or arrives meanwhile.
