@@ -45,8 +45,11 @@ Outcome = Literal[
     "rejected",
     "superseded",
     "expired",
+    "budget_exceeded",
 ]
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
+# What a history turn of a message that ended without being applied is marked with (true).
+UNAPPLIED_MARKS = ("cancelled", "superseded", "expired", "budget_exceeded")
 # The fields every event carries; the others are a rich reply's (bubbles, no_reply) or
 # producer fields echoed by DIALOG_ECHO_FIELDS.
 EVENT_FIELDS = frozenset(
@@ -88,7 +91,9 @@ class Reply:
     ``bubbles`` is set when the engine answered with bubbles (a dict or a list of them, see
     docs/engine.md): each ``{"text": ..., "data": ...}``, ``text`` then being their texts
     joined by a blank line. ``no_reply`` is True when the engine chose not to answer (``text``
-    is ""). ``echo`` holds the producer fields that DIALOG_ECHO_FIELDS copies onto events."""
+    is ""). ``echo`` holds the producer fields that DIALOG_ECHO_FIELDS copies onto events.
+    ``usage`` is what the model calls of the committed step used (``input_tokens``,
+    ``output_tokens``, ``cost``: None when unknown), None when it made none."""
 
     session_id: str
     msg_id: str
@@ -107,10 +112,11 @@ class Reply:
     echo: dict[str, str] = dataclasses.field(default_factory=dict)
     # W3C trace context of the attempt that answered (tracing on in the worker), or "".
     traceparent: str = ""
+    usage: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """All fields; ``bubbles``, ``no_reply``, ``echo`` and ``traceparent`` only when the
-        event has them, so a plain reply prints as it always did (`dialog-worker ask`,
+        """All fields; ``bubbles``, ``no_reply``, ``echo``, ``traceparent`` and ``usage`` only
+        when the event has them, so a plain reply prints as it always did (`dialog-worker ask`,
         `replies`)."""
         shown = dataclasses.asdict(self)
         for name, empty in (
@@ -118,6 +124,7 @@ class Reply:
             ("no_reply", False),
             ("echo", {}),
             ("traceparent", ""),
+            ("usage", None),
         ):
             if shown[name] == empty:
                 del shown[name]
@@ -144,7 +151,28 @@ def reply_from_entry(
         no_reply=values.get(b"no_reply") == b"1",
         echo=_echoed(values),
         traceparent=_traceparent(values.get(b"traceparent")),
+        usage=_usage(values.get(b"usage")),
     )
+
+
+def _usage(value: bytes | None) -> dict[str, Any] | None:
+    """The usage field: whole token counts and a cost (a number or None), or None when absent
+    or not that (never raises)."""
+    if value is None or len(value) > 1024:
+        return None
+    try:
+        parsed = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    tokens = [parsed.get("input_tokens"), parsed.get("output_tokens")]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        return None
+    cost = parsed.get("cost")
+    if cost is not None and (isinstance(cost, bool) or not isinstance(cost, int | float)):
+        return None
+    return {"input_tokens": tokens[0], "output_tokens": tokens[1], "cost": cost}
 
 
 def _bubbles(value: bytes | None) -> list[dict[str, Any]] | None:
@@ -163,7 +191,12 @@ def _bubbles(value: bytes | None) -> list[dict[str, Any]] | None:
 def _echoed(values: RawFields) -> dict[str, str]:
     echo: dict[str, str] = {}
     for name, value in values.items():
-        if name not in EVENT_FIELDS and name not in (b"bubbles", b"no_reply", b"traceparent"):
+        if name not in EVENT_FIELDS and name not in (
+            b"bubbles",
+            b"no_reply",
+            b"traceparent",
+            b"usage",
+        ):
             if len(echo) >= MAX_ECHOED:
                 break
             echo[_text(name)] = _text(value)

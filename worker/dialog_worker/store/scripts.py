@@ -26,6 +26,14 @@ class Code(enum.IntEnum):
     CANCELLED = -4  # commit-5.lua: the message was cancelled meanwhile; commit it as cancelled
 
 
+class Turn(enum.IntEnum):
+    """What acquire-3.lua answers for a model call on a limited key."""
+
+    GRANTED = 1  # go after the wait (inside the step)
+    RESERVED = 2  # a turn is kept for this call id after the wait: hand the message back
+    BUSY = 3  # max_in_flight reached: nothing charged, try again after the wait
+
+
 class Release(enum.StrEnum):
     """How release-2.lua gives a held message back (its ARGV[6]; anything else is refused)."""
 
@@ -106,6 +114,12 @@ class Scripts:
     cancel: Script
     fire: Script
     erase: Script
+    # Model-provider limits and budgets (dialog_worker/store/limits.py, store/tenants.py).
+    acquire: Script
+    settle: Script
+    pause: Script
+    reserve: Script
+    spend: Script
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:
