@@ -492,11 +492,11 @@ local function in_flight(ctx, t)
 end
 
 -- The session's lock was just taken for tenant t: it counts in flight (the caller writes the
--- state's T field).
+-- state's T field). Leases that ran out are dropped only where a count is needed (in_flight:
+-- a tenant with a minimum or a maximum), not at every lock taken.
 local function busy_add(ctx, t, sid)
-  local n = in_flight(ctx, t)
-  if redis.pcall('ZADD', busy_key(ctx.ready, t), ctx.now + ctx.ttl, sid) == 1 then
-    ctx.busy[t] = n + 1
+  if redis.pcall('ZADD', busy_key(ctx.ready, t), ctx.now + ctx.ttl, sid) == 1 and ctx.busy[t] then
+    ctx.busy[t] = ctx.busy[t] + 1
   end
 end
 
@@ -526,7 +526,7 @@ end
 -- the order of `since` (ms: when its message was appended, so a tenant's queue keeps stream
 -- order; now, for a session that gave its slot up: behind the others), moved by priority;
 -- returns the tenant. A session already queued keeps its place.
-local function enqueue(ctx, sid, fields, state, since)
+local function enqueue(ctx, sid, fields, since)
   local t, prio = tenant_of(fields, sid, ctx.pattern)
   redis.pcall('ZADD', runq_key(ctx.ready, t), 'NX', since + (5 - prio) * PRIORITY_STEP_MS, sid)
   local akey = active_key(ctx.ready)
@@ -535,32 +535,40 @@ local function enqueue(ctx, sid, fields, state, since)
     rcall('ZADD', akey, math.max(vt, vclock(ctx)), t)
   end
   rcall('ZADD', ctx.ready, ctx.now + QUEUED_LOOK_MS, sid)
-  if state then rcall('HSET', state, 'Q', t) end
   return t
 end
 
 -- The tenant to give the next slot to: one under its guaranteed minimum (the lowest virtual
 -- time among them), else the active tenant with the lowest virtual time below its maximum.
--- Returns tenant, whether by its minimum, its virtual time; nil when none may have one.
-local function pick(ctx)
-  local akey = active_key(ctx.ready)
+-- Returns tenant, whether by its minimum, its virtual time, and whether it is the only
+-- tenant with sessions waiting (then nobody's virtual time needs to move); nil when none may
+-- have the slot.
+-- The tenants with a guaranteed minimum (read once a call).
+local function guaranteed(ctx)
   if ctx.guaranteed == nil then
     local g = redis.pcall('ZRANGE', tmin_key(ctx.ready), 0, TENANT_SCAN - 1)
     ctx.guaranteed = (type(g) == 'table' and not g['err']) and g or {}
   end
+  return ctx.guaranteed
+end
+
+local function pick(ctx)
+  local akey = active_key(ctx.ready)
   local best, best_vt
-  for _, t in ipairs(ctx.guaranteed) do
+  for _, t in ipairs(guaranteed(ctx)) do
     local score = tonumber(rcall('ZSCORE', akey, t))
     if score and (not best or score < best_vt) and in_flight(ctx, t) < tenant_conf(ctx, t).min then
       best, best_vt = t, score
     end
   end
-  if best then return best, true, best_vt end
+  if best then return best, true, best_vt, false end
   local rows = rcall('ZRANGE', akey, 0, TENANT_SCAN - 1, 'WITHSCORES')
   for i = 1, #rows, 2 do
     local t = rows[i]
     local mx = tenant_conf(ctx, t).max
-    if mx == 0 or in_flight(ctx, t) < mx then return t, false, tonumber(rows[i + 1]) end
+    if mx == 0 or in_flight(ctx, t) < mx then
+      return t, false, tonumber(rows[i + 1]), #rows == 2
+    end
   end
   return nil
 end
@@ -584,7 +592,6 @@ local function take(ctx, sid, t)
   local state = session_key(ctx.sprefix, sid, 'state')
   local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs', 'h')
   if h['err'] then return nil end
-  rcall('HDEL', state, 'Q')
   local applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
   if last <= applied or h[10] then return nil end
   local seq = applied + 1
@@ -610,22 +617,27 @@ local function take(ctx, sid, t)
           h[7] or '', ending}
 end
 
--- Up to n job rows from the shard's queues, in fair order.
+-- Up to n job rows from the shard's queues, in fair order. A tenant alone in the queues is
+-- not served (its virtual time matters only against others'), and leaves the active set
+-- when a pop finds its queue empty rather than after every pop.
 local function dispatch(ctx, n)
   local rows, tries = {}, 0
   local akey = active_key(ctx.ready)
   while #rows < n and tries < 4 * n + 16 do
     tries = tries + 1
-    local t = pick(ctx)
+    local t, _, _, alone = pick(ctx)
     if not t then break end
     local rkey = runq_key(ctx.ready, t)
     local top = redis.pcall('ZPOPMIN', rkey)
     if top['err'] then top = {} end  -- a key of another type (written by hand): skipped
-    local more = rcall('EXISTS', rkey) == 1
-    if not more then rcall('ZREM', akey, t) end
+    local more = true
+    if not top[1] or not alone then
+      more = rcall('EXISTS', rkey) == 1
+      if not more then rcall('ZREM', akey, t) end
+    end
     local row = top[1] and take(ctx, top[1], t)
     if row then
-      serve(ctx, t, more)
+      if not alone then serve(ctx, t, more) end
       rows[#rows + 1] = row
     end
   end
@@ -638,11 +650,17 @@ end
 -- meanwhile), or, after a slow step (slow), other sessions of t wait. While others wait, the
 -- slot t had counts (t is served) either way.
 local function should_yield(ctx, t, slow)
-  if rcall('EXISTS', active_key(ctx.ready)) == 0 then return false end
+  local first = rcall('ZRANGE', active_key(ctx.ready), 0, 1)
+  if #first == 0 then return false end  -- nobody waits
+  if first[1] == t and not first[2] and tenant_conf(ctx, t).max == 0 then
+    return slow  -- only its own sessions wait: take turns after a slow step, nobody to charge
+  end
   local conf = tenant_conf(ctx, t)
-  local u, by_min, u_vt = pick(ctx)
+  local u, by_min, u_vt, alone = pick(ctx)
   local yield = conf.max > 0 and in_flight(ctx, t) > conf.max
-  if yield or not u then
+  if not yield and u == t and alone then
+    return slow  -- only its own sessions wait: take turns after a slow step, nobody to charge
+  elseif yield or not u then
     -- decided: over its maximum, or nobody else may have the slot
   elseif u == t then
     yield = slow

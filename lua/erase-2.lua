@@ -41,7 +41,7 @@ for _, check in ipairs({{ready, 'zset'}, {state, 'hash'}, {tkey, 'hash'}, {ikey,
   if err then return err end
 end
 
-local h = rcall('HMGET', state, 'a', 's', 'v', 'T', 'Q')
+local h = rcall('HMGET', state, 'a', 's', 'v', 'T')
 local applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
 local running = rcall('EXISTS', lock)
 local found = (h[3] or running == 1) and 1 or 0
@@ -97,5 +97,10 @@ if bucket_ms > 0 then
 end
 rcall('ZREM', ready, sid)
 rcall('ZREM', ages_key(ready), sid)
-if h[5] then redis.pcall('ZREM', runq_key(ready, h[5]), sid) end  -- its place in a queue
+-- Its place in a tenant's queue, if it waits in one (the queues of the tenants with sessions
+-- waiting: a session stays in none after it is taken from it).
+local waiting_tenants = redis.pcall('ZRANGE', active_key(ready), 0, TENANT_SCAN - 1)
+if type(waiting_tenants) == 'table' and not waiting_tenants['err'] then
+  for _, t in ipairs(waiting_tenants) do redis.pcall('ZREM', runq_key(ready, t), sid) end
+end
 return {found, deleted, waiting, timers, running}

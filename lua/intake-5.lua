@@ -620,23 +620,36 @@ end
 -- costs no queue); otherwise they join their tenants' queues and the free slots go out in
 -- fair order (dispatch in _common.lua), after the writes below.
 local sched = scheduler(ready, sprefix, stream, now, lock_ttl, token_base, tenant_pattern)
-local wanted = {}
+-- While nobody waits in the shard's queues, the sessions that may start take the free slots at
+-- once, in stream order, each within its tenant's maximum, when they are all one tenant's or
+-- there is a slot for each (nothing to share out); the rest join their tenants' queues, and
+-- the free slots left go out in fair order (dispatch, after the writes below).
+local distinct = {}
 for _, sid in ipairs(runnable) do
   local s = sessions[sid]
   s.tenant = tenant_of(s.runnable[3], sid, tenant_pattern)
-  wanted[s.tenant] = (wanted[s.tenant] or 0) + 1
+  distinct[s.tenant] = true
 end
-local fast = #runnable <= free_slots and all_fit(sched, wanted)
+local one_tenant = next(distinct) == nil or next(distinct, next(distinct)) == nil
+local queues_empty = rcall('EXISTS', active_key(ready)) == 0
+local at_once = queues_empty and (one_tenant or #runnable <= free_slots)
+local direct, taken_by = 0, {}
 for _, sid in ipairs(runnable) do
   local s = sessions[sid]
   local seq, id, f, ending = s.runnable[1], s.runnable[2], s.runnable[3], s.runnable[4]
-  if fast then
+  local tenant = s.tenant
+  local now_ok = at_once and direct < free_slots
+  if now_ok then
+    local mx = tenant_conf(sched, tenant).max
+    now_ok = mx == 0 or in_flight(sched, tenant) + (taken_by[tenant] or 0) < mx
+  end
+  if now_ok then
+    direct, taken_by[tenant], s.direct = direct + 1, (taken_by[tenant] or 0) + 1, true
     tokens = tokens + 1
     s.token = token_base .. ':' .. tokens
     rcall('SET', s.lock, s.token, 'PX', lock_ttl)
     local h = {s.h[3], s.h[4], s.h[5], s.h[6], s.h[7]}
     local attempts = (tonumber(h[3]) or 0) + 1
-    local tenant = s.tenant
     busy_add(sched, tenant, sid)
     s.writes[#s.writes + 1] = 'n'
     s.writes[#s.writes + 1] = attempts
@@ -647,11 +660,13 @@ for _, sid in ipairs(runnable) do
                        h[4] or '', h[5] or '', ending}
     receipt[#receipt + 1] = {'m', sid, s.token, seq, id, jobs[#jobs][11]}
   else
-    s.writes[#s.writes + 1] = 'Q'
-    s.writes[#s.writes + 1] = enqueue(sched, sid, f, nil, entry_order(id))
+    enqueue(sched, sid, f, entry_order(id))
+    queues_empty = false
   end
 end
-if fast then held = later end
+for _, entry in ipairs(later) do  -- a taken session's later entries go with its job
+  if sessions[entry[1]].direct then held[#held + 1] = entry end
+end
 
 for _, sid in ipairs(order) do
   local s = sessions[sid]
@@ -676,8 +691,8 @@ for _, sid in ipairs(order) do
     rcall('HSET', s.state, 's', s.last, unpack(s.writes))
   end
 end
-if not fast and free_slots > 0 then
-  for _, row in ipairs(dispatch(sched, free_slots)) do jobs[#jobs + 1] = row end
+if not queues_empty and free_slots > direct then
+  for _, row in ipairs(dispatch(sched, free_slots - direct)) do jobs[#jobs + 1] = row end
   for _, item in ipairs(sched.receipt) do receipt[#receipt + 1] = item end
 end
 
@@ -748,6 +763,6 @@ else
   end
 end
 -- Whether sessions of the shard still wait in its queues (for a slot another worker has).
-local waiting = (not fast) and rcall('EXISTS', active_key(ready)) or 0
+local waiting = (not queues_empty) and rcall('EXISTS', active_key(ready)) or 0
 return {last_id, #entries, jobs, held,
         {dups, refused, contended, trimmed, ahead, rejected, waiting}}

@@ -152,7 +152,7 @@ if #runnable <= room and all_fit(sched, wanted) then
   end
 else
   for _, r in ipairs(runnable) do
-    enqueue(sched, r[1], r[4], r[6], entry_order(r[3]))
+    enqueue(sched, r[1], r[4], entry_order(r[3]))
   end
   if room > 0 then
     for _, row in ipairs(dispatch(sched, room)) do
