@@ -5,6 +5,11 @@
     lock held           look again when its lease ends (the holder renews it while alive)
     nothing outstanding leave the ready set
     held                leave the ready set (an operator's release or redrive puts it back)
+    parked              its next message waits for a person (interrupt-3.lua): leave the
+                        ready set, unless the wait is over: the message was cancelled or
+                        superseded meanwhile (it is unparked and ends without a step), or
+                        the interrupt's timeout is due (recorded as such in the message's
+                        journal; unparked, the message is handed out)
     next message there  take the lock, count the attempt, return the job with the message
                         (from the session's keys, where intake put it: custody), and
                         whether it ends without a step (cancelled or superseded: see
@@ -66,7 +71,8 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
   else
     -- pcall: a state key of another type (written by hand) must not fail the call after it
     -- took earlier sessions' locks; that session is looked at again in a minute, alone.
-    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'g', 'xc', 'xs', 'h')
+    local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'g', 'xc', 'xs', 'h',
+                          'w', 'wi')
     local applied, last = 0, 0
     if h['err'] then
       rcall('ZADD', ready, now + 60000, sid)
@@ -87,7 +93,27 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
         id = stored  -- an entry id from before custody: the gap event names it
       end
       local kind, gap_since = 'm', tonumber(h[8])
-      if not fields then
+      if h[12] and fields and msg_id_of(id, fields) == h[12] then
+        -- Parked: its message waits for a person (interrupt-3.lua). The wait ends here when
+        -- the message ends without a step (cancelled, superseded) or its timeout is due
+        -- (recorded in its journal: the re-run's interrupt() raises InterruptTimeout).
+        local rec = interrupt_record(h[13])
+        local ending = ending_of(sprefix, sid, seq, h[12], h[9], h[10])
+        local timeout_at = tonumber(rec['timeout_at']) or 0
+        if ending ~= '' then
+          unpark(ready, sprefix, sid, rec, ending)
+        elseif timeout_at > 0 and now >= timeout_at then
+          redis.pcall('HSET', journal_key(sprefix, sid, h[12]),
+                      'i:' .. (tonumber(rec['n']) or 1), '{"timeout":true}')
+          unpark(ready, sprefix, sid, rec, 'timed_out')
+        else
+          kind = 'p'
+          rcall('ZREM', ready, sid)  -- a resume, its timeout or a cancel brings it back
+        end
+      end
+      if kind == 'p' then
+        -- parked
+      elseif not fields then
         kind = 'g'
         if not gap_since then
           rcall('HSET', state, 'g', now)
@@ -98,7 +124,7 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
           kind = 'G'
         end
       end
-      if kind ~= 'g' then
+      if kind ~= 'g' and kind ~= 'p' then
         tokens = tokens + 1
         local token = ARGV[2] .. ':' .. tokens
         local attempts = (tonumber(h[5]) or 0) + 1

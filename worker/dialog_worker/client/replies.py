@@ -45,6 +45,7 @@ Outcome = Literal[
     "rejected",
     "superseded",
     "expired",
+    "awaiting",
 ]
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 # The fields every event carries; the others are a rich reply's (bubbles, no_reply) or
@@ -52,6 +53,8 @@ OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 EVENT_FIELDS = frozenset(
     {b"session_id", b"msg_id", b"seq", b"outcome", b"reply", b"produced_at", b"entry_id"}
 )
+# An ``awaiting`` event's fields (dialog_worker.interrupt, lua/interrupt-3.lua).
+INTERRUPT_FIELDS = frozenset({b"interrupt_id", b"payload"})
 # Bounds on what a reader parses from one event (anyone with XADD can write the stream).
 MAX_BUBBLES_FIELD_BYTES = 65536
 MAX_ECHOED = 64
@@ -88,7 +91,11 @@ class Reply:
     ``bubbles`` is set when the engine answered with bubbles (a dict or a list of them, see
     docs/engine.md): each ``{"text": ..., "data": ...}``, ``text`` then being their texts
     joined by a blank line. ``no_reply`` is True when the engine chose not to answer (``text``
-    is ""). ``echo`` holds the producer fields that DIALOG_ECHO_FIELDS copies onto events."""
+    is ""). ``echo`` holds the producer fields that DIALOG_ECHO_FIELDS copies onto events.
+
+    ``awaiting`` is not an end: the step waits for a person (``dialog_worker.interrupt``);
+    ``interrupt_id`` and ``payload`` (its JSON, decoded) say what for. Resume it with
+    `DialogClient.resume`; the message's final event comes after."""
 
     session_id: str
     msg_id: str
@@ -105,11 +112,16 @@ class Reply:
     bubbles: list[dict[str, Any]] | None = None
     no_reply: bool = False
     echo: dict[str, str] = dataclasses.field(default_factory=dict)
+    interrupt_id: str | None = None
+    payload: Any = None
 
     def as_dict(self) -> dict[str, Any]:
-        """All fields; ``bubbles``, ``no_reply`` and ``echo`` only when the event has them,
-        so a plain reply prints as it always did (`dialog-worker ask`, `replies`)."""
+        """All fields; ``bubbles``, ``no_reply``, ``echo``, ``interrupt_id`` and ``payload``
+        only when the event has them, so a plain reply prints as it always did
+        (`dialog-worker ask`, `replies`)."""
         shown = dataclasses.asdict(self)
+        if self.interrupt_id is None:
+            del shown["interrupt_id"], shown["payload"]
         for name, empty in (("bubbles", None), ("no_reply", False), ("echo", {})):
             if shown[name] == empty:
                 del shown[name]
@@ -135,7 +147,19 @@ def reply_from_entry(
         bubbles=_bubbles(values.get(b"bubbles")),
         no_reply=values.get(b"no_reply") == b"1",
         echo=_echoed(values),
+        interrupt_id=_text(values[b"interrupt_id"]) if b"interrupt_id" in values else None,
+        payload=_payload(values.get(b"payload")),
     )
+
+
+def _payload(value: bytes | None) -> Any:
+    """An ``awaiting`` event's payload, decoded (None when absent or not JSON; never raises)."""
+    if value is None or len(value) > MAX_BUBBLES_FIELD_BYTES:
+        return None
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _bubbles(value: bytes | None) -> list[dict[str, Any]] | None:
@@ -154,7 +178,11 @@ def _bubbles(value: bytes | None) -> list[dict[str, Any]] | None:
 def _echoed(values: RawFields) -> dict[str, str]:
     echo: dict[str, str] = {}
     for name, value in values.items():
-        if name not in EVENT_FIELDS and name not in (b"bubbles", b"no_reply"):
+        if (
+            name not in EVENT_FIELDS
+            and name not in (b"bubbles", b"no_reply")
+            and name not in INTERRUPT_FIELDS
+        ):
             if len(echo) >= MAX_ECHOED:
                 break
             echo[_text(name)] = _text(value)

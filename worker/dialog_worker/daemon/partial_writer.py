@@ -21,6 +21,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import json
 import threading
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -31,6 +32,7 @@ from redis.asyncio import Redis
 
 from dialog_worker.config import Settings
 from dialog_worker.engine import emit as emit_context
+from dialog_worker.engine.interrupts import Interrupted, awaiting_data, interrupt_id
 from dialog_worker.store.keys import Keys
 from dialog_worker.store.scripts import Script, source
 
@@ -69,6 +71,21 @@ REFRESH_SHARE = 1 / 8
 _background: set[asyncio.Task[None]] = set()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    """A typed event a step emitted (dialog_worker.emit_event): its kind and its data (JSON
+    text). One entry of its own in the partial stream, in order with the text."""
+
+    kind: str
+    data: str
+
+
+# What the writer gathers: runs of text, and events between them.
+Item = str | Event
+# Most events a history turn keeps (emit_event(..., keep=True)).
+MAX_KEPT_EVENTS = 32
+
+
 class PartialWriter:
     """The partial stream of one attempt of one message: gathers what the step emits (on the
     loop or in the step's thread). `PartialReplies` writes it, with every other live answer of
@@ -85,9 +102,10 @@ class PartialWriter:
         self.attempt = attempt
         self.pos = 0  # position of the next entry
         self._lock = threading.Lock()
-        self._pending: list[str] = []
+        self._pending: list[Item] = []
         self._pending_chars = 0
         self._sent: list[str] = []  # the text written so far, for snapshots
+        self.kept: list[dict[str, object]] = []  # events the step asked to keep in its turn
         self.closed = False
         self.used = False  # anything emitted at all (most steps emit nothing)
         self.fenced = False
@@ -119,43 +137,80 @@ class PartialWriter:
         if first or urgent:
             self.replies.wake(self, urgent)
 
-    def take(self) -> str:
+    def add_event(self, kind: str, data: str, keep: bool = False) -> None:
+        """A typed event (``data``: JSON text), written in order with the text."""
+        self.used = True
+        with self._lock:
+            if self.closed or self.fenced:
+                return
+            self._pending.append(Event(kind, data))
+            first = len(self._pending) == 1
+            if keep and len(self.kept) < MAX_KEPT_EVENTS:
+                self.kept.append({"kind": kind, "data": json.loads(data)})
+        if first:
+            self.replies.wake(self, False)
+
+    def take(self) -> list[Item]:
+        """What was gathered since the last take: runs of text joined, events between them."""
         with self._lock:
             parts, self._pending, self._pending_chars = self._pending, [], 0
-        return "".join(parts)
+        items: list[Item] = []
+        run: list[str] = []
+        for part in parts:
+            if isinstance(part, str):
+                run.append(part)
+                continue
+            if run:
+                items.append("".join(run))
+                run = []
+            items.append(part)
+        if run:
+            items.append("".join(run))
+        return items
 
-    def give_back(self, text: str) -> None:
-        """A write failed: the text goes first in the next one (dropped if the step ended)."""
+    def give_back(self, items: list[Item]) -> None:
+        """A write failed: what it carried goes first in the next one (dropped if the step
+        ended)."""
         with self._lock:
             if self.fenced or self.abandoned:
                 return
-            self._pending.insert(0, text)
-            self._pending_chars += len(text)
+            self._pending[:0] = items
+            self._pending_chars += sum(len(i) for i in items if isinstance(i, str))
 
-    def batches(self, text: str) -> list[tuple[int, str, str]]:
-        """(pos, piece, snapshot) for the entries of ``text``: a huge emit is split, and every
-        `partial_maxlen // 2` entries carries the whole text so far."""
+    def batches(self, items: list[Item] | str) -> list[tuple[int, Item, str]]:
+        """(pos, piece or event, snapshot) for the entries of ``items``: a huge emit is split,
+        and every `partial_maxlen // 2` entries carries the whole text so far."""
+        if isinstance(items, str):
+            items = [items]
         every = max(1, self.replies.settings.partial_maxlen // 2)
-        out = []
-        so_far = None
-        for i, start in enumerate(range(0, len(text), MAX_ENTRY_CHARS)):
-            piece = text[start : start + MAX_ENTRY_CHARS]
-            pos = self.pos + i
-            full = ""
-            if pos and pos % every == 0:
-                so_far = "".join(self._sent) + text[: start + len(piece)]
-                full = so_far
-            out.append((pos, piece, full))
+        out: list[tuple[int, Item, str]] = []
+        pos = self.pos
+        done = ""  # the text of this batch's entries before the next one
+        for item in items:
+            pieces: list[Item] = (
+                [item]
+                if isinstance(item, Event)
+                else [item[s : s + MAX_ENTRY_CHARS] for s in range(0, len(item), MAX_ENTRY_CHARS)]
+            )
+            for piece in pieces:
+                if isinstance(piece, str):
+                    done += piece
+                full = ""
+                if pos and pos % every == 0:
+                    full = "".join(self._sent) + done
+                out.append((pos, piece, full))
+                pos += 1
         return out
 
-    def written(self, pieces: list[str], codes: list[int]) -> None:
+    def written(self, pieces: list[Item], codes: list[int]) -> None:
         for piece, code in zip(pieces, codes, strict=True):
             if code in (FENCED, STALE, BAD):
                 # The lease is lost (the commit will be fenced as well), or the stream's key
                 # is unusable: this answer streams no more; its end still comes from the commit.
                 self.fenced = True
                 return
-            self._sent.append(piece)
+            if isinstance(piece, str):
+                self._sent.append(piece)
             self.pos += 1
 
     def idle(self) -> bool:
@@ -278,7 +333,7 @@ class PartialReplies:
                 log.exception("partial_flush_failed")
 
     async def _flush(self, writers: list[PartialWriter]) -> None:
-        by_shard: dict[int, list[tuple[PartialWriter, str]]] = {}
+        by_shard: dict[int, list[tuple[PartialWriter, list[Item]]]] = {}
         for writer in writers:
             text = writer.take()
             if text and not writer.fenced:
@@ -291,17 +346,21 @@ class PartialReplies:
             for i in range(0, len(batch), FLUSH_BATCH):
                 await self._send(batch[i : i + FLUSH_BATCH])
 
-    async def _send(self, batch: list[tuple[PartialWriter, str]]) -> None:
+    async def _send(self, batch: list[tuple[PartialWriter, list[Item]]]) -> None:
         keys: list[str] = []
         args: list[str | int] = []
-        plan: list[tuple[PartialWriter, str, list[str], bool]] = []
+        plan: list[tuple[PartialWriter, list[Item], list[Item], bool]] = []
         now = asyncio.get_running_loop().time()
         for writer, text in batch:
-            pieces: list[str] = []
+            pieces: list[Item] = []
             refresh = now >= writer.refresh_at  # asked by the answer's first entry of the call
             for pos, piece, full in writer.batches(text):
                 keys += writer.keys
-                args += ["d", writer.token, writer.attempt, pos, writer.seq, piece, full, ""]
+                if isinstance(piece, Event):  # "v": an event, its kind where an end's outcome is
+                    args += ["v", writer.token, writer.attempt, pos, writer.seq, piece.data, full]
+                    args.append(piece.kind)
+                else:
+                    args += ["d", writer.token, writer.attempt, pos, writer.seq, piece, full, ""]
                 args.append("1" if refresh and not pieces else "")
                 pieces.append(piece)
             plan.append((writer, text, pieces, refresh))
@@ -354,6 +413,13 @@ class PartialReplies:
         token = emit_context.bind(writer)
         try:
             result = await step
+        except Interrupted as asked:
+            # The step waits for a person: readers get what it streamed, then the prompt
+            # (an event "awaiting"), before the session is parked (Pipeline._interrupt).
+            iid = interrupt_id(msg.msg_id, job.seq, asked.n)
+            writer.add_event("awaiting", awaiting_data(iid, asked.payload))
+            await writer.finish()
+            raise
         except BaseException:
             writer.abandon()
             raise

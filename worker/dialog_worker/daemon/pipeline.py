@@ -32,7 +32,10 @@ from redis.asyncio import Redis
 from dialog_worker.config import Settings
 from dialog_worker.daemon.failures import describe_failure, retry_after_of, retry_delay_ms
 from dialog_worker.daemon.partial_writer import PartialReplies, PartialWriter
+from dialog_worker.daemon.step_journal import AttemptJournal, JournalFenced
 from dialog_worker.engine import cancellation, timers
+from dialog_worker.engine import journal as step_journal
+from dialog_worker.engine.interrupts import Interrupted, interrupt_id
 from dialog_worker.engine.protocol import (
     CheckedReply,
     Engine,
@@ -110,6 +113,8 @@ class Job:
     partial: PartialWriter | None = None
     # What the step asked for with dialog_worker.schedule / cancel_timer (its last attempt).
     timer_ops: timers.TimerOps | None = None
+    # The message's step journal for this attempt (dialog_worker.once / interrupt).
+    journal: AttemptJournal | None = None
     # Its cancel mark's key, built once: the cancel watch asks for it every interval.
     _mark: str = ""
 
@@ -308,7 +313,17 @@ class Pipeline:
             if self._expired(msg):
                 # Its turn came too late (expires_at, or DIALOG_MESSAGE_TTL_S): no step.
                 return await self._end(job, "expired", msg)
-            if job.attempts > settings.max_attempts:
+            job.journal = AttemptJournal(
+                self.scripts.journal.redis,
+                self.scripts.journal,
+                job,
+                settings.journal_max_bytes,
+                settings.state_ttl_s,
+                self.metrics,
+            )
+            if job.attempts > settings.max_attempts and await self._spent(job) > (
+                settings.max_attempts
+            ):
                 error = job.last_error or (
                     f"delivered {job.attempts - 1} times without finishing "
                     "(worker killed or lease lost during the step)"
@@ -329,7 +344,10 @@ class Pipeline:
             except StepCancelled:
                 log.info("step_cancelled")
                 return await self._end(job, "cancelled", msg, await self._shown(job))
-            except LeaseLost:
+            except Interrupted as asked:
+                # Waits for a person: the session is parked, no attempt spent, no dead letter.
+                return await self._interrupt(job, msg, asked)
+            except (LeaseLost, JournalFenced):
                 self.metrics.fencing_rejections.inc()
                 log.warning("lease_lost", outcome="abandoned")
                 return None
@@ -342,7 +360,7 @@ class Pipeline:
                     log.warning("lease_lost", outcome="abandoned")
                     return None
                 log.warning("step_failed", error=_describe(exc), exc_info=exc)
-                if job.attempts >= settings.max_attempts:
+                if await self._spent(job) >= settings.max_attempts:
                     return await self._deadletter(job, msg, "exhausted", describe_failure(exc))
                 await self._retry(job, describe_failure(exc), retry_after_of(exc))
                 return None
@@ -375,17 +393,27 @@ class Pipeline:
         flag = cancellation.bind(job.cancel_flag)
         job.timer_ops = timers.TimerOps()  # a new attempt starts with none
         timer_token = timers.bind(job.timer_ops)
+        journal_token = step_journal.bind(job.journal)
         # One scope for the step timeout and for the two who stop a step from outside (one
         # scope less per message than fail_after inside a scope of its own).
         deadline = anyio.current_time() + self.settings.step_timeout_s
         try:
             with anyio.CancelScope(deadline=deadline) as scope:
                 job.scope = scope
-                return await run_step(
+                result = await run_step(
                     self.engine, job.load_state(), msg.as_engine_input(), limiter=self.step_limiter
                 )
+                if job.journal is not None and job.journal.asked != job.journal.answered:
+                    # An interrupt() whose wait was never awaited: going on without the
+                    # person's answer is what interrupt() is there to prevent.
+                    raise PermanentError(
+                        "the step called dialog_worker.interrupt() without awaiting it "
+                        "(await it in an async def step) and returned"
+                    )
+                return result
         finally:
             job.scope = None
+            step_journal.unbind(journal_token)
             timers.unbind(timer_token)
             cancellation.unbind(flag)
         # Cancelled: a lost lease (the heartbeat), a cancel (watch_cancels), else the deadline.
@@ -443,6 +471,8 @@ class Pipeline:
         }
         if isinstance(reply, RichReply):
             turn.update(reply.history_fields())  # "bubbles": [...] / "no_reply": true
+        if not ending and dead_letter is None and job.partial is not None and job.partial.kept:
+            turn["events"] = list(job.partial.kept)  # emit_event(..., keep=True)
         if ending:
             turn[ending] = True  # "cancelled" / "superseded" / "expired": true
         old = job.load_state()
@@ -557,6 +587,55 @@ class Pipeline:
             held=held,
             ending=next_ending,
         )
+
+    # ------------------------------------------------------------------------------------
+    # waiting for a person
+
+    async def _interrupt(self, job: Job, msg: Message, asked: Interrupted) -> Job | None:
+        """The step called dialog_worker.interrupt(): park the session on its message, with
+        a durable ``awaiting`` reply event (lua/interrupt-3.lua). The attempt is not spent;
+        the message runs again when the interrupt is resumed (or times out, or is
+        cancelled)."""
+        keys, settings = job.keys, self.settings
+        iid = interrupt_id(msg.msg_id, job.seq, asked.n)
+        extras = self._reply_extras(job, "")
+        raw = await _shielded(
+            oom.call(  # out of memory: wait for room, lease kept
+                "interrupt",
+                lambda: self.scripts.interrupt(
+                    keys=[keys.ready, keys.session_prefix, keys.replies],
+                    args=[
+                        job.token,
+                        job.session_id,
+                        job.seq,
+                        redis_text(msg.msg_id),
+                        job.entry_id,
+                        iid,
+                        asked.n,
+                        asked.payload,
+                        asked.timeout_ms,
+                        settings.reply_maxlen,
+                        json_bytes(extras) if extras else "",
+                        settings.state_ttl_s,
+                    ],
+                ),
+            )
+        )
+        code = Code(int(raw[0]))
+        if code is not Code.PARKED:
+            self.metrics.fencing_rejections.inc()
+            log.warning("interrupt_fenced", outcome="fenced", reason=code.name.lower())
+            return None
+        self.metrics.interrupts.inc()
+        log.info("awaiting", outcome="awaiting", interrupt_id=iid)
+        return None
+
+    async def _spent(self, job: Job) -> int:
+        """Attempts the message has spent: its deliveries less those that ended waiting for a
+        person (read only when the count matters: near DIALOG_MAX_ATTEMPTS)."""
+        if job.journal is None or job.attempts < self.settings.max_attempts:
+            return job.attempts
+        return job.attempts - await job.journal.awaited_attempts()
 
     # ------------------------------------------------------------------------------------
     # failure paths

@@ -62,7 +62,11 @@ class Upkeep:
         if not shard.group_ready:
             return self.settings.promote_interval_ms / 1000
         if not await self.raw.zrange(shard.keys.ready, 0, 0):
-            return RESUME_IDLE_S  # one cheap look instead of a script call while idle
+            # One cheap look instead of a script call while idle, then a wait on the kick
+            # stream, where a resume of a parked session (lua/resolve-2.lua) or an interrupt's
+            # timeout (lua/fire-3.lua) wakes every resumer at once.
+            await self.wait_for_kick(shard)
+            return 0
         await shard.slots.acquire(priority=True)
         slots = 1 + self.reader.take_free_slots(shard)
         k, s = shard.keys, self.settings
@@ -96,6 +100,19 @@ class Upkeep:
         if int(wait_ms) < 0:
             return RESUME_IDLE_S
         return min(s.promote_interval_ms, max(int(wait_ms), 5)) / 1000
+
+    async def wait_for_kick(self, shard: Shard) -> None:
+        """Block on the shard's kick stream for at most `RESUME_IDLE_S`, from the last entry
+        this resumer saw (an entry appended since its look at the ready set is not missed)."""
+        got: Any = await self.raw.xread(
+            {shard.keys.kick: shard.kick_id}, count=1, block=int(RESUME_IDLE_S * 1000)
+        )
+        streams = got.values() if isinstance(got, dict) else [e for _, e in got or ()]
+        for entries in streams:  # RESP3 answers a dict, RESP2 a list of pairs
+            if entries and isinstance(entries[-1], list | tuple):
+                newest = entries[-1][0]
+                if isinstance(newest, bytes):
+                    shard.kick_id = newest
 
     async def fire_once(self, shard: Shard) -> float:
         """Append the shard's due timers to its inbound stream (lua/fire-3.lua: each timer

@@ -24,8 +24,10 @@ attempts of the next message, ``g`` when a gap was first seen), ``lock`` (holder
 lease), ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id),
 ``partial:<msg_id>`` (a streamed reply's partial text, dialog_worker/daemon/partial_writer.py) and
 ``cancel:<msg_id>`` (a cancel mark, kept DIALOG_DEDUPE_TTL_S), ``timers`` (the session's timers)
-and ``ids`` (the msg_ids the keys above are named by). The state hash also holds
-``xc``/``xs``: messages below that seq end cancelled / superseded in their turn.
+and ``ids`` (the msg_ids the keys above are named by), ``journal:<msg_id>`` (a message's step
+journal) and ``interrupts`` (ids of ended interrupts). The state hash also holds
+``xc``/``xs``: messages below that seq end cancelled / superseded in their turn, and
+``w``/``wi`` while the session is parked on a message waiting for a person.
 """
 
 from __future__ import annotations
@@ -115,6 +117,18 @@ class SessionKeys:
     def partial(self, msg_id: str) -> str:
         """The stream of a message's partial reply (dialog_worker/daemon/partial_writer.py)."""
         return self.state.removesuffix(":state") + ":partial:" + msg_id
+
+    def journal(self, msg_id: str) -> str:
+        """A hash: the step journal of one message (``o:<name>`` results of ``once``, ``i:<n>``
+        how its interrupts ended, ``b`` bytes used, ``w`` attempts that ended awaiting;
+        journal_key in lua/_common.lua), deleted by its commit."""
+        return self.state.removesuffix(":state") + ":journal:" + msg_id
+
+    @property
+    def interrupts(self) -> str:
+        """A hash: the ids of the session's interrupts that ended -> how (``resumed``,
+        ``timed_out``, ``cancelled``...), kept a day (interrupt_ended in lua/_common.lua)."""
+        return self.state.removesuffix(":state") + ":interrupts"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -212,6 +226,13 @@ class Keys:
         """A stream of at most one entry: the waiter appends one when it hands its role on,
         and exactly one of the other readers, blocked on it in a consumer group, wakes."""
         return f"{self.ready}:wake"
+
+    @property
+    def kick(self) -> str:
+        """A stream of at most one entry: a resume of a parked session (lua/resolve-2.lua) or an
+        interrupt's timeout appends one, and every worker's resumer, blocked on it while the
+        ready set is empty, looks at the ready set at once."""
+        return f"{self.ready}:kick"
 
     @property
     def reshard_moved(self) -> str:
