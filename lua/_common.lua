@@ -358,9 +358,10 @@ end
 
 -- The resumers of every worker block on this stream while the ready set is empty
 -- (worker/dialog_worker/daemon/upkeep.py): an entry wakes them, so a resumed session is
--- taken up at once rather than at their next look.
+-- taken up at once rather than at their next look. pcall: a key of another type (written by
+-- hand) costs that speed only, never the caller's call after its first writes.
 local function kick(ready)
-  rcall('XADD', ready .. ':kick', 'MAXLEN', 1, '*', 'k', '1')
+  redis.pcall('XADD', ready .. ':kick', 'MAXLEN', 1, '*', 'k', '1')
 end
 
 -- The parked interrupt of a state hash's wi field as a table ({} when it cannot be read).
