@@ -44,7 +44,8 @@ class Agent:
             for i in range(1, int(words[1]) + 1):
                 results.append(await dialog_worker.once(f"tool:{i}", tool, msg_id, i))
                 if i == 2 and "hold" in words:
-                    while os.path.exists(os.environ["JOURNAL_HOLD"]):
+                    # Held until the test removes the file (it kills this worker meanwhile).
+                    while os.path.exists(os.environ["JOURNAL_HOLD"]):  # noqa: ASYNC110, ASYNC240
                         await anyio.sleep(0.05)
             return new, "done " + " ".join(str(r["i"]) for r in results)
         if words[0] == "refund":
