@@ -22,6 +22,14 @@
   ARGV[9] timeout (ms; 0: none)   ARGV[10] reply MAXLEN (0: none)
   ARGV[11] reply extras (a JSON array of at most 64 strings in name/value pairs, echoed
   producer fields; "" for none)   ARGV[12] journal expiry (s)
+  ARGV[13] the prompt's data for readers of the answer (JSON text: interrupt_id, payload)
+  ARGV[14] the attempt   ARGV[15] the next position of its partial stream
+  ARGV[16] partial stream MAXLEN   ARGV[17] partial stream expiry (s)
+
+  Readers of the message's streamed answer get the prompt in the same step: an event entry
+  ("v", kind "awaiting", as emit-2.lua writes a step's events) at the attempt's next
+  position of the message's partial stream, so a page never shows a prompt that cannot be
+  answered yet. A stream that refuses that id (it holds a later attempt) is left as it is.
 
   Returns
     {10 PARKED, timeout_at (ms; 0: none)}   written
@@ -34,7 +42,11 @@ local token, sid, seq, msg_id, entry_id, id = ARGV[1], ARGV[2], tonumber(ARGV[3]
   ARGV[5], ARGV[6]
 local n, payload, timeout = tonumber(ARGV[7]), ARGV[8], tonumber(ARGV[9])
 local maxlen, ttl = tonumber(ARGV[10]), tonumber(ARGV[12])
-if #ARGV ~= 12 or not (seq and n and timeout and maxlen and ttl) or seq < 1 or n < 1
+local attempt, pos = tonumber(ARGV[14]), tonumber(ARGV[15])
+local pmaxlen, pttl = tonumber(ARGV[16]), tonumber(ARGV[17])
+if #ARGV ~= 17 or not (seq and n and timeout and maxlen and ttl) or seq < 1 or n < 1
+    or not (attempt and pos and pmaxlen and pttl) or attempt < 0 or pos < 0 or pmaxlen < 1
+    or pttl < 1 or attempt ~= math.floor(attempt) or pos ~= math.floor(pos)
     or n ~= math.floor(n) or timeout < 0 or maxlen < 0 or ttl < 1
     or #sid == 0 or #sid > 256 or #msg_id == 0 or #msg_id > 256 or #id == 0 or #id > 1024
     or #payload == 0 then
@@ -79,6 +91,11 @@ end
 local event = {'interrupt_id', id, 'payload', payload}
 for _, v in ipairs(extras) do event[#event + 1] = v end
 reply_event(replies, maxlen, sid, msg_id, seq, 'awaiting', '', now, entry_id, event)
+local partial = session_key(sprefix, sid, 'partial:' .. msg_id)
+local added = redis.pcall('XADD', partial, 'MAXLEN', '~', pmaxlen,
+  string.format('%d-%d', attempt + 1, pos), 'a', attempt, 'p', pos, 's', seq, 'k', 'v',
+  't', ARGV[13], 'n', 'awaiting')
+if type(added) ~= 'table' then rcall('EXPIRE', partial, pttl) end
 rcall('DEL', lock)
 rcall('ZREM', ready, sid)
 rcall('ZREM', ages_key(ready), sid)

@@ -256,3 +256,62 @@ async def test_a_result_past_the_journal_limit_dead_letters_the_message_with_a_c
     [(_, letter)] = r.xrange("dialog-dlq")
     assert letter["error_kind"] == "permanent"
     assert "DIALOG_JOURNAL_MAX_BYTES" in letter["error"] and "JournalFull" in letter["error"]
+
+
+async def test_typed_events_and_the_prompt_stream_with_the_text_and_the_answer_follows_a_resume(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    start(workers, tmp_path)
+    seen: list[Any] = []
+    async for event in client.ask_stream("r12", "stream", msg_id="m1", timeout=20):
+        seen.append(event)
+        if event.kind == "event" and event.event_kind == "awaiting":
+            assert event.data == {"interrupt_id": "m1:1:1", "payload": {"ask": "go on?"}}
+            assert (await client.resume("r12", event.data["interrupt_id"], "yes")).status == (
+                "resumed"
+            )
+    shown = [(e.kind, e.attempt, e.text, e.event_kind, e.data) for e in seen]
+    tool = {"name": "lookup", "state": "done"}
+    assert shown == [
+        ("delta", 1, "checking ", None, None),
+        ("event", 1, "", "tool", tool),
+        ("event", 1, "", "awaiting", {"interrupt_id": "m1:1:1", "payload": {"ask": "go on?"}}),
+        ("reset", 2, "", None, None),  # the run after the resume starts the answer over
+        ("delta", 2, "checking ", None, None),
+        ("event", 2, "", "tool", tool),
+        ("delta", 2, "approved ", None, None),
+        ("end", 2, "after yes", None, None),
+    ]
+    assert [e.cursor for e in seen[:3]] == ["m1:1:0", "m1:1:1", "m1:1:2"]
+    # A reader resuming from the first event's cursor gets every later one once.
+    again = [e async for e in client.stream("r12", "m1", after="m1:1:1", timeout=10)]
+    assert [(e.kind, e.event_kind) for e in again] == [
+        ("event", "awaiting"),
+        ("reset", None),
+        ("delta", None),
+        ("event", "tool"),
+        ("delta", None),
+        ("end", None),
+    ]
+    # Kept in the history turn (keep=True): the committed attempt's, not the first one's too.
+    state = await client.state("r12")
+    assert state is not None
+    assert state["history"][-1]["events"] == [{"kind": "tool", "data": tool}]
+
+
+async def test_the_sessions_feed_shows_the_prompt_as_awaiting_and_the_turn_after_the_resume(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    start(workers, tmp_path)
+    reply = await client.ask("r13", "refund 4", msg_id="m1", timeout=20)
+    assert reply.interrupt_id is not None
+    await client.resume("r13", reply.interrupt_id, True)
+    feed = client.events("r13", "0-0:0")  # from the reply stream's start
+    kinds = []
+    async for event in feed:
+        if event.kind == "idle":
+            continue
+        kinds.append((event.kind, event.data.get("seq"), event.data.get("interrupt_id")))
+        if event.kind == "turn":
+            break
+    assert kinds == [("awaiting", 1, "m1:1:1"), ("turn", 1, None)]

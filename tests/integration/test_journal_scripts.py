@@ -59,7 +59,7 @@ class H:
             keys=[K.ready, K.session_prefix, K.replies],
             args=[
                 token, "s", seq, "m1", "1-1", "m1:1:1", 1, '{"q":"ok?"}', timeout_ms, 0, "",
-                3600,
+                3600, '{"interrupt_id":"m1:1:1","payload":{"q":"ok?"}}', 1, 2, 100, 600,
             ],
         )  # fmt: skip
 
@@ -152,6 +152,12 @@ async def test_an_interrupt_parks_the_session_and_a_resume_is_applied_once(h: H)
         b'{"q":"ok?"}',
     )
     assert await h.r.exists(K.session("s").lock) == 0  # released
+    # Readers of the answer get the prompt in the same step, at the attempt's next place.
+    [(entry_id, prompt)] = await h.r.xrange(K.session("s").partial("m1"))
+    assert entry_id == b"2-2" and prompt == {
+        b"a": b"1", b"p": b"2", b"s": b"1", b"k": b"v", b"n": b"awaiting",
+        b"t": b'{"interrupt_id":"m1:1:1","payload":{"q":"ok?"}}',
+    }  # fmt: skip
     assert await h.r.zscore(K.ready, "s") is None and await h.r.zscore(K.ages, "s") is None
     assert await h.r.ttl(h.journal_key) == -1  # no timeout: the journal waits as long
     # Looked at (a message of the session arrived, a release...): it stays parked.

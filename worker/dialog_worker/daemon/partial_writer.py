@@ -32,7 +32,7 @@ from redis.asyncio import Redis
 
 from dialog_worker.config import Settings
 from dialog_worker.engine import emit as emit_context
-from dialog_worker.engine.interrupts import Interrupted, awaiting_data, interrupt_id
+from dialog_worker.engine.interrupts import Interrupted
 from dialog_worker.store.keys import Keys
 from dialog_worker.store.scripts import Script, source
 
@@ -413,11 +413,10 @@ class PartialReplies:
         token = emit_context.bind(writer)
         try:
             result = await step
-        except Interrupted as asked:
-            # The step waits for a person: readers get what it streamed, then the prompt
-            # (an event "awaiting"), before the session is parked (Pipeline._interrupt).
-            iid = interrupt_id(msg.msg_id, job.seq, asked.n)
-            writer.add_event("awaiting", awaiting_data(iid, asked.payload))
+        except Interrupted:
+            # The step waits for a person: what it streamed is written first; the prompt (an
+            # event "awaiting" at the writer's next position) goes in with the park itself
+            # (lua/interrupt-3.lua), so a reader never sees a prompt it cannot answer yet.
             await writer.finish()
             raise
         except BaseException:

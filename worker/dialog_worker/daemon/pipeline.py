@@ -35,7 +35,7 @@ from dialog_worker.daemon.partial_writer import PartialReplies, PartialWriter
 from dialog_worker.daemon.step_journal import AttemptJournal, JournalFenced
 from dialog_worker.engine import cancellation, timers
 from dialog_worker.engine import journal as step_journal
-from dialog_worker.engine.interrupts import Interrupted, interrupt_id
+from dialog_worker.engine.interrupts import Interrupted, awaiting_data, interrupt_id
 from dialog_worker.engine.protocol import (
     CheckedReply,
     Engine,
@@ -617,6 +617,11 @@ class Pipeline:
                         settings.reply_maxlen,
                         json_bytes(extras) if extras else "",
                         settings.state_ttl_s,
+                        awaiting_data(iid, asked.payload),
+                        job.attempts,
+                        job.partial.pos if job.partial is not None else 0,
+                        settings.partial_maxlen,
+                        settings.partial_ttl_s,
                     ],
                 ),
             )
