@@ -331,7 +331,10 @@ for _, c in ipairs(commits) do
       -- The message's step journal (journal-1.lua) ends with it; so does a wait of it that
       -- something ended without a resume (interrupt-3.lua).
       rcall('DEL', journal_key(sprefix, c.sid, c.msg_id))
-      if h[11] == c.msg_id then rcall('HDEL', state, 'w', 'wi') end
+      if h[11] == c.msg_id then
+        rcall('HDEL', state, 'w')
+        rcall('DEL', await_key(sprefix, c.sid))
+      end
     end
 
     local held = h[10] or (hold_on_letter and c.outcome == 'dead_lettered')

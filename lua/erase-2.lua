@@ -39,12 +39,13 @@ end
 local state, lock = session_key(sprefix, sid, 'state'), session_key(sprefix, sid, 'lock')
 local tkey, ikey = session_key(sprefix, sid, 'timers'), session_key(sprefix, sid, 'ids')
 for _, check in ipairs({{ready, 'zset'}, {state, 'hash'}, {tkey, 'hash'}, {ikey, 'zset'},
+                        {await_key(sprefix, sid), 'string'},
                         {timers_key(ready), 'zset'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end
 
-local h = rcall('HMGET', state, 'a', 's', 'v', 'w', 'wi')
+local h = rcall('HMGET', state, 'a', 's', 'v', 'w')
 local applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
 local running = rcall('EXISTS', lock)
 local found = (h[3] or running == 1) and 1 or 0
@@ -58,8 +59,13 @@ local journals = 0
 for _, msg_id in ipairs(ids) do
   journals = journals + rcall('DEL', journal_key(sprefix, sid, msg_id))
 end
-if h[4] then
-  journals = journals + rcall('DEL', journal_key(sprefix, sid, h[4]))
+local parked = rcall('GET', await_key(sprefix, sid))
+local parked_on = h[4] or (parked and interrupt_record(parked)['msg_id'])
+if type(parked_on) == 'string' then
+  journals = journals + rcall('DEL', journal_key(sprefix, sid, parked_on))
+end
+if parked or h[4] then
+  rcall('DEL', await_key(sprefix, sid))
   rcall('ZREM', timers_key(ready), sid .. '\n' .. AWAIT_TIMER)
 end
 
@@ -67,9 +73,9 @@ if mode == 'reset' then
   if rcall('EXISTS', state) == 1 then
     rcall('HSET', state, 'd', ARGV[3])
     rcall('HINCRBY', state, 'v', 1)
-    rcall('HDEL', state, 'c', 'w', 'wi')  -- no commit is answered as already written any more
-    if h[4] then  -- it was parked: its message runs again, as outstanding work (the ages)
-      local rec = interrupt_record(h[5])
+    rcall('HDEL', state, 'c', 'w')  -- no commit is answered as already written any more
+    if parked then  -- it was parked: its message runs again, as outstanding work (the ages)
+      local rec = interrupt_record(parked)
       redis.pcall('ZADD', ages_key(ready), entry_ms(tostring(rec['entry_id'] or '')), sid)
     end
     if last > applied then rcall('ZADD', ready, now, sid) end  -- the waiting ones go on now

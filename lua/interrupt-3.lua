@@ -1,8 +1,9 @@
 --[[
   interrupt: a running step waits for a person (dialog_worker.interrupt). In one atomic step,
   fenced like a commit (the lock is the caller's token, and the message is the session's next
-  one: applied seq = seq - 1): the session is parked on the message (the state's w and wi,
-  see _common.lua), a durable reply event of outcome "awaiting" carries the interrupt's id
+  one: applied seq = seq - 1): the session is parked on the message (the state's w and the
+  session's await key, see _common.lua), a durable reply event of outcome "awaiting" carries
+  the interrupt's id
   and payload, the attempt is recorded as one that ended awaiting (the journal's w: it is not
   counted against DIALOG_MAX_ATTEMPTS), and the lock is released. Nothing hands the message
   out again (resume-3.lua) until resolve-2.lua records a resume, its timeout is due (a member
@@ -66,9 +67,9 @@ if ARGV[11] ~= '' then
   extras = list
 end
 local state, lock = session_key(sprefix, sid, 'state'), session_key(sprefix, sid, 'lock')
-local journal = journal_key(sprefix, sid, msg_id)
+local journal, await = journal_key(sprefix, sid, msg_id), await_key(sprefix, sid)
 local err = expect_streams({replies}) or expect_types({{ready, 'zset'}, {ages_key(ready), 'zset'},
-  {timers_key(ready), 'zset'}, {state, 'hash'}, {journal, 'hash'}})
+  {timers_key(ready), 'zset'}, {state, 'hash'}, {journal, 'hash'}, {await, 'string'}})
 if err then return err end
 
 if redis.pcall('GET', lock) ~= token then return {-1} end
@@ -78,7 +79,8 @@ if (tonumber(h[1]) or 0) ~= seq - 1 or (h[2] and h[2] ~= msg_id) then return {-2
 local now = now_ms()
 local timeout_at = 0
 if timeout > 0 then timeout_at = now + math.floor(timeout) end
-rcall('HSET', state, 'w', msg_id, 'wi', cjson.encode({
+rcall('HSET', state, 'w', msg_id)
+rcall('SET', await, cjson.encode({
   id = id, n = n, msg_id = msg_id, seq = seq, entry_id = entry_id, payload = payload,
   at = now, timeout_at = timeout_at}))
 rcall('HINCRBY', journal, 'w', 1)

@@ -1,12 +1,17 @@
 --[[
   resolve: a person answers a parked interrupt (DialogClient.resume), or a cancel of a parked
-  message must be looked at now. Applied once: a resume counts only while its interrupt is
-  the one the session is parked on, and it unparks the session in the same step, so a second
-  resume of the same id finds nothing to apply (it is told how the interrupt ended).
+  message must be looked at now. Run by the application: it touches only the session's await
+  key and its interrupts (see _common.lua), the ready set, the ages and the kick stream, never
+  the state hash nor a journal (those are the workers').
 
-    resume  the value is recorded in the message's journal (i:<n>, where the re-run's n-th
-            interrupt() finds it), the session is unparked, put in the ready set due now and
-            the workers' resumers are woken (kick in _common.lua)
+  Applied once: a resume counts only while its interrupt is the one the session's await key
+  holds, and it deletes that key in the same step, so a second resume of the same id finds
+  nothing to apply (it is told how the interrupt ended).
+
+    resume  the value is recorded as the interrupt's end (interrupts: id -> {"value": ...},
+            where the re-run's interrupt() finds it), the await key goes, the session is put
+            in the ready set due now (and the ages), and the workers' resumers are woken
+            (kick in _common.lua); resume-3.lua then hands the message out again
     wake    after a cancel of msg_id (cancel-1.lua marked it): if the session is parked on
             that message, it is put in the ready set due now, where resume-3.lua ends it
             cancelled (unparked, without a step)
@@ -14,41 +19,38 @@
   KEYS[1] ready set   KEYS[2] session key prefix
 
   ARGV[1] resume | wake   ARGV[2] session_id
-  resume: ARGV[3] interrupt id   ARGV[4] value (JSON text)   ARGV[5] journal expiry (s)
+  resume: ARGV[3] interrupt id   ARGV[4] value (JSON text)
   wake:   ARGV[3] msg_id
 
   Returns
-    resume  {'resumed'} | {'ended', how} (it ended before: resumed, timed_out or cancelled;
-            kept a day) | {'unknown'} (no such interrupt is parked: a wrong id, or the session
-            was reset or deleted)
+    resume  {'resumed'} | {'ended', how JSON} (it ended before: {"value": ...} resumed,
+            {"timeout": true}, {"ended": "cancelled" | "superseded"}; kept a day) |
+            {'unknown'} (no such interrupt: a wrong id, or the session was reset or deleted)
     wake    {'woken'} | {'not_parked'}
 ]]
 local ready, sprefix = KEYS[1], KEYS[2]
 local op, sid = ARGV[1], ARGV[2]
-if not ((op == 'resume' and #ARGV == 5 and tonumber(ARGV[5]) and tonumber(ARGV[5]) >= 1
-          and #ARGV[4] > 0)
-        or (op == 'wake' and #ARGV == 3))
+if not ((op == 'resume' and #ARGV == 4 and #ARGV[4] > 0) or (op == 'wake' and #ARGV == 3))
     or #sid == 0 or #sid > 256 or #ARGV[3] == 0 or #ARGV[3] > 1024 then
   return redis.error_reply('ERR resolve: bad arguments')
 end
-local state = session_key(sprefix, sid, 'state')
+local await = await_key(sprefix, sid)
 local interrupts = session_key(sprefix, sid, 'interrupts')
 local err = expect_streams({ready .. ':kick'}) or expect_types({{ready, 'zset'},
-  {ages_key(ready), 'zset'}, {timers_key(ready), 'zset'}, {state, 'hash'}, {interrupts, 'hash'}})
+  {ages_key(ready), 'zset'}, {await, 'string'}, {interrupts, 'hash'}})
 if err then return err end
 
-local h = rcall('HMGET', state, 'w', 'wi')
+local rec = interrupt_record(rcall('GET', await))
 local now = now_ms()
 
 if op == 'wake' then
-  if h[1] ~= ARGV[3] then return {'not_parked'} end
+  if rec['msg_id'] ~= ARGV[3] then return {'not_parked'} end
   rcall('ZADD', ready, now, sid)
   kick(ready)
   return {'woken'}
 end
 
 local id, value = ARGV[3], ARGV[4]
-local rec = h[1] and interrupt_record(h[2]) or {}
 if rec['id'] ~= id then
   local how = rcall('HGET', interrupts, id)
   if how then return {'ended', how} end
@@ -56,14 +58,9 @@ if rec['id'] ~= id then
 end
 local ok = pcall(cjson.decode, value)
 if not ok then return redis.error_reply('ERR resolve: the value is not JSON') end
-local journal = journal_key(sprefix, sid, h[1])
-local jt = redis.pcall('TYPE', journal)
-if type(jt) ~= 'table' or (jt['ok'] ~= 'none' and jt['ok'] ~= 'hash') then
-  return redis.error_reply('WRONGTYPE ' .. journal .. ' is not a hash')
-end
-rcall('HSET', journal, 'i:' .. (tonumber(rec['n']) or 1), '{"value":' .. value .. '}')
-rcall('EXPIRE', journal, tonumber(ARGV[5]))
-unpark(ready, sprefix, sid, rec, 'resumed')
+interrupt_ended(sprefix, sid, id, '{"value":' .. value .. '}')
+rcall('DEL', await)
 rcall('ZADD', ready, now, sid)
+rcall('ZADD', ages_key(ready), entry_ms(tostring(rec['entry_id'] or '')), sid)
 kick(ready)
 return {'resumed'}

@@ -65,7 +65,7 @@ class H:
 
     async def resolve(self, iid: str, value: str = "true") -> list[Any]:
         got = await self.s.resolve(
-            keys=[K.ready, K.session_prefix], args=["resume", "s", iid, value, 3600]
+            keys=[K.ready, K.session_prefix], args=["resume", "s", iid, value]
         )
         return [v.decode() if isinstance(v, bytes) else v for v in got]
 
@@ -166,14 +166,15 @@ async def test_an_interrupt_parks_the_session_and_a_resume_is_applied_once(h: H)
     assert await h.r.zscore(K.ready, "s") is None
     assert await h.resolve("m1:1:2") == ["unknown"]
     assert await h.resolve("m1:1:1", '{"ok":1}') == ["resumed"]
-    assert await h.resolve("m1:1:1", "false") == ["ended", "resumed"]  # applied once
-    assert await h.r.hget(h.journal_key, "i:1") == b'{"value":{"ok":1}}'
+    assert await h.resolve("m1:1:1", "false") == ["ended", '{"value":{"ok":1}}']  # once
+    assert await h.r.hget(K.session("s").interrupts, "m1:1:1") == b'{"value":{"ok":1}}'
+    assert await h.r.exists(K.session("s").awaiting) == 0
     assert await h.r.zscore(K.ages, "s") is not None
     [again] = await h.resume()
     assert (int(again[3]), int(again[8])) == (1, 2)  # the same message, its next attempt
     assert (await h.commit(again[1:]))[0][0] == Code.COMMITTED
     assert await h.r.exists(h.journal_key) == 0
-    assert await h.r.hmget(K.session("s").state, ["w", "wi"]) == [None, None]
+    assert await h.r.hget(K.session("s").state, "w") is None
 
 
 async def test_an_interrupts_timeout_is_fired_and_recorded_for_the_run_after_it(h: H) -> None:
@@ -187,9 +188,9 @@ async def test_an_interrupts_timeout_is_fired_and_recorded_for_the_run_after_it(
     assert await h.r.xlen(K.stream) == 0
     [again] = await h.resume()
     assert int(again[3]) == 1
-    assert await h.r.hget(h.journal_key, "i:1") == b'{"timeout":true}'
+    assert await h.r.hget(K.session("s").interrupts, "m1:1:1") == b'{"timeout":true}'
     assert await h.r.zscore(K.timers, "s\n\x01await") is None
-    assert await h.resolve("m1:1:1") == ["ended", "timed_out"]
+    assert await h.resolve("m1:1:1") == ["ended", '{"timeout":true}']
 
 
 async def test_an_interrupt_refuses_before_writing_when_a_shared_key_has_the_wrong_type(

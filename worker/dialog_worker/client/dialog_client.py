@@ -600,7 +600,6 @@ class DialogClient:
                 session_id,
                 interrupt_id,
                 value,
-                self.settings.state_ttl_s,
             )
 
     async def reset(self, session_id: str, *, who: str = "client", reason: str = "") -> EraseResult:

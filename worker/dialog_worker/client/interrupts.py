@@ -4,8 +4,8 @@ for, and the answer of a person to it, applied once (lua/resolve-2.lua).
 
 A step that called ``dialog_worker.interrupt(payload)`` parked its session: the message's
 reply event has outcome ``awaiting`` with the interrupt's id and payload, and the session's
-state hash holds the interrupt (``wi``) until it is resumed, times out or its message is
-cancelled. It lives in Redis, so it survives a page reload and a worker restart.
+await key holds the interrupt until it is resumed, times out or its message is cancelled.
+It lives in Redis, so it survives a page reload and a worker restart.
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ class ResumeResult:
         return dataclasses.asdict(self)
 
 
-def pending_from_state(session_id: str, raw: bytes | str | None) -> list[PendingInterrupt]:
-    """The parked interrupt of a state hash's ``wi`` field ([] when there is none or it cannot
-    be read: nothing read from Redis is trusted to be well-formed)."""
+def pending_from_record(session_id: str, raw: bytes | str | None) -> list[PendingInterrupt]:
+    """The parked interrupt of a session's await key ([] when there is none or it cannot be
+    read: nothing read from Redis is trusted to be well-formed)."""
     if not raw:
         return []
     try:
@@ -105,8 +105,8 @@ def _whole(value: object) -> int:
 
 
 async def pending(redis: Redis, keys: Keys, session_id: str) -> list[PendingInterrupt]:
-    raw = await redis.hget(keys.session(session_id).state, "wi")
-    return pending_from_state(session_id, raw)
+    raw = await redis.get(keys.session(session_id).awaiting)
+    return pending_from_record(session_id, raw)
 
 
 def check_interrupt_id(interrupt_id: object) -> str:
@@ -133,26 +133,36 @@ def value_json(value: object) -> str:
 
 
 async def resume(
-    script: Script,
-    keys: Keys,
-    session_id: str,
-    interrupt_id: str,
-    value: object,
-    journal_ttl_s: int,
+    script: Script, keys: Keys, session_id: str, interrupt_id: str, value: object
 ) -> ResumeResult:
     answer = await script(
         keys=[keys.ready, keys.session_prefix],
-        args=["resume", session_id, interrupt_id, value_json(value), journal_ttl_s],
+        args=["resume", session_id, interrupt_id, value_json(value)],
     )
     kind = _text(answer[0])
     if kind == "resumed":
         status = RESUMED
     elif kind == "ended":
-        how = _text(answer[1])
-        status = ALREADY_RESUMED if how == "resumed" else how
+        status = ended_status(answer[1])
     else:
         status = UNKNOWN
     return ResumeResult(session_id, interrupt_id, status)
+
+
+def ended_status(raw: object) -> str:
+    """How an interrupt ended (its JSON in the session's interrupts hash), as a status."""
+    try:
+        how = json.loads(raw if isinstance(raw, bytes | str) else "")
+    except (ValueError, RecursionError):
+        return UNKNOWN
+    if not isinstance(how, dict):
+        return UNKNOWN
+    if "value" in how:
+        return ALREADY_RESUMED
+    if how.get("timeout") is True:
+        return "timed_out"
+    ended = how.get("ended")
+    return ended if ended in ("cancelled", "superseded") else UNKNOWN
 
 
 async def wake_if_parked(script: Script, keys: Keys, session_id: str, msg_id: str) -> bool:

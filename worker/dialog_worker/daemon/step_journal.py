@@ -3,7 +3,8 @@
 message.
 
 The journal is read once per attempt, at the first call that needs it (one HGETALL; bounded by
-DIALOG_JOURNAL_MAX_BYTES), and kept in memory for the attempt; each new result is recorded
+DIALOG_JOURNAL_MAX_BYTES), and kept in memory for the attempt; an interrupt's answer is read
+from the session's interrupts hash (one HGET per interrupt() call); each new result is recorded
 by lua/journal-1.lua, fenced by the lease and the session's applied seq, before `once` returns
 it. A refusal by the fence means the attempt lost its message: the step is stopped like one
 whose lease the heartbeat found lost.
@@ -133,7 +134,12 @@ class AttemptJournal:
         raise JournalFenced(f"journal write refused ({code.name.lower()}): the lease is lost")
 
     async def interrupt_ended(self, n: int) -> dict[str, Any] | None:
-        found = (await self._load()).get(b"i:%d" % n)
+        """How the step's ``n``-th interrupt ended: the session's interrupts hash (written by
+        the resume, or by the worker at its timeout; lua/resolve-2.lua, resume-3.lua)."""
+        job = self.job
+        found = await self.redis.hget(
+            job.keys.session(job.session_id).interrupts, self.interrupt_id(n)
+        )
         if found is None:
             return None
         try:

@@ -25,9 +25,10 @@ lease), ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id),
 ``partial:<msg_id>`` (a streamed reply's partial text, dialog_worker/daemon/partial_writer.py) and
 ``cancel:<msg_id>`` (a cancel mark, kept DIALOG_DEDUPE_TTL_S), ``timers`` (the session's timers)
 and ``ids`` (the msg_ids the keys above are named by), ``journal:<msg_id>`` (a message's step
-journal) and ``interrupts`` (ids of ended interrupts). The state hash also holds
-``xc``/``xs``: messages below that seq end cancelled / superseded in their turn, and
-``w``/``wi`` while the session is parked on a message waiting for a person.
+journal), ``await`` (the interrupt the session is parked on) and ``interrupts`` (how each
+ended). The state hash also holds ``xc``/``xs``: messages below that seq end cancelled /
+superseded in their turn, and ``w`` (the parked message's msg_id) while it waits for a
+person.
 """
 
 from __future__ import annotations
@@ -119,16 +120,23 @@ class SessionKeys:
         return self.state.removesuffix(":state") + ":partial:" + msg_id
 
     def journal(self, msg_id: str) -> str:
-        """A hash: the step journal of one message (``o:<name>`` results of ``once``, ``i:<n>``
-        how its interrupts ended, ``b`` bytes used, ``w`` attempts that ended awaiting;
-        journal_key in lua/_common.lua), deleted by its commit."""
+        """A hash: the step journal of one message (``o:<name>`` results of ``once``, ``b``
+        bytes used, ``w`` attempts that ended awaiting; journal_key in lua/_common.lua),
+        deleted by its commit."""
         return self.state.removesuffix(":state") + ":journal:" + msg_id
 
     @property
     def interrupts(self) -> str:
-        """A hash: the ids of the session's interrupts that ended -> how (``resumed``,
-        ``timed_out``, ``cancelled``...), kept a day (interrupt_ended in lua/_common.lua)."""
+        """A hash: the ids of the session's interrupts that ended -> how, as JSON (``{"value":
+        ...}`` resumed, ``{"timeout": true}``, ``{"ended": "cancelled"}``), kept a day
+        (interrupt_ended in lua/_common.lua); the run after a resume reads its value there."""
         return self.state.removesuffix(":state") + ":interrupts"
+
+    @property
+    def awaiting(self) -> str:
+        """A string: the interrupt the session is parked on (JSON: id, n, msg_id, seq, entry_id,
+        payload, at, timeout_at), while it waits for a person (await_key in lua/_common.lua)."""
+        return self.state.removesuffix(":state") + ":await"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
