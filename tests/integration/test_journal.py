@@ -4,6 +4,7 @@ applied once, timeouts, restarts, cancel, reset and delete (tests/support/journa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -315,3 +316,45 @@ async def test_the_sessions_feed_shows_the_prompt_as_awaiting_and_the_turn_after
         if event.kind == "turn":
             break
     assert kinds == [("awaiting", 1, "m1:1:1"), ("turn", 1, None)]
+
+
+async def test_the_cli_asks_lists_and_resumes_an_interrupt(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    from worker_procs import run_cli
+
+    start(workers, tmp_path)
+    asked = run_cli(env, "ask", "c1", "refund 8", "--msg-id", "m1")
+    assert asked.returncode == 0, asked.stderr
+    event = json.loads(asked.stdout)
+    assert (event["outcome"], event["interrupt_id"]) == ("awaiting", "m1:1:1")
+    listed = run_cli(env, "pending", "c1")
+    assert [json.loads(line)["interrupt_id"] for line in listed.stdout.splitlines()] == ["m1:1:1"]
+    bad = run_cli(env, "resume", "c1", "m1:1:1", "yes")  # not JSON: "yes" needs its quotes
+    assert bad.returncode == 2 and "not JSON" in bad.stderr
+    done = run_cli(env, "resume", "c1", "m1:1:1", "true")
+    again = run_cli(env, "resume", "c1", "m1:1:1", "false")
+    unknown = run_cli(env, "resume", "c1", "m1:1:5", "true")
+    assert (done.returncode, json.loads(done.stdout)["status"]) == (0, "resumed")
+    assert (again.returncode, json.loads(again.stdout)["status"]) == (0, "already_resumed")
+    assert (unknown.returncode, json.loads(unknown.stdout)["status"]) == (1, "unknown")
+    url = env["REDIS_URL"]
+    done_events = await wait_for(
+        lambda: [e for e in events(url, "c1") if e["outcome"] == "applied"]
+    )
+    assert [e["reply"] for e in done_events] == ["refunded"]
+
+
+def test_the_sync_client_lists_and_resumes_an_interrupt(
+    workers: Any, env: dict[str, str], tmp_path: Path
+) -> None:
+    from dialog_worker.client.sync import SyncDialogClient
+    from dialog_worker.config import load_settings
+
+    start(workers, tmp_path)
+    with SyncDialogClient(settings=load_settings(environ=env)) as c:
+        reply = c.ask("y1", "refund 2", msg_id="m1", timeout=20)
+        assert reply.outcome == "awaiting"
+        assert [p.interrupt_id for p in c.pending("y1")] == ["m1:1:1"]
+        assert c.resume("y1", "m1:1:1", True).status == "resumed"
+        assert c.resume("y1", "m1:1:1", True).status == "already_resumed"
