@@ -223,7 +223,8 @@ async def test_reset_and_delete_remove_the_journal_and_the_pending_interrupt(
 async def test_a_step_may_wait_twice_and_each_answer_reaches_its_own_call(
     workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
 ) -> None:
-    start(workers, tmp_path)
+    # One attempt allowed: the runs that ended waiting for a person are not attempts.
+    start(workers, tmp_path, DIALOG_MAX_ATTEMPTS="1")
     first = await client.ask("r9", "twice", msg_id="m1", timeout=20)
     assert first.interrupt_id == "m1:1:1" and first.payload == {"n": 1}
     await client.resume("r9", "m1:1:1", "a")

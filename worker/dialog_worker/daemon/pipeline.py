@@ -321,9 +321,11 @@ class Pipeline:
                 settings.state_ttl_s,
                 self.metrics,
             )
-            if job.attempts > settings.max_attempts and await self._spent(job) > (
-                settings.max_attempts
-            ):
+            exhausted = False
+            if job.attempts > settings.max_attempts:
+                # Runs that ended waiting for a person (dialog_worker.interrupt) do not count.
+                exhausted = await self._spent(job) > settings.max_attempts
+            if exhausted:
                 error = job.last_error or (
                     f"delivered {job.attempts - 1} times without finishing "
                     "(worker killed or lease lost during the step)"
@@ -360,8 +362,9 @@ class Pipeline:
                     log.warning("lease_lost", outcome="abandoned")
                     return None
                 log.warning("step_failed", error=_describe(exc), exc_info=exc)
-                if await self._spent(job) >= settings.max_attempts:
-                    return await self._deadletter(job, msg, "exhausted", describe_failure(exc))
+                if job.attempts >= settings.max_attempts:
+                    if await self._spent(job) >= settings.max_attempts:
+                        return await self._deadletter(job, msg, "exhausted", describe_failure(exc))
                 await self._retry(job, describe_failure(exc), retry_after_of(exc))
                 return None
             if job.lost:
@@ -637,8 +640,8 @@ class Pipeline:
 
     async def _spent(self, job: Job) -> int:
         """Attempts the message has spent: its deliveries less those that ended waiting for a
-        person (read only when the count matters: near DIALOG_MAX_ATTEMPTS)."""
-        if job.journal is None or job.attempts < self.settings.max_attempts:
+        person (asked only when the count matters: at DIALOG_MAX_ATTEMPTS)."""
+        if job.journal is None:
             return job.attempts
         return job.attempts - await job.journal.awaited_attempts()
 
