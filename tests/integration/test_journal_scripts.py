@@ -203,3 +203,16 @@ async def test_an_interrupt_refuses_before_writing_when_a_shared_key_has_the_wro
         await h.interrupt(job[1])
     assert await h.r.hget(K.session("s").state, "w") is None
     assert await h.r.exists(K.session("s").lock) == 1
+
+
+@pytest.mark.parametrize("action", ["reset", "delete"])
+async def test_reset_and_delete_remove_the_journal_of_a_message_in_flight(
+    h: H, action: str
+) -> None:
+    """Not parked: the journal is found through the session's msg_id index."""
+    job = await first_job(h)
+    assert (await h.journal(job[1], 1, "a", "1"))[0] == Code.JOURNALED
+    await h.s.erase(keys=[K.ready, K.session_prefix], args=[action, "s", "{}", 3600])
+    assert await h.r.exists(h.journal_key) == 0
+    # Reset keeps the message: it runs again, with nothing journaled.
+    assert (action == "reset") == (await h.r.hget(K.session("s").state, "q1") is not None)
