@@ -363,12 +363,14 @@ local function await_key(sprefix, sid)
   return session_key(sprefix, sid, 'await')
 end
 
--- The resumers of every worker block on this stream while the ready set is empty
--- (worker/dialog_worker/daemon/upkeep.py): an entry wakes them, so a resumed session is
--- taken up at once rather than at their next look. pcall: a key of another type (written by
--- hand) costs that speed only, never the caller's call after its first writes.
+-- The resumers of idle workers block on this list (BLPOP) while the ready set is empty
+-- (worker/dialog_worker/daemon/upkeep.py): an element wakes one of them, so a resumed
+-- session is taken up at once rather than at their next look. At most one element waits.
+-- pcall: a key of another type (written by hand) costs that speed only, never the caller's
+-- call after its first writes.
 local function kick(ready)
-  redis.pcall('XADD', ready .. ':kick', 'MAXLEN', 1, '*', 'k', '1')
+  redis.pcall('LPUSH', ready .. ':kick', 1)
+  redis.pcall('LTRIM', ready .. ':kick', 0, 0)
 end
 
 -- The parked interrupt (the await key's JSON) as a table ({} when it cannot be read).

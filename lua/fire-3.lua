@@ -27,7 +27,7 @@ if not count or count < 1 or count > 1000 then
 end
 local zkey = timers_key(ready)
 for _, check in ipairs({{stream, 'stream'}, {zkey, 'zset'}, {ready, 'zset'},
-                        {ready .. ':kick', 'stream'}}) do
+                        {ready .. ':kick', 'list'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end

@@ -1,7 +1,7 @@
 --[[
   resolve: a person answers a parked interrupt (DialogClient.resume), or a cancel of a parked
   message must be looked at now. Run by the application: it touches only the session's await
-  key and its interrupts (see _common.lua), the ready set, the ages and the kick stream, never
+  key and its interrupts (see _common.lua), the ready set, the ages and the kick list, never
   the state hash nor a journal (those are the workers').
 
   Applied once: a resume counts only while its interrupt is the one the session's await key
@@ -36,8 +36,8 @@ if not ((op == 'resume' and #ARGV == 4 and #ARGV[4] > 0) or (op == 'wake' and #A
 end
 local await = await_key(sprefix, sid)
 local interrupts = session_key(sprefix, sid, 'interrupts')
-local err = expect_streams({ready .. ':kick'}) or expect_types({{ready, 'zset'},
-  {ages_key(ready), 'zset'}, {await, 'string'}, {interrupts, 'hash'}})
+local err = expect_types({{ready, 'zset'}, {ages_key(ready), 'zset'}, {await, 'string'},
+  {interrupts, 'hash'}, {ready .. ':kick', 'list'}})
 if err then return err end
 
 local rec = interrupt_record(rcall('GET', await))

@@ -63,6 +63,10 @@ COMMANDS: dict[str, str] = {
     "ZSCORE": "ZSCORE {k} m",
     "SADD": "SADD {k} m",
     "SISMEMBER": "SISMEMBER {k} m",
+    # lists (the kick list)
+    "LPUSH": "LPUSH {k} 1",
+    "LTRIM": "LTRIM {k} 0 0",
+    "BLPOP": "BLPOP {k} 1",
     # hashes
     "HGET": "HGET {k} f",
     "HMGET": "HMGET {k} f",

@@ -772,7 +772,8 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
         (f"DEL {S}:await", True),
         (f"HSET {S}:interrupts m1:1:1 x", True),
         (f"ZADD {READY} 1 x", True),  # asks the workers to look at a session, nothing more
-        (f"XADD {READY}:kick MAXLEN 1 * k 1", True),
+        (f"LPUSH {READY}:kick 1", True),
+        (f"XADD {READY}:kick * k 1", False),
         (f"HSET {S}:journal:m1 o:tool x", False),
         (f"HDEL {S}:state w", False),
         (f"ZREM {READY} x", False),

@@ -31,8 +31,6 @@ class Shard:
     read_ahead_done: anyio.Event | None = None
     # Sessions this process locked beyond its free slots, waiting for one (Sessions.start).
     locked_waiting: int = 0
-    # The last entry of the shard's kick stream the resumer saw (Upkeep.wait_for_kick).
-    kick_id: bytes = b"0-0"
 
     @property
     def reading_ahead(self) -> bool:

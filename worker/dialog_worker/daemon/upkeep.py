@@ -63,7 +63,7 @@ class Upkeep:
             return self.settings.promote_interval_ms / 1000
         if not await self.raw.zrange(shard.keys.ready, 0, 0):
             # One cheap look instead of a script call while idle, then a wait on the kick
-            # stream, where a resume of a parked session (lua/resolve-2.lua) or an interrupt's
+            # list, where a resume of a parked session (lua/resolve-2.lua) or an interrupt's
             # timeout (lua/fire-3.lua) wakes every resumer at once.
             await self.wait_for_kick(shard)
             return 0
@@ -102,17 +102,10 @@ class Upkeep:
         return min(s.promote_interval_ms, max(int(wait_ms), 5)) / 1000
 
     async def wait_for_kick(self, shard: Shard) -> None:
-        """Block on the shard's kick stream for at most `RESUME_IDLE_S`, from the last entry
-        this resumer saw (an entry appended since its look at the ready set is not missed)."""
-        got: Any = await self.raw.xread(
-            {shard.keys.kick: shard.kick_id}, count=1, block=int(RESUME_IDLE_S * 1000)
-        )
-        streams = got.values() if isinstance(got, dict) else [e for _, e in got or ()]
-        for entries in streams:  # RESP3 answers a dict, RESP2 a list of pairs
-            if entries and isinstance(entries[-1], list | tuple):
-                newest = entries[-1][0]
-                if isinstance(newest, bytes):
-                    shard.kick_id = newest
+        """Block on the shard's kick list for at most `RESUME_IDLE_S`: an element pushed since
+        this resumer's look at the ready set is still there (a kick keeps one), so none is
+        missed; one idle resumer takes it, and the others look at their next round."""
+        await self.raw.blpop([shard.keys.kick], timeout=RESUME_IDLE_S)
 
     async def fire_once(self, shard: Shard) -> float:
         """Append the shard's due timers to its inbound stream (lua/fire-3.lua: each timer

@@ -237,9 +237,9 @@ class Keys:
 
     @property
     def kick(self) -> str:
-        """A stream of at most one entry: a resume of a parked session (lua/resolve-2.lua) or an
-        interrupt's timeout appends one, and every worker's resumer, blocked on it while the
-        ready set is empty, looks at the ready set at once."""
+        """A list of at most one element: a resume of a parked session (lua/resolve-2.lua) or an
+        interrupt's timeout pushes one, and an idle worker's resumer, blocked on it (BLPOP)
+        while the ready set is empty, looks at the ready set at once."""
         return f"{self.ready}:kick"
 
     @property
