@@ -3,11 +3,15 @@
 #
 #   docker build -t dialog-worker:0.1.0 .
 #   docker run --rm -e REDIS_URL=redis://redis:6379/0 -p 8000:8000 dialog-worker:0.1.0
+#   docker run ... dialog-worker:0.1.0 serve      # the HTTP gateway (docs/http.md)
+#   docker run ... dialog-worker:0.1.0 console    # the operators' console (docs/console.md)
 #
-# Stage 1 (builder) builds the project wheel and the wheels of all its dependencies.
+# Stage 1 (builder) builds the project wheel and the wheels of all its dependencies, with the
+# http extra (the gateway and the console: one image for every service of docs/deploy.md).
 # Stage 2 (runtime) installs them offline into /opt/dialog-worker with
 # scripts/install-wheel.sh, the same script tests/integration/test_deploy.py runs, and
-# starts `dialog-worker run` as an unprivileged user.
+# starts `dialog-worker run` as an unprivileged user. Your own bot is an image built FROM this
+# one (examples/own_bot/Dockerfile).
 #
 # Without a Docker engine: scripts/container-check.sh builds this file with podman (the base
 # passed as PYTHON_IMAGE, a local image built with mmdebstrap) and runs the result.
@@ -25,7 +29,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY worker ./worker
 COPY lua ./lua
 COPY config/rules.toml ./config/rules.toml
-RUN python -m pip wheel --wheel-dir /wheels .
+RUN python -m pip wheel --wheel-dir /wheels ".[http]"
 
 FROM ${PYTHON_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="dialog-worker" \
@@ -43,7 +47,7 @@ RUN groupadd --system --gid 10001 dialog \
        --shell /usr/sbin/nologin dialog
 COPY scripts/install-wheel.sh /usr/local/bin/install-wheel.sh
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    PIP_NO_INDEX=1 /bin/sh /usr/local/bin/install-wheel.sh /opt/dialog-worker /wheels \
+    PIP_NO_INDEX=1 EXTRAS=http /bin/sh /usr/local/bin/install-wheel.sh /opt/dialog-worker /wheels \
     && rm /usr/local/bin/install-wheel.sh
 # An empty working directory: no config/worker.toml is picked up unless one is mounted here
 # (or named by DIALOG_CONFIG); settings come from the environment.

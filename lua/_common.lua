@@ -146,6 +146,13 @@ local function entry_ms(id)
   return tonumber(string.match(id, '^(%d+)')) or 0
 end
 
+-- An entry id as a number that keeps the ids' order (ms, then the sequence within the ms as
+-- a fraction, exact for the first thousand entries of a ms).
+local function entry_order(id)
+  local ms, seq = string.match(id, '^(%d+)%-(%d+)$')
+  return (tonumber(ms) or 0) + math.min(tonumber(seq) or 0, 999) / 1000
+end
+
 -- The jobs of a receipt whose locks are still ours, with their state and fields read again.
 -- Each receipt item is {kind, session_id, token, seq, entry id, ending}; rows are built by
 -- `row` (h: d, v, n, f, e, q<seq>, xc, xs of the session's state), with the ending the first
@@ -205,6 +212,14 @@ local function msg_id_of(id, fields)
     if fields[i] == 'msg_id' then return fields[i + 1] end
   end
   return id
+end
+
+-- A cancel mark for a message that may be running: the shard's cancel count (a key beside
+-- the session keys: no session key is named without a brace after the prefix) moves on, so
+-- the workers' cancel watch reads one key per look, and the marks of their running steps
+-- only when it moved (Pipeline.watch_cancels).
+local function note_cancel(sprefix)
+  redis.pcall('INCR', sprefix .. 'cancels')
 end
 
 local function ending_of(sprefix, sid, seq, msg_id, xc, xs)
@@ -333,6 +348,305 @@ end
 local function index_msg_id(sprefix, sid, msg_id, seq, until_ms, ttl_ms)
   index_msg_ids(sprefix, sid, {msg_id}, seq, seq, until_ms, ttl_ms)
 end
+
+-- Whether a string is valid UTF-8 (RFC 3629: no overlong forms, no surrogates).
+local function valid_utf8(s)
+  if not string.find(s, '[\128-\255]') then
+    return true
+  end
+  local i, n = 1, #s
+  while i <= n do
+    local c = string.byte(s, i)
+    local len
+    if c < 0x80 then len = 1
+    elseif c >= 0xC2 and c <= 0xDF then len = 2
+    elseif c >= 0xE0 and c <= 0xEF then len = 3
+    elseif c >= 0xF0 and c <= 0xF4 then len = 4
+    else return false end
+    if i + len - 1 > n then return false end
+    for k = i + 1, i + len - 1 do
+      local cc = string.byte(s, k)
+      if cc < 0x80 or cc > 0xBF then return false end
+    end
+    if len == 3 then
+      local c2 = string.byte(s, i + 1)
+      if (c == 0xE0 and c2 < 0xA0) or (c == 0xED and c2 > 0x9F) then return false end
+    elseif len == 4 then
+      local c2 = string.byte(s, i + 1)
+      if (c == 0xF0 and c2 < 0x90) or (c == 0xF4 and c2 > 0x8F) then return false end
+    end
+    i = i + len
+  end
+  return true
+end
+
+--[[
+  Tenants: the message slots of a shard are shared between tenants by weighted fair queueing
+  (start-time fair queueing over slot grants), work-conserving, with a guaranteed minimum and
+  a maximum of sessions in flight per tenant. A message's tenant is its tenant field, else the
+  group of DIALOG_TENANT_PATTERN in its session id (passed to the scripts as a Lua pattern,
+  config.tenant_pattern_forms: the worker's Python computes the same), else 'default'; its
+  priority (0-9, default 5) moves its session's place in its tenant's queue, PRIORITY_STEP_MS
+  per level.
+
+  Per shard, keys derived from the ready set's (its hash tag):
+    <ready>:runq:<tenant>  zset  sessions of the tenant whose next message may start, waiting
+                                 for a slot -> queue score (when queued, moved by priority)
+    <ready>:active         zset  tenants with queued sessions -> virtual time (fair order)
+    <ready>:vt             hash  tenant -> virtual time; field "\n": the shard's virtual clock
+    <ready>:tset           hash  tenant -> "weight min max" (written by `tenants set`; none:
+                                 weight 1, no minimum, no maximum)
+    <ready>:tmin           zset  tenants with a guaranteed minimum (score: the minimum)
+    <ready>:busy:<tenant>  zset  the tenant's sessions in flight -> lease end (ms): a crashed
+                                 worker's session stops counting when its lease runs out
+  and per session, in its state hash: Q (the tenant whose queue holds it), T (the tenant it
+  counts in flight for, while its lock is held).
+
+  A slot goes to the tenant under its minimum first, else to the active tenant with the
+  smallest virtual time that is below its maximum; serving a tenant moves its virtual time on
+  by 1 / weight from max(its own, the clock). A session that becomes runnable while a shard's
+  queues are empty and a slot is free takes the slot at once (the single-tenant path costs
+  what it did); otherwise it is queued and dispatch() hands out slots in fair order (intake,
+  resume, and a commit whose session ends or gives its slot up).
+]]
+local DEFAULT_TENANT = 'default'
+local MAX_TENANT_BYTES = 64
+local PRIORITY_STEP_MS = 10000
+-- A queued session is also in the ready set this far ahead: if it was somehow left out of its
+-- queue, resume finds it then and queues it again.
+local QUEUED_LOOK_MS = 60000
+-- At most this many tenants are looked at for one slot (those at their maximum are passed).
+local TENANT_SCAN = 64
+local VCLOCK = '\n'
+
+local function runq_key(ready, tenant) return ready .. ':runq:' .. tenant end
+local function busy_key(ready, tenant) return ready .. ':busy:' .. tenant end
+local function active_key(ready) return ready .. ':active' end
+local function vt_key(ready) return ready .. ':vt' end
+local function tset_key(ready) return ready .. ':tset' end
+local function tmin_key(ready) return ready .. ':tmin' end
+
+local function tenant_ok(name)
+  return #name > 0 and #name <= MAX_TENANT_BYTES and not string.find(name, '[%z\1-\32\127]')
+    and valid_utf8(name)
+end
+
+-- The tenant and priority of a message from its fields (the last of a repeated name).
+local function tenant_of(fields, sid, pattern)
+  local tenant, priority
+  for i = 1, #fields - 1, 2 do
+    if fields[i] == 'tenant' then tenant = fields[i + 1]
+    elseif fields[i] == 'priority' then priority = fields[i + 1] end
+  end
+  if not (tenant and tenant_ok(tenant)) then
+    tenant = nil
+    if pattern and pattern ~= '' then
+      local ok, m = pcall(string.match, sid, pattern)
+      if ok and type(m) == 'string' and tenant_ok(m) then tenant = m end
+    end
+  end
+  local p = 5
+  if priority and string.find(priority, '^%d$') then p = tonumber(priority) end
+  return tenant or DEFAULT_TENANT, p
+end
+
+-- One call's view of the scheduling keys (cached reads, the tokens it hands out).
+local function scheduler(ready, sprefix, stream, now, lock_ttl, token_base, pattern)
+  return {ready = ready, sprefix = sprefix, stream = stream, now = now, ttl = lock_ttl,
+          base = token_base, pattern = pattern, tokens = 0, conf = {}, busy = {}, receipt = {}}
+end
+
+local function tenant_conf(ctx, t)
+  local c = ctx.conf[t]
+  if not c then
+    c = {w = 1, min = 0, max = 0}
+    local v = redis.pcall('HGET', tset_key(ctx.ready), t)
+    if type(v) == 'string' then
+      local w, mn, mx = string.match(v, '^(%S+) (%d+) (%d+)$')
+      c.w, c.min, c.max = tonumber(w) or 1, tonumber(mn) or 0, tonumber(mx) or 0
+      if not (c.w > 0) then c.w = 1 end
+    end
+    ctx.conf[t] = c
+  end
+  return c
+end
+
+-- How many sessions of the tenant are in flight (leases that ran out are dropped first).
+local function in_flight(ctx, t)
+  local n = ctx.busy[t]
+  if not n then
+    local key = busy_key(ctx.ready, t)
+    redis.pcall('ZREMRANGEBYSCORE', key, '-inf', ctx.now)
+    n = tonumber(redis.pcall('ZCARD', key)) or 0
+    ctx.busy[t] = n
+  end
+  return n
+end
+
+-- The session's lock was just taken for tenant t: it counts in flight (the caller writes the
+-- state's T field).
+local function busy_add(ctx, t, sid)
+  local n = in_flight(ctx, t)
+  if redis.pcall('ZADD', busy_key(ctx.ready, t), ctx.now + ctx.ttl, sid) == 1 then
+    ctx.busy[t] = n + 1
+  end
+end
+
+-- The session's lock is released (or deleted): it no longer counts in flight. tenant: its
+-- state's T field (nil: it did not count). The caller deletes T (or the whole state).
+local function busy_leave(ready, sid, tenant)
+  if tenant then redis.pcall('ZREM', busy_key(ready, tenant), sid) end
+end
+
+local function vclock(ctx)
+  if not ctx.v then ctx.v = tonumber(redis.pcall('HGET', vt_key(ctx.ready), VCLOCK)) or 0 end
+  return ctx.v
+end
+
+-- Tenant t was given a slot (a dispatch, or a hand-off while others wait): its virtual time
+-- moves on by 1 / weight from max(its own, the clock), and the clock to where it started.
+local function serve(ctx, t, still_active)
+  local vkey = vt_key(ctx.ready)
+  local start = math.max(tonumber(redis.pcall('HGET', vkey, t)) or 0, vclock(ctx))
+  local after = start + 1 / tenant_conf(ctx, t).w
+  ctx.v = start
+  rcall('HSET', vkey, t, after, VCLOCK, start)
+  if still_active then rcall('ZADD', active_key(ctx.ready), after, t) end
+end
+
+-- Queue a session whose next message may start (fields: that message's) under its tenant, in
+-- the order of `since` (ms: when its message was appended, so a tenant's queue keeps stream
+-- order; now, for a session that gave its slot up: behind the others), moved by priority;
+-- returns the tenant. A session already queued keeps its place.
+local function enqueue(ctx, sid, fields, state, since)
+  local t, prio = tenant_of(fields, sid, ctx.pattern)
+  redis.pcall('ZADD', runq_key(ctx.ready, t), 'NX', since + (5 - prio) * PRIORITY_STEP_MS, sid)
+  local akey = active_key(ctx.ready)
+  if not rcall('ZSCORE', akey, t) then
+    local vt = tonumber(redis.pcall('HGET', vt_key(ctx.ready), t)) or 0
+    rcall('ZADD', akey, math.max(vt, vclock(ctx)), t)
+  end
+  rcall('ZADD', ctx.ready, ctx.now + QUEUED_LOOK_MS, sid)
+  if state then rcall('HSET', state, 'Q', t) end
+  return t
+end
+
+-- The tenant to give the next slot to: one under its guaranteed minimum (the lowest virtual
+-- time among them), else the active tenant with the lowest virtual time below its maximum.
+-- Returns tenant, whether by its minimum, its virtual time; nil when none may have one.
+local function pick(ctx)
+  local akey = active_key(ctx.ready)
+  if ctx.guaranteed == nil then
+    local g = redis.pcall('ZRANGE', tmin_key(ctx.ready), 0, TENANT_SCAN - 1)
+    ctx.guaranteed = (type(g) == 'table' and not g['err']) and g or {}
+  end
+  local best, best_vt
+  for _, t in ipairs(ctx.guaranteed) do
+    local score = tonumber(rcall('ZSCORE', akey, t))
+    if score and (not best or score < best_vt) and in_flight(ctx, t) < tenant_conf(ctx, t).min then
+      best, best_vt = t, score
+    end
+  end
+  if best then return best, true, best_vt end
+  local rows = rcall('ZRANGE', akey, 0, TENANT_SCAN - 1, 'WITHSCORES')
+  for i = 1, #rows, 2 do
+    local t = rows[i]
+    local mx = tenant_conf(ctx, t).max
+    if mx == 0 or in_flight(ctx, t) < mx then return t, false, tonumber(rows[i + 1]) end
+  end
+  return nil
+end
+
+-- Whether sessions of these tenants (tenant -> how many) can all take a slot now without
+-- the queues: none waits in them and none would go past its tenant's maximum.
+local function all_fit(ctx, wanted)
+  if rcall('EXISTS', active_key(ctx.ready)) == 1 then return false end
+  for t, n in pairs(wanted) do
+    local mx = tenant_conf(ctx, t).max
+    if mx > 0 and in_flight(ctx, t) + n > mx then return false end
+  end
+  return true
+end
+
+-- Take the lock of a queued session for tenant t and return its job row ({session_id, token,
+-- seq, entry id, fields, state JSON, version, attempts, first_failed_at, last_error,
+-- ending}), or nil when it cannot start now (nothing outstanding, held, its lock taken, its
+-- next message missing: those are left to the ready set).
+local function take(ctx, sid, t)
+  local state = session_key(ctx.sprefix, sid, 'state')
+  local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs', 'h', 'w')
+  if h['err'] then return nil end
+  rcall('HDEL', state, 'Q')
+  local applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
+  -- held, or waiting for a person (w: interrupt-3.lua; once resumed, resume-3.lua takes it up)
+  if last <= applied or h[10] or h[11] then return nil end
+  local seq = applied + 1
+  local id, fields = load_message(ctx.stream, rcall('HGET', state, 'q' .. seq))
+  if not id then
+    rcall('ZADD', ctx.ready, ctx.now, sid)  -- missing: resume decides (a gap)
+    return nil
+  end
+  local lock = session_key(ctx.sprefix, sid, 'lock')
+  local token = ctx.base .. ':d' .. (ctx.tokens + 1)
+  if not rcall('SET', lock, token, 'NX', 'PX', ctx.ttl) then
+    rcall('ZADD', ctx.ready, ctx.now + math.max(rcall('PTTL', lock), 0), sid)
+    return nil
+  end
+  ctx.tokens = ctx.tokens + 1
+  local attempts = (tonumber(h[5]) or 0) + 1
+  rcall('HSET', state, 'n', attempts, 'T', t)
+  rcall('ZADD', ctx.ready, ctx.now + ctx.ttl, sid)
+  busy_add(ctx, t, sid)
+  local ending = ending_of(ctx.sprefix, sid, seq, msg_id_of(id, fields), h[8], h[9])
+  ctx.receipt[#ctx.receipt + 1] = {'m', sid, token, seq, id, ending}
+  return {sid, token, seq, id, fields, h[3] or '', h[4] or '0', attempts, h[6] or '',
+          h[7] or '', ending}
+end
+
+-- Up to n job rows from the shard's queues, in fair order.
+local function dispatch(ctx, n)
+  local rows, tries = {}, 0
+  local akey = active_key(ctx.ready)
+  while #rows < n and tries < 4 * n + 16 do
+    tries = tries + 1
+    local t = pick(ctx)
+    if not t then break end
+    local rkey = runq_key(ctx.ready, t)
+    local top = redis.pcall('ZPOPMIN', rkey)
+    if top['err'] then top = {} end  -- a key of another type (written by hand): skipped
+    local more = rcall('EXISTS', rkey) == 1
+    if not more then rcall('ZREM', akey, t) end
+    local row = top[1] and take(ctx, top[1], t)
+    if row then
+      serve(ctx, t, more)
+      rows[#rows + 1] = row
+    end
+  end
+  return rows
+end
+
+-- Whether a session of tenant t, its next message ready and its lock ours, should give its
+-- slot up: another tenant is owed it (under its minimum while t is not, or a virtual time no
+-- later than t's: the tie goes to the tenant that waits), t is over its maximum (lowered
+-- meanwhile), or, after a slow step (slow), other sessions of t wait. While others wait, the
+-- slot t had counts (t is served) either way.
+local function should_yield(ctx, t, slow)
+  if rcall('EXISTS', active_key(ctx.ready)) == 0 then return false end
+  local conf = tenant_conf(ctx, t)
+  local u, by_min, u_vt = pick(ctx)
+  local yield = conf.max > 0 and in_flight(ctx, t) > conf.max
+  if yield or not u then
+    -- decided: over its maximum, or nobody else may have the slot
+  elseif u == t then
+    yield = slow
+  elseif by_min then
+    yield = in_flight(ctx, t) > conf.min
+  else
+    local t_vt = math.max(tonumber(redis.pcall('HGET', vt_key(ctx.ready), t)) or 0, vclock(ctx))
+    yield = u_vt <= t_vt
+  end
+  serve(ctx, t, rcall('ZSCORE', active_key(ctx.ready), t) ~= false)
+  return yield
 
 -- The step journal and interrupts (journal-1.lua, interrupt-3.lua, resolve-2.lua).
 -- A message's journal is a hash of its session, named by its msg_id (journal:<msg_id>),

@@ -41,6 +41,7 @@ if seq and seq > applied then
   local ok, id, fields = pcall(cmsgpack.unpack, rcall('HGET', state, 'q' .. seq) or '')
   if ok and type(id) == 'string' and type(fields) == 'table' and msg_id_of(id, fields) == msg_id then
     rcall('SET', mark, now_ms(), 'EX', ttl)
+    note_cancel(sprefix)  -- it may be running: the workers' watch looks at the marks
     return {'cancelled', seq, ''}
   end
 end

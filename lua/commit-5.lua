@@ -41,7 +41,16 @@
     {"op": "set", "name", "text", "meta": [name, value, ...], "at_ms" | "delay_ms",
     "cancel_on_message"} and {"op": "cancel", "name"}, applied in order with the commit's
     writes; a set replaces a timer of the same name; see set_timer in _common.lua)
-  ARGV[last] (optional, after the groups) "hold": a dead-lettered commit holds its session
+  After the groups, optionally: "hold" (a dead-lettered commit holds its session) or
+  "continue", alone or followed by the scheduling values (the tenants in _common.lua):
+    "1" | "0"     whether a commit that frees its slot fills it from the shard's queues
+    token base    for the locks it takes so (unique per call)
+    DIALOG_TENANT_PATTERN as a Lua pattern
+    slow flags    one "1" | "0" per commit: its step took a while (the session takes turns
+                  with its tenant's waiting sessions)
+  With them, a commit that could hand its session on gives the slot up when another session is
+  owed it (should_yield): the session joins its tenant's queue, behind; and a commit whose
+  session releases its lock hands the slot to the session owed it in the same call.
 
   Held sessions (the state's h field, set here under "hold" or by an operator, hold-3.lua):
   a commit of a held session writes as usual but hands nothing on and leaves the ready set;
@@ -54,7 +63,8 @@
   as it was the first time and writes nothing: a client that lost the reply may send it again.
 
   Returns one reply per commit:
-    {6 COMMITTED, new version}                   written; lock released (or left to resume)
+    {6 COMMITTED, new version[, job]}            written; lock released (or left to resume);
+        job: the session the freed slot went to (a job row as intake's)
     {2 HANDOFF, new version, next seq, next id, fields, ending}   written; the lock stays
         ours for the next message (fields {} when the caller said it already has that
         entry; ending: '' or 'cancelled' / 'superseded': it ends without a step)
@@ -69,10 +79,19 @@ local lock_ttl, state_ttl, maxlen, n = tonumber(ARGV[1]), tonumber(ARGV[2]), ton
   tonumber(ARGV[4])
 local WIDTH = 13
 if not (lock_ttl and state_ttl and maxlen and n) or n < 1
-    or (#ARGV ~= 4 + n * WIDTH and #ARGV ~= 5 + n * WIDTH) then
+    or (#ARGV ~= 4 + n * WIDTH and #ARGV ~= 5 + n * WIDTH and #ARGV ~= 9 + n * WIDTH) then
   return redis.error_reply('ERR commit: bad arguments')
 end
-local hold_on_letter = #ARGV == 5 + n * WIDTH and ARGV[#ARGV] == 'hold'
+local tail = 4 + n * WIDTH  -- ARGV[tail + 1 ...]: the optional values after the groups
+local hold_on_letter = #ARGV > tail and ARGV[tail + 1] == 'hold'
+-- With the scheduling values: each commit that hands its session on checks the session is
+-- not owed to another (should_yield), and each that frees its slot fills it from the shard's
+-- queues when may_dispatch (dispatch in _common.lua).
+local sched, may_dispatch, slow = nil, false, ''
+if #ARGV == tail + 5 then
+  sched = scheduler(ready, sprefix, stream, 0, lock_ttl, ARGV[tail + 3], ARGV[tail + 4])
+  may_dispatch, slow = ARGV[tail + 2] == '1', ARGV[tail + 5]
+end
 local inbound, ages = inbound_key(ready), ages_key(ready)
 
 local OUTCOMES = {applied = true, dead_lettered = true, cancelled = true, superseded = true,
@@ -196,7 +215,7 @@ local function next_message(c, value, xc, xs)
   local id, fields = load_message(stream, value)
   if not id then return nil end
   local ending = ending_of(sprefix, c.sid, c.seq + 1, msg_id_of(id, fields), xc, xs)
-  return {c.seq + 1, id, id == c.known_next and {} or fields, ending}
+  return {c.seq + 1, id, id == c.known_next and {} or fields, ending, fields}
 end
 
 -- A commit's reads: its lock's holder and what it needs of its state (once per commit).
@@ -206,7 +225,7 @@ local function read(c)
   c.lock = session_key(sprefix, c.sid, 'lock')
   c.holder = redis.pcall('GET', c.lock)
   c.h = redis.pcall('HMGET', c.state, 'v', 'a', 's', 'q' .. ((c.seq or 0) + 1),
-                    'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0), 'xc', 'xs', 'h', 'w')
+                    'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0), 'xc', 'xs', 'h', 'T', 'w')
 end
 
 -- The reply of a commit that writes nothing, or nil when it is to be written. Reads only.
@@ -278,11 +297,15 @@ if touch.writes then
     sets[#sets + 1] = {inbound, 'hash'}
   end
   if touch.timers then sets[#sets + 1] = {timers_key(ready), 'zset'} end
+  if sched then
+    sets[#sets + 1] = {active_key(ready), 'zset'}
+    sets[#sets + 1] = {vt_key(ready), 'hash'}
+  end
   local err = expect_streams(streams) or expect_types(sets)
   if err then return err end
 end
 
-for _, c in ipairs(commits) do
+for ci, c in ipairs(commits) do
   if not c.read then
     read(c)
     c.result = decide(c)
@@ -331,7 +354,7 @@ for _, c in ipairs(commits) do
       -- The message's step journal (journal-1.lua) ends with it; so does a wait of it that
       -- something ended without a resume (interrupt-3.lua).
       rcall('DEL', journal_key(sprefix, c.sid, c.msg_id))
-      if h[11] == c.msg_id then
+      if h[12] == c.msg_id then
         rcall('HDEL', state, 'w')
         rcall('DEL', await_key(sprefix, c.sid))
       end
@@ -343,9 +366,25 @@ for _, c in ipairs(commits) do
     end
     local nxt = last > c.seq and next_message(c, h[4], h[8], h[9])
     if held then nxt = nil end  -- held: nothing is handed on
+    local tenant, queued = h[11], false
+    if nxt and sched then
+      -- The next message's tenant counts it in flight from now (the same one, but for a
+      -- producer that names another); it keeps the slot unless another is owed it.
+      sched.now = now
+      local t = tenant_of(nxt[5], c.sid, sched.pattern)
+      if t ~= tenant then
+        busy_leave(ready, c.sid, tenant)
+        busy_add(sched, t, c.sid)
+        tenant = t
+      end
+      if should_yield(sched, t, string.sub(slow, ci, ci) == '1') then
+        nxt, queued = nil, nxt
+      end
+    end
     if nxt then
       -- Hand-off: the lock stays ours for the next message; its start is counted now.
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 1, 'c', c.token .. ':' .. c.seq)
+      if tenant ~= h[11] then rcall('HSET', state, 'T', tenant) end
       rcall('PEXPIRE', lock, lock_ttl)
       rcall('ZADD', ready, now + lock_ttl, c.sid)
       rcall('ZADD', ages, entry_ms(nxt[2]), c.sid)
@@ -353,7 +392,12 @@ for _, c in ipairs(commits) do
     else
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 0, 'c', c.token .. ':' .. c.seq)
       rcall('DEL', lock)
-      if last > c.seq and held then
+      busy_leave(ready, c.sid, tenant)
+      if tenant then rcall('HDEL', state, 'T') end
+      if queued then
+        -- Its slot is owed elsewhere: it waits in its tenant's queue, its age kept.
+        enqueue(sched, c.sid, queued[5], state, now)
+      elseif last > c.seq and held then
         rcall('ZREM', ready, c.sid)  -- held: waits for a release or redrive (hold-3.lua)
       elseif last > c.seq then
         rcall('ZADD', ready, now, c.sid)  -- the next message is missing: resume decides (gap)
@@ -364,7 +408,13 @@ for _, c in ipairs(commits) do
         if h[8] or h[9] then rcall('HDEL', state, 'xc', 'xs') end
         rcall('EXPIRE', state, state_ttl)
       end
-      results[#results + 1] = {6, version}
+      local row = nil
+      if may_dispatch and rcall('EXISTS', active_key(ready)) == 1 then
+        -- The slot this commit frees goes to the session owed it, in this same call.
+        sched.now = now
+        row = dispatch(sched, 1)[1]
+      end
+      results[#results + 1] = row and {6, version, row} or {6, version}
     end
   end
 end

@@ -45,7 +45,7 @@ for _, check in ipairs({{ready, 'zset'}, {state, 'hash'}, {tkey, 'hash'}, {ikey,
   if err then return err end
 end
 
-local h = rcall('HMGET', state, 'a', 's', 'v', 'w')
+local h = rcall('HMGET', state, 'a', 's', 'v', 'T', 'Q', 'w')
 local applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
 local running = rcall('EXISTS', lock)
 local found = (h[3] or running == 1) and 1 or 0
@@ -60,17 +60,19 @@ for _, msg_id in ipairs(ids) do
   journals = journals + rcall('DEL', journal_key(sprefix, sid, msg_id))
 end
 local parked = rcall('GET', await_key(sprefix, sid))
-local parked_on = h[4] or (parked and interrupt_record(parked)['msg_id'])
+local parked_on = h[6] or (parked and interrupt_record(parked)['msg_id'])
 if type(parked_on) == 'string' then
   journals = journals + rcall('DEL', journal_key(sprefix, sid, parked_on))
 end
-if parked or h[4] then
+if parked or h[6] then
   rcall('DEL', await_key(sprefix, sid))
   rcall('ZREM', timers_key(ready), sid .. '\n' .. AWAIT_TIMER)
 end
+busy_leave(ready, sid, h[4])  -- its step (if one ran) no longer counts in flight
 
 if mode == 'reset' then
   if rcall('EXISTS', state) == 1 then
+    if h[4] then rcall('HDEL', state, 'T') end
     rcall('HSET', state, 'd', ARGV[3])
     rcall('HINCRBY', state, 'v', 1)
     rcall('HDEL', state, 'c', 'w')  -- no commit is answered as already written any more
@@ -100,8 +102,8 @@ for _, msg_id in ipairs(ids) do
   local found_by = ready .. ':msg:' .. msg_id
   if redis.pcall('GET', found_by) == sid then deleted = deleted + rcall('DEL', found_by) end
 end
-deleted = deleted + rcall('DEL', state, tkey, ikey, session_key(sprefix, sid, 'letters'),
-                          session_key(sprefix, sid, 'interrupts')) + running + journals
+deleted = deleted + rcall('DEL', state, tkey, ikey, session_key(sprefix, sid, 'letters'))
+  + running + journals + rcall('DEL', session_key(sprefix, sid, 'interrupts'))
 local bucket_ms = (tonumber(ARGV[4]) or 0) * 1000
 if bucket_ms > 0 then
   local current = math.floor(now / bucket_ms)
@@ -118,4 +120,5 @@ if bucket_ms > 0 then
 end
 rcall('ZREM', ready, sid)
 rcall('ZREM', ages_key(ready), sid)
+if h[5] then redis.pcall('ZREM', runq_key(ready, h[5]), sid) end  -- its place in a queue
 return {found, deleted, waiting, timers, running}

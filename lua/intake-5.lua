@@ -66,9 +66,19 @@
   ARGV[16] echoed fields: names, comma-separated, of the entry's fields copied onto the reply
            events this call writes for it (optional; the commit's events get them from the
            worker)
+  ARGV[17] free slots: most sessions this call may hand out (optional; default ARGV[3])
+  ARGV[18] DIALOG_TENANT_PATTERN as a Lua pattern ("" or absent: none)
+
+  Slots and tenants (see the tenants in _common.lua): the sessions whose next message arrived
+  in this call and may start (lock free, not held) take their locks at once, in stream order,
+  when the shard's queues are empty and there are free slots for all of them within their
+  tenants' maxima; otherwise each joins its tenant's queue, and the free slots go out in fair
+  order (dispatch). A call with no free slot still reads: what it reads is sequenced and
+  queued, so the next slot freed anywhere goes to the session owed it.
 
   Returns {last id, entries read, jobs, held,
-           {duplicates, refused, contended, trimmed, ahead, rejected}}
+           {duplicates, refused, contended, trimmed, ahead, rejected, waiting}}
+    waiting  1 when sessions of the shard still wait in its queues after this call
     trimmed  unread entries that vanished from the stream since the last intake call
     ahead    1 when this call found the stream's last id pushed ahead of the clock (once)
     last id  the id of the last entry read, or, when none was read, the group's
@@ -89,10 +99,12 @@ local POLICIES = {enqueue = true, reject = true, interrupt = true, coalesce = tr
 local default_policy = ARGV[15] or 'enqueue'
 local ECHO = {}
 for name in string.gmatch(ARGV[16] or '', '[^,]+') do ECHO[name] = true end
+local free_slots = tonumber(ARGV[17] or ARGV[3])
+local tenant_pattern = ARGV[18] or ''
 
 if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen and claim_idle
         and shard and shards) or count < 1 or count > 1000 or shards < 1
-    or not POLICIES[default_policy] then
+    or not POLICIES[default_policy] or not free_slots or free_slots < 0 then
   return redis.error_reply('ERR intake: bad arguments')
 end
 -- The shared keys' types, before the first write (expect_type in _common.lua), each as
@@ -118,7 +130,8 @@ if not info['err'] then
 end
 if info['err'] or (tonumber(stream_info['length']) or 1) > 0 then
   local err = expect_streams({dlq, replies}) or expect_types({{ready, 'zset'},
-    {ages_key(ready), 'zset'}, {timers_key(ready), 'zset'}})
+    {ages_key(ready), 'zset'}, {timers_key(ready), 'zset'}, {active_key(ready), 'zset'},
+    {vt_key(ready), 'hash'}})
   if err then return err end
 end
 
@@ -130,36 +143,6 @@ local MAX_WAITING_COPIES_BYTES = 1024
 -- A last id this far ahead of the server clock was not made by XADD *: an explicit id pushed
 -- it there (a clock step back of the Redis host stays well below it).
 local AHEAD_MS = 3600 * 1000
-
-local function valid_utf8(s)
-  if not string.find(s, '[\128-\255]') then
-    return true
-  end
-  local i, n = 1, #s
-  while i <= n do
-    local c = string.byte(s, i)
-    local len
-    if c < 0x80 then len = 1
-    elseif c >= 0xC2 and c <= 0xDF then len = 2
-    elseif c >= 0xE0 and c <= 0xEF then len = 3
-    elseif c >= 0xF0 and c <= 0xF4 then len = 4
-    else return false end
-    if i + len - 1 > n then return false end
-    for k = i + 1, i + len - 1 do
-      local cc = string.byte(s, k)
-      if cc < 0x80 or cc > 0xBF then return false end
-    end
-    if len == 3 then
-      local c2 = string.byte(s, i + 1)
-      if (c == 0xE0 and c2 < 0xA0) or (c == 0xED and c2 > 0x9F) then return false end
-    elseif len == 4 then
-      local c2 = string.byte(s, i + 1)
-      if (c == 0xF0 and c2 < 0x90) or (c == 0xF4 and c2 > 0x8F) then return false end
-    end
-    i = i + len
-  end
-  return true
-end
 
 -- nil when the id is usable, else why not.
 local function id_problem(kind, value)
@@ -312,7 +295,7 @@ end
 local replayed = replay_receipt(ready, token_base, sprefix, stream, job_row)
 if replayed then
   -- The same call again: its jobs (their held successors come back through hand-off).
-  return {'0-0', 0, replayed, {}, {0, 0, 0, 0, 0, 0}}
+  return {'0-0', 0, replayed, {}, {0, 0, 0, 0, 0, 0, 0}}
 end
 
 local now = now_ms()
@@ -329,6 +312,8 @@ local acks, dels, jobs, held, receipt = {}, {}, {}, {}, {}
 local found = {}  -- msg_id, session_id, ...: for the console's find, written after the loop
 local sessions, order = {}, {}
 local tokens = 0
+local runnable = {}  -- sessions whose next message arrived in this call and may start
+local later = {}  -- their later entries read in this call, in stream order
 local dups, refused, contended, rejected = 0, 0, 0, 0
 
 -- The entry's fields named by ARGV[16], as reply extras (the first of a repeated name).
@@ -455,8 +440,8 @@ local function interrupt_or_coalesce(s, sid, seq, policy)
   s.writes[#s.writes + 1] = 'xc'
   s.writes[#s.writes + 1] = seq
   local running = s.a + 1
-  if s.job and s.job[3] == running then
-    s.job[11] = 'cancelled'  -- handed out by this very call: it ends without a step
+  if s.runnable and s.runnable[1] == running then
+    s.runnable[4] = 'cancelled'  -- handed out by this very call: it ends without a step
   elseif rcall('EXISTS', s.lock) == 1 then
     local mid = s.ids[running]
     if not mid then
@@ -465,6 +450,7 @@ local function interrupt_or_coalesce(s, sid, seq, policy)
     end
     if mid then
       rcall('SET', cancel_key(sprefix, sid, mid), now, 'EX', dedupe_ttl)
+      note_cancel(sprefix)
     end
   end
 end
@@ -583,26 +569,19 @@ for _, e in ipairs(entries) do
         rcall('ZADD', ages_key(ready), entry_ms(id), sid)
         if s.held then
           contended = contended + 1  -- held: it waits for a release or redrive
-        elseif rcall('SET', s.lock, token_base .. ':' .. (tokens + 1), 'NX', 'PX', lock_ttl) then
-          tokens = tokens + 1
-          s.token = token_base .. ':' .. tokens
-          local h = {s.h[3], s.h[4], s.h[5], s.h[6], s.h[7]}
-          local attempts = (tonumber(h[3]) or 0) + 1
-          s.writes[#s.writes + 1] = 'n'
-          s.writes[#s.writes + 1] = attempts
-          rcall('ZADD', ready, now + lock_ttl, sid)
-          jobs[#jobs + 1] = {sid, s.token, seq, id, f, h[1] or '', h[2] or '0', attempts,
-                             h[4] or '', h[5] or '',
-                             ending_of(sprefix, sid, seq, msg_id or id, s.xc, s.xs)}
-          s.job = jobs[#jobs]
-          receipt[#receipt + 1] = {'m', sid, s.token, seq, id, s.job}  -- its ending, at save
-        else
+        elseif rcall('EXISTS', s.lock) == 1 then
           -- A lock with nothing outstanding: look again when its lease ends.
           contended = contended + 1
           rcall('ZADD', ready, now + math.max(rcall('PTTL', s.lock), 0), sid)
+        else
+          -- It may start: it takes a slot or joins its tenant's queue after the loop.
+          -- Its ending as it is handed out (a later coalescing entry of this call does not
+          -- supersede it; an interrupting one cancels it, interrupt_or_coalesce).
+          s.runnable = {seq, id, f, ending_of(sprefix, sid, seq, msg_id or id, s.xc, s.xs)}
+          runnable[#runnable + 1] = sid
         end
-      elseif s.token then
-        held[#held + 1] = {sid, seq, id, f}
+      elseif s.runnable then
+        later[#later + 1] = {sid, seq, id, f}  -- handed on by its commit, if it takes a slot now
       else
         contended = contended + 1
         if not s.ensured and not s.held then
@@ -614,6 +593,44 @@ for _, e in ipairs(entries) do
     end
   end
 end
+
+-- The sessions that may start: while no session of the shard waits in a queue and there are
+-- slots for all of them, each takes its lock now, in stream order (one tenant's traffic
+-- costs no queue); otherwise they join their tenants' queues and the free slots go out in
+-- fair order (dispatch in _common.lua), after the writes below.
+local sched = scheduler(ready, sprefix, stream, now, lock_ttl, token_base, tenant_pattern)
+local wanted = {}
+for _, sid in ipairs(runnable) do
+  local s = sessions[sid]
+  s.tenant = tenant_of(s.runnable[3], sid, tenant_pattern)
+  wanted[s.tenant] = (wanted[s.tenant] or 0) + 1
+end
+local fast = #runnable <= free_slots and all_fit(sched, wanted)
+for _, sid in ipairs(runnable) do
+  local s = sessions[sid]
+  local seq, id, f, ending = s.runnable[1], s.runnable[2], s.runnable[3], s.runnable[4]
+  if fast then
+    tokens = tokens + 1
+    s.token = token_base .. ':' .. tokens
+    rcall('SET', s.lock, s.token, 'PX', lock_ttl)
+    local h = {s.h[3], s.h[4], s.h[5], s.h[6], s.h[7]}
+    local attempts = (tonumber(h[3]) or 0) + 1
+    local tenant = s.tenant
+    busy_add(sched, tenant, sid)
+    s.writes[#s.writes + 1] = 'n'
+    s.writes[#s.writes + 1] = attempts
+    s.writes[#s.writes + 1] = 'T'
+    s.writes[#s.writes + 1] = tenant
+    rcall('ZADD', ready, now + lock_ttl, sid)
+    jobs[#jobs + 1] = {sid, s.token, seq, id, f, h[1] or '', h[2] or '0', attempts,
+                       h[4] or '', h[5] or '', ending}
+    receipt[#receipt + 1] = {'m', sid, s.token, seq, id, jobs[#jobs][11]}
+  else
+    s.writes[#s.writes + 1] = 'Q'
+    s.writes[#s.writes + 1] = enqueue(sched, sid, f, nil, entry_order(id))
+  end
+end
+if fast then held = later end
 
 for _, sid in ipairs(order) do
   local s = sessions[sid]
@@ -629,6 +646,11 @@ for _, sid in ipairs(order) do
     rcall('HSET', s.state, 's', s.last, unpack(s.writes))
   end
 end
+if not fast and free_slots > 0 then
+  for _, row in ipairs(dispatch(sched, free_slots)) do jobs[#jobs + 1] = row end
+  for _, item in ipairs(sched.receipt) do receipt[#receipt + 1] = item end
+end
+
 -- Sessions that received a message, by id (score 0: ordered by the id's bytes), in buckets of
 -- DIALOG_DEDUPE_TTL_S each kept two buckets long: the console finds sessions by id prefix in
 -- the current and the previous bucket (ZRANGEBYLEX), never by scanning keys.
@@ -681,9 +703,6 @@ if #dels > 0 then
 end
 
 if #receipt > 0 then
-  for _, item in ipairs(receipt) do
-    item[6] = item[6][11]  -- the job's ending as this call leaves it (an interrupt may change it)
-  end
   save_receipt(ready, token_base, lock_ttl, receipt)
 end
 
@@ -698,4 +717,7 @@ else
     if info['name'] == group then last_id = info['last-delivered-id'] end
   end
 end
-return {last_id, #entries, jobs, held, {dups, refused, contended, trimmed, ahead, rejected}}
+-- Whether sessions of the shard still wait in its queues (for a slot another worker has).
+local waiting = (not fast) and rcall('EXISTS', active_key(ready)) or 0
+return {last_id, #entries, jobs, held,
+        {dups, refused, contended, trimmed, ahead, rejected, waiting}}

@@ -32,6 +32,8 @@ if type(applied) == 'table' or (tonumber(applied) or 0) ~= seq - 1 then
   return -1
 end
 local now = now_ms()
+busy_leave(ready, sid, redis.pcall('HGET', state, 'T'))  -- no longer in flight (tenants)
+rcall('HDEL', state, 'T')
 if mode == '1' then
   rcall('HSETNX', state, 'f', now)
   rcall('HSET', state, 'e', ARGV[5])

@@ -23,6 +23,11 @@ for i = 2, #ARGV, 2 do
   if redis.pcall('GET', lock) == ARGV[i] then
     rcall('PEXPIRE', lock, ttl)
     rcall('ZADD', ready, now + ttl, ARGV[i + 1])
+    -- Its tenant counts it in flight until the new lease ends (see the tenants in _common.lua).
+    local tenant = redis.pcall('HGET', session_key(sprefix, ARGV[i + 1], 'state'), 'T')
+    if type(tenant) == 'string' then
+      redis.pcall('ZADD', busy_key(ready, tenant), 'XX', now + ttl, ARGV[i + 1])
+    end
     results[#results + 1] = 1
   else
     results[#results + 1] = 0

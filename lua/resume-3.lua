@@ -25,6 +25,12 @@
 
   ARGV[1] most sessions to take (1..1000)   ARGV[2] token base (unique per call)
   ARGV[3] lock ttl (ms)   ARGV[4] gap timeout (ms)
+  ARGV[5] DIALOG_TENANT_PATTERN as a Lua pattern (optional)
+
+  Sessions whose next message may start go through the tenants' queues as at intake (taken at
+  once while the queues are empty and the call has room for them all, else queued, and the
+  call's room handed out in fair order: dispatch in _common.lua); a call with room and nothing
+  due still hands queued sessions out.
 
   Sent twice with the same token base (a lost reply), the call returns its first jobs again.
 
@@ -38,7 +44,8 @@ local count, lock_ttl, gap_timeout = tonumber(ARGV[1]), tonumber(ARGV[3]), tonum
 if not (count and lock_ttl and gap_timeout) or count < 1 or count > 1000 then
   return redis.error_reply('ERR resume: bad arguments')
 end
-for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}}) do
+for _, check in ipairs({{stream, 'stream'}, {ready, 'zset'}, {active_key(ready), 'zset'},
+                        {vt_key(ready), 'hash'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end
@@ -58,7 +65,7 @@ if replayed then
 end
 
 local now = now_ms()
-local jobs, tokens, receipt = {}, 0, {}
+local jobs, tokens, receipt, runnable = {}, 0, {}, {}
 
 for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, count)) do
   local state, lock = session_key(sprefix, sid, 'state'), session_key(sprefix, sid, 'lock')
@@ -73,7 +80,7 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
     -- pcall: a state key of another type (written by hand) must not fail the call after it
     -- took earlier sessions' locks; that session is looked at again in a minute, alone.
     local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'g', 'xc', 'xs', 'h',
-                          'w')
+                          'T', 'w')
     local applied, last = 0, 0
     if h['err'] then
       rcall('ZADD', ready, now + 60000, sid)
@@ -94,12 +101,12 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
         id = stored  -- an entry id from before custody: the gap event names it
       end
       local kind, gap_since = 'm', tonumber(h[8])
-      local rec = h[12] and interrupt_record(redis.pcall('GET', await_key(sprefix, sid)))
+      local rec = h[13] and interrupt_record(redis.pcall('GET', await_key(sprefix, sid)))
       if rec and rec['msg_id'] == nil then
         -- Resumed (resolve-2.lua took the await key): it goes on, and its journal gets an
         -- expiry again (a safety net only: its commit deletes it).
         rcall('HDEL', state, 'w')
-        redis.pcall('EXPIRE', journal_key(sprefix, sid, h[12]), INTERRUPTS_KEPT_S)
+        redis.pcall('EXPIRE', journal_key(sprefix, sid, h[13]), INTERRUPTS_KEPT_S)
       elseif rec and fields and msg_id_of(id, fields) == rec['msg_id'] then
         -- Parked: its message waits for a person (interrupt-3.lua). The wait ends here when
         -- the message ends without a step (cancelled, superseded) or its timeout is due
@@ -128,23 +135,60 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
           kind = 'G'
         end
       end
-      if kind ~= 'g' and kind ~= 'p' then
+      if kind == 'm' then
+        runnable[#runnable + 1] = {sid, seq, id, fields, h, state}
+      elseif kind == 'G' then
         tokens = tokens + 1
         local token = ARGV[2] .. ':' .. tokens
         local attempts = (tonumber(h[5]) or 0) + 1
         rcall('SET', lock, token, 'PX', lock_ttl)
         rcall('HSET', state, 'n', attempts)
         rcall('ZADD', ready, now + lock_ttl, sid)
-        kind = kind == 'm' and 'm' or 'g'
-        local ending = ''
-        if kind == 'm' then
-          ending = ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[9], h[10])
-        end
-        jobs[#jobs + 1] = {kind, sid, token, seq, id or '', fields or {},
-                           h[3] or '', h[4] or '0', attempts, h[6] or '', h[7] or '', ending}
-        receipt[#receipt + 1] = {kind, sid, token, seq, id or '', ending}
+        jobs[#jobs + 1] = {'g', sid, token, seq, id or '', {}, h[3] or '', h[4] or '0',
+                           attempts, h[6] or '', h[7] or '', ''}
+        receipt[#receipt + 1] = {'g', sid, token, seq, id or '', ''}
       end
     end
+  end
+end
+
+-- Sessions whose next message may start: as at intake (see the tenants in _common.lua), each
+-- takes its lock now while no session waits in the shard's queues and the call has room for
+-- all; otherwise they join their tenants' queues and the call's room goes out in fair order.
+local sched = scheduler(ready, sprefix, stream, now, lock_ttl, ARGV[2], ARGV[5] or '')
+local room = count - #jobs
+local wanted = {}
+for _, r in ipairs(runnable) do
+  busy_leave(ready, r[1], r[5][12])  -- its last holder's lease ran out: no longer in flight
+  r[7] = tenant_of(r[4], r[1], sched.pattern)
+  wanted[r[7]] = (wanted[r[7]] or 0) + 1
+end
+if #runnable <= room and all_fit(sched, wanted) then
+  for _, r in ipairs(runnable) do
+    local sid, seq, id, fields, h, state = r[1], r[2], r[3], r[4], r[5], r[6]
+    tokens = tokens + 1
+    local token = ARGV[2] .. ':' .. tokens
+    local attempts = (tonumber(h[5]) or 0) + 1
+    local tenant = r[7]
+    rcall('SET', session_key(sprefix, sid, 'lock'), token, 'PX', lock_ttl)
+    busy_add(sched, tenant, sid)
+    rcall('HSET', state, 'n', attempts, 'T', tenant)
+    rcall('ZADD', ready, now + lock_ttl, sid)
+    local ending = ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[9], h[10])
+    jobs[#jobs + 1] = {'m', sid, token, seq, id, fields, h[3] or '', h[4] or '0', attempts,
+                       h[6] or '', h[7] or '', ending}
+    receipt[#receipt + 1] = {'m', sid, token, seq, id, ending}
+  end
+else
+  for _, r in ipairs(runnable) do
+    enqueue(sched, r[1], r[4], r[6], entry_order(r[3]))
+  end
+  if room > 0 then
+    for _, row in ipairs(dispatch(sched, room)) do
+      table.insert(row, 1, 'm')
+      jobs[#jobs + 1] = row
+    end
+    for _, item in ipairs(sched.receipt) do receipt[#receipt + 1] = item end
   end
 end
 

@@ -15,8 +15,15 @@ The shell script only bounds the whole run in time and starts this file. Steps:
   5. a burst of 500 messages over 50 sessions through three worker containers, SIGTERM
      (`podman stop`) to one of them mid-burst: it exits 0 within the shutdown grace, every
      message is applied exactly once and in order (scripts/container_check.py, in the image);
-  6. `podman-compose up` of docker-compose.yml (redis and worker, with an override: local
-     images, host network, loopback ports), a send, a state, `down -v`.
+  6. your own bot: examples/own_bot/Dockerfile built FROM the project image (the recipe of
+     docs/deploy.md), and a wrong DIALOG_ENGINE stops it at once (exit 2, naming it);
+  7. `podman-compose --profile web up` of docker-compose.yml (redis, the worker on the own
+     bot's image, serve and console, with an override: local images, host network, loopback
+     ports; their secrets from the environment, as a .env file gives them): a send and a state
+     through the worker, a page's round trip through the gateway with a token minted by
+     `dialog-worker token` in its container (401 without it, 403 on another session, the
+     own bot's answer streamed word by word, its turn on /events), the console behind its
+     sign-in; every service stops with exit 0; `down -v`.
 Everything runs in a private podman store under a temporary folder with host networking only:
 no bridge or CNI network is ever created, containers talk to 127.0.0.1 only. On every exit path
 the containers, pods, volumes, images, the redis-server and the folder are removed. The last
@@ -26,18 +33,20 @@ Environment: CONTAINER_CHECK_TIMEOUT_S (the hard limit, applied by the shell scr
 the message when it stops us), CONTAINER_CHECK_DEBIAN_MIRROR (a mirror URL or sources file for
 mmdebstrap; default: the host's Debian sources).
 
-`python3 container_check_host.py compose-override COMPOSE OUT REDIS_IMAGE IMAGE REDIS_PORT
-METRICS_PORT` writes the compose override; it needs PyYAML, so it runs with podman-compose's
-venv interpreter (the host's python3 may not have it).
+`python3 container_check_host.py compose-override COMPOSE OUT REDIS_IMAGE IMAGE BOT_IMAGE
+REDIS_PORT METRICS_PORT HTTP_PORT CONSOLE_PORT` writes the compose override; it needs PyYAML, so
+it runs with podman-compose's venv interpreter (the host's python3 may not have it).
 """
 
 from __future__ import annotations
 
+import base64
 import glob
 import json
 import os
 import re
 import resource
+import secrets
 import shutil
 import signal
 import socket
@@ -66,6 +75,8 @@ WORKER_GRACE_S = 10  # DIALOG_SHUTDOWN_GRACE_S of the burst's workers
 STOP_OVERHEAD_S = 3  # what `podman stop` itself may add to the worker's own exit time
 PROJECT = "dialog-worker-check"
 CHECK_PY = "/opt/dialog-check/container_check.py"
+OWN_BOT = REPO / "examples" / "own_bot"
+WEB_SERVICES = ("redis", "worker", "serve", "console")
 TOOLS = {  # command: the Debian package that has it
     "podman": "podman",
     "buildah": "buildah",
@@ -91,6 +102,7 @@ class Check:
         self.image = f"localhost/dialog-worker:check-{self.run_id}"
         self.base_image = f"localhost/dialog-worker-base:check-{self.run_id}"
         self.redis_image = f"localhost/dialog-worker-redis:check-{self.run_id}"
+        self.bot_image = f"localhost/mybot:check-{self.run_id}"
         self.work: Path | None = None
         self.redis: subprocess.Popen[bytes] | None = None
         self.background: list[subprocess.Popen[bytes]] = []
@@ -171,6 +183,10 @@ class Check:
             str(REPO / "docker-compose.yml"),
             "-f",
             str(self.work / "compose.override.yml"),
+            # Every command sees the services of the profile "web" (serve, console): without
+            # it podman-compose knows no such service (exec, stop) and `down` leaves them.
+            "--profile",
+            "web",
             *args,
         ]
 
@@ -189,10 +205,11 @@ class Check:
             self.configure_podman()
             self.base_images()
             self.build_image()
-            ports = free_ports(6)
+            self.own_bot()
+            ports = free_ports(8)
             self.health_and_readiness(ports[:2])
             self.burst(f"redis://127.0.0.1:{ports[0]}/0", ports[0], ports[2:4])
-            self.compose(ports[4], ports[5])
+            self.compose(*ports[4:8])
         except Failed as exc:
             self.failed.append(str(exc))
             self.say(f"FAIL  {exc}")
@@ -435,6 +452,50 @@ runroot = "{work}/run"
         self.image_mb = self.size_mb(self.image)
         self.passes("image build", f"{self.image} {self.image_mb} MB in {self.image_s:.1f} s")
 
+    # 3b. Your own bot: the recipe of docs/deploy.md, FROM the image just built
+
+    def own_bot(self) -> None:
+        t0 = time.monotonic()
+        build = ["--format", "docker", "--network", "host", "--tag", self.bot_image]
+        build += ["--build-arg", f"BASE_IMAGE={self.image}", str(OWN_BOT)]
+        self.step("own-bot-build", ["podman", "build", *build])
+        built_s = time.monotonic() - t0
+        engine = self.podman(
+            "image",
+            "inspect",
+            "--format",
+            "{{range .Config.Env}}{{println .}}{{end}}",
+            self.bot_image,
+        )
+        if "DIALOG_ENGINE=mybot.worker:Bot" not in engine.splitlines():
+            self.fail("own bot", f"DIALOG_ENGINE not set by the recipe: {engine!r}")
+        user = self.inspect("image", "{{.Config.User}}", self.bot_image)
+        if user != "10001:10001":
+            self.fail("own bot", f"USER is {user!r}: the recipe must go back to 10001:10001")
+        # A wrong engine name stops the worker at start, with one line naming the setting
+        # (nothing listens on port 1: it must stop before it needs Redis).
+        wrong = subprocess.run(
+            [
+                *["podman", "run", "--rm", "--network", "host"],
+                *["-e", "DIALOG_ENGINE=mybot.nope:Bot", "-e", "REDIS_URL=redis://127.0.0.1:1/0"],
+                *["-e", "DIALOG_METRICS_PORT=0"],
+                self.bot_image,
+            ],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=60,
+        )
+        if wrong.returncode != 2 or "DIALOG_ENGINE" not in wrong.stderr:
+            print(wrong.stdout, wrong.stderr, sep="\n", flush=True)
+            self.fail("own bot", f"a wrong DIALOG_ENGINE exited {wrong.returncode}, expected 2")
+        self.passes(
+            "own bot image",
+            f"examples/own_bot/Dockerfile FROM the image in {built_s:.1f} s "
+            f"({self.size_mb(self.bot_image)} MB): DIALOG_ENGINE=mybot.worker:Bot, USER "
+            "10001:10001; DIALOG_ENGINE=mybot.nope:Bot exits 2 naming DIALOG_ENGINE",
+        )
+
     # 4. What the image declares, then one worker before and after Redis answers
 
     def inspect(self, what: str, fmt: str, name: str) -> str:
@@ -624,11 +685,23 @@ runroot = "{work}/run"
             f"{burst_s:.1f} s; {summary}",
         )
 
-    # 6. docker-compose.yml through podman-compose: redis and worker, a send, a state, down -v
+    # 7. docker-compose.yml through podman-compose: redis, the worker (the own bot), serve and
+    #    console; a send, a state, a page's round trip, the console; stop; down -v
 
-    def compose(self, redis_port: int, metrics_port: int) -> None:
+    def compose(
+        self, redis_port: int, metrics_port: int, http_port: int, console_port: int
+    ) -> None:
         assert self.work is not None
         override = self.work / "compose.override.yml"
+        # The secrets, as a .env file or the shell would give them to `docker compose`.
+        self.http_token = secrets.token_hex(16)
+        self.signing_key = secrets.token_hex(32)
+        self.console_token = secrets.token_hex(16)
+        self.env.update(
+            DIALOG_HTTP_TOKEN=self.http_token,
+            DIALOG_HTTP_SIGNING_KEY=self.signing_key,
+            DIALOG_CONSOLE_OPERATORS=f"check:{self.console_token}",
+        )
         self.step(
             "compose-override",
             [
@@ -639,21 +712,26 @@ runroot = "{work}/run"
                 str(override),
                 self.redis_image,
                 self.image,
+                self.bot_image,
                 str(redis_port),
                 str(metrics_port),
+                str(http_port),
+                str(console_port),
             ],
         )
         # Guard: what `up` would run, without running it. Every container on the host network,
         # and no network created.
         self.step(
             "compose-dry-run",
-            self.pc("--verbose", "--dry-run", "up", "-d", "--no-build", "redis", "worker"),
+            self.pc("--verbose", "--dry-run", "up", "-d", "--no-build", *WEB_SERVICES),
         )
         dry = self.log("compose-dry-run").read_text()
         creates = dry.count("podman create ")
-        if creates != 2:
+        if creates != len(WEB_SERVICES):
             self.show_log(self.log("compose-dry-run"))
-            self.fail("compose", f"dry run creates {creates} containers, expected 2")
+            self.fail(
+                "compose", f"dry run creates {creates} containers, expected {len(WEB_SERVICES)}"
+            )
         starts = [ln for ln in dry.splitlines() if "podman create " in ln or "podman run " in ln]
         if any("--network=host" not in ln for ln in starts) or re.search(
             r"network create|--network=bridge", dry
@@ -662,7 +740,7 @@ runroot = "{work}/run"
             self.fail("compose", "the override would not keep every container on the host network")
 
         self.compose_up = True
-        self.step("compose-up", self.pc("up", "-d", "--no-build", "redis", "worker"))
+        self.step("compose-up", self.pc("up", "-d", "--no-build", *WEB_SERVICES))
         ready = f"http://127.0.0.1:{metrics_port}/readyz"
         if not wait_until(60, lambda: http_code(ready) == 200):
             self.show_log(self.log("compose-up"), 20)
@@ -681,11 +759,16 @@ runroot = "{work}/run"
             )
             return names.splitlines()[0] if names else ""
 
-        redis_ctr, worker_ctr = container("redis"), container("worker")
-        if not self.ok("podman", "healthcheck", "run", redis_ctr):
-            self.fail("compose", "redis healthcheck unhealthy")
-        if not self.ok("podman", "healthcheck", "run", worker_ctr):
-            self.fail("compose", "worker healthcheck unhealthy")
+        ctrs = {service: container(service) for service in WEB_SERVICES}
+        worker_ctr = ctrs["worker"]
+        for service in ("serve", "console"):
+            port = http_port if service == "serve" else console_port
+            if not wait_until(60, lambda p=port: http_code(f"http://127.0.0.1:{p}/healthz") == 200):
+                self.container_logs(ctrs[service])
+                self.fail("compose", f"{service} not answering /healthz within 60 s")
+        for service, ctr in ctrs.items():
+            if not self.ok("podman", "healthcheck", "run", ctr):
+                self.fail("compose", f"{service} healthcheck unhealthy")
         session = f"compose-{self.run_id}"
         exec_cli = self.pc("exec", "-T", "worker", "dialog-worker")
         try:
@@ -706,9 +789,9 @@ runroot = "{work}/run"
             return bool(
                 state
                 and state["applied_seq"] == 1
-                and state["memory"].get("userName") == "Budi"
+                and state["memory"].get("turns") == 1
                 and state["history"][0]["user"] == "nama saya Budi"
-                and state["history"][0]["bot"] == "Halo Budi, ada yang bisa dibantu?"
+                and state["history"][0]["bot"] == "mybot heard: nama saya Budi (turn 1)"
             )
 
         if not wait_until(60, state_applied):
@@ -719,12 +802,18 @@ runroot = "{work}/run"
         policy = self.out(*cli, "maxmemory-policy").splitlines()[-1]
         if (aof, policy) != ("yes", "noeviction"):
             self.fail("compose", f"redis runs with appendonly={aof} maxmemory-policy={policy}")
+        web = self.web(http_port, console_port)
         t1 = time.monotonic()
         self.step("compose-stop", self.pc("stop", "worker"))
         code = self.inspect("", "{{.State.ExitCode}}", worker_ctr)
         if code != "0":
             self.fail("compose", f"worker exited {code} on stop")
         stop_s = time.monotonic() - t1
+        self.step("compose-stop-web", self.pc("stop", "serve", "console"))
+        for service in ("serve", "console"):
+            code = self.inspect("", "{{.State.ExitCode}}", ctrs[service])
+            if code != "0":
+                self.fail("compose", f"{service} exited {code} on stop")
         self.step("compose-down", self.pc("down", "-v"))
         self.compose_up = False
         left = self.podman(
@@ -747,13 +836,75 @@ runroot = "{work}/run"
             self.fail("compose", f"left after down -v: {' '.join(left)}")
         self.passes(
             "compose",
-            "podman-compose up redis worker: ready, both HEALTHCHECKs healthy, Redis AOF + "
-            f'noeviction; send + state ("Halo Budi, ..."); worker stop exit 0 in {stop_s:.1f} s; '
-            "down -v left nothing",
+            "podman-compose --profile web up redis worker serve console (worker on the own "
+            "bot's image): ready, all four HEALTHCHECKs healthy, Redis AOF + noeviction; send + "
+            f'state ("mybot heard: ..."); worker stop exit 0 in {stop_s:.1f} s, serve and '
+            "console exit 0; down -v left nothing",
         )
+        self.passes("serve and console", web)
         self.note(
             f"image {self.image_mb} MB; python base built in {self.base_py_s:.1f} s, redis base "
             f"in {self.base_redis_s:.1f} s, image in {self.image_s:.1f} s"
+        )
+
+    def web(self, http_port: int, console_port: int) -> str:
+        """A page's round trip through the gateway, with a session token minted in the serve
+        container (`dialog-worker token`, the Secret's signing key); the console's sign-in."""
+        gateway = f"http://127.0.0.1:{http_port}"
+        session = f"page-{self.run_id}"
+        try:
+            minted = json.loads(
+                self.out(
+                    *self.pc(
+                        "exec", "-T", "serve", "dialog-worker", "token", session, "--ttl", "300"
+                    ),
+                    timeout=60,
+                ).splitlines()[-1]
+            )
+            token = minted["token"]
+        except (subprocess.CalledProcessError, ValueError, KeyError, IndexError):
+            self.show_log(self.log("podman"))
+            self.fail("serve", "dialog-worker token failed in the serve container")
+        body = json.dumps({"text": "hello from a page"}).encode()
+        bearer = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        codes = {
+            "no token": http_post(f"{gateway}/sessions/{session}/messages", body, {})[0],
+            "another session": http_post(f"{gateway}/sessions/x-{session}/messages", body, bearer)[
+                0
+            ],
+        }
+        if codes != {"no token": 401, "another session": 403}:
+            self.fail("serve", f"refusals {codes}, expected 401 and 403")
+        code, sent = http_post(f"{gateway}/sessions/{session}/messages", body, bearer)
+        if code != 202:
+            self.fail("serve", f"POST with the session token: {code} {sent}")
+        stream = f"{gateway}{json.loads(sent)['stream']}?access_token={token}"
+        events = sse_events(stream, "end", 60)
+        deltas = [e for kind, e in events if kind == "delta"]
+        end = events[-1][1] if events and events[-1][0] == "end" else {}
+        answer = "mybot heard: hello from a page (turn 1)"
+        if end.get("text") != answer or "".join(d["text"] for d in deltas) != answer:
+            self.fail("serve", f"the streamed answer: {events[-3:]}")
+        turns = sse_events(f"{gateway}/sessions/{session}/events?access_token={token}", "turn", 30)
+        if [e.get("bot") for kind, e in turns if kind == "turn"] != [answer]:
+            self.fail("serve", f"/events: {turns}")
+        served = http_post(
+            f"{gateway}/sessions/{session}/messages",
+            json.dumps({"text": "from a server"}).encode(),
+            {"Authorization": f"Bearer {self.http_token}", "Content-Type": "application/json"},
+        )[0]
+        if served != 202:
+            self.fail("serve", f"the server token: {served}")
+        console = f"http://127.0.0.1:{console_port}/"
+        basic = base64.b64encode(f"check:{self.console_token}".encode()).decode()
+        signed_in = http_code(console, {"Authorization": f"Basic {basic}"})
+        if (http_code(console), signed_in) != (401, 200):
+            self.fail("console", f"without sign-in {http_code(console)}, with {signed_in}")
+        return (
+            f"a session token from `dialog-worker token` in the serve container; 401 without "
+            f"it, 403 on another session; 202, then the own bot's answer in {len(deltas)} "
+            "deltas and its end, its turn on /events; the server token 202; the console 401, "
+            "200 signed in"
         )
 
     # -- cleanup ------------------------------------------------------------------------------
@@ -845,14 +996,46 @@ def wait_until(seconds: float, ready: Callable[[], bool]) -> bool:
         time.sleep(0.2)
 
 
-def http_code(url: str) -> int:
+def http_code(url: str, headers: dict[str, str] | None = None) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        request = urllib.request.Request(url, headers=headers or {})
+        with urllib.request.urlopen(request, timeout=2) as response:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return exc.code
     except (OSError, ValueError):
         return 0
+
+
+def http_post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status), response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except (OSError, ValueError) as exc:
+        return 0, str(exc)
+
+
+def sse_events(url: str, last_kind: str, timeout_s: float) -> list[tuple[str, Any]]:
+    """Server-sent events of ``url`` as (kind, data), up to the first of kind ``last_kind``
+    (or until nothing came for ``timeout_s``)."""
+    events: list[tuple[str, Any]] = []
+    kind = ""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            for raw in response:
+                line = raw.decode(errors="replace").rstrip("\r\n")
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: ") and kind:
+                    events.append((kind, json.loads(line[6:])))
+                    if kind == last_kind:
+                        break
+    except (OSError, ValueError):
+        pass
+    return events
 
 
 def http_text(url: str) -> str:
@@ -872,12 +1055,23 @@ def metric(text: str, name: str) -> str:
 
 
 def compose_override(
-    compose_file: str, out: str, redis_image: str, image: str, redis_port: str, metrics_port: str
+    compose_file: str,
+    out: str,
+    redis_image: str,
+    image: str,
+    bot_image: str,
+    redis_port: str,
+    metrics_port: str,
+    http_port: str,
+    console_port: str,
 ) -> None:
     """The override keeps the project's file as it is and changes only what these machines
-    need: local images (never pulled or built), host network for every service, Redis on a
-    free loopback port (the compose command plus --port/--bind, and its healthcheck on that
-    port), the worker's metrics on a free loopback port."""
+    need: local images (never pulled or built; the worker runs the own bot's image, as
+    docs/deploy.md says to), host network for every service, Redis on a free loopback port
+    (the compose command plus --port/--bind, and its healthcheck on that port), the worker's
+    metrics, the gateway and the console on free loopback ports (their published ports
+    dropped: the host network has none to map). Their secrets stay as the file has them:
+    interpolated from the environment."""
     import yaml  # podman-compose's venv has it
 
     with open(compose_file) as f:
@@ -896,7 +1090,7 @@ def compose_override(
         "    healthcheck:",
         f"      test: !override {j(['CMD', 'redis-cli', '-p', redis_port, 'ping'])}",
         "  worker:",
-        f"    image: {j(image)}",
+        f"    image: {j(bot_image)}",
         "    pull_policy: never",
         "    network_mode: host",
         "    environment:",
@@ -904,16 +1098,31 @@ def compose_override(
         "      DIALOG_METRICS_HOST: 127.0.0.1",
         f"      DIALOG_METRICS_PORT: {j(metrics_port)}",
     ]
+    for name, host, port in (
+        ("serve", "DIALOG_HTTP_HOST", ("DIALOG_HTTP_PORT", http_port)),
+        ("console", "DIALOG_CONSOLE_HOST", ("DIALOG_CONSOLE_PORT", console_port)),
+    ):
+        lines += [
+            f"  {name}:",
+            f"    image: {j(image)}",
+            "    pull_policy: never",
+            "    network_mode: host",
+            "    ports: !reset []",
+            "    environment:",
+            f"      REDIS_URL: {j(f'redis://127.0.0.1:{redis_port}/0')}",
+            f"      {host}: 127.0.0.1",
+            f"      {port[0]}: {j(port[1])}",
+        ]
     # Services this check does not start get host networking too, so that no service of the
     # project could ever land on a bridge, even if someone runs up without naming services.
     for name in compose["services"]:
-        if name not in ("redis", "worker"):
+        if name not in WEB_SERVICES:
             lines += [f"  {name}:", "    network_mode: host"]
     Path(out).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["compose-override"]:
-        compose_override(*sys.argv[2:8])
+        compose_override(*sys.argv[2:11])
         sys.exit(0)
     sys.exit(Check().main())

@@ -13,6 +13,8 @@
 #
 # Environment:
 #   PYTHON        interpreter that creates the venv (default: python3)
+#   EXTRAS        extras to install with it, comma-separated (default: none). The image uses
+#                 "http": `dialog-worker serve` (the gateway) and `dialog-worker console`.
 #   PIP_*         read by pip itself. PIP_NO_INDEX=1 installs offline, from the wheelhouse
 #                 only (the image does this); without it missing dependencies come from the
 #                 package index.
@@ -27,6 +29,10 @@ fi
 venv=$1
 source=$2
 python=${PYTHON:-python3}
+extras=${EXTRAS:-}
+case "$extras" in
+    *[!a-z0-9,_-]*) echo "install-wheel: EXTRAS must be names separated by commas" >&2; exit 2 ;;
+esac
 
 if [ -d "$source" ]; then
     set -- "$source"/dialog_worker-*.whl
@@ -51,8 +57,10 @@ fi
 "$python" -m venv "$venv"
 # The wheel is installed by its path, never by name: an index can never substitute another
 # distribution called dialog-worker.
+spec=$wheel
+[ -z "$extras" ] || spec="$wheel[$extras]"
 "$venv/bin/python" -m pip install --no-cache-dir --disable-pip-version-check --quiet \
-    "$find_links" "$wheel"
+    "$find_links" "$spec"
 
 # The installed package must carry every Lua script and the default rules: an installed
 # worker has no lua/ or config/ folder next to it. Run outside any source checkout so only the
@@ -75,3 +83,7 @@ dialog_worker.engine.rules.load_rules()
 print(f"install-wheel: dialog-worker installed in {sys.prefix}; Lua scripts in {lua}")
 PY
 "$venv/bin/dialog-worker" --help >/dev/null
+# With the http extra, the gateway and the console must import (their dependencies installed).
+case ",$extras," in
+    *,http,*) "$venv/bin/python" -c "import dialog_worker.gateway.app, dialog_worker.console.app" ;;
+esac

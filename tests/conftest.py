@@ -28,7 +28,8 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 def worker_env(url: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DIALOG_")}
+    # OTEL_*: a developer's own tracing setup must not turn tracing on in the suite's workers.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DIALOG_", "OTEL_"))}
     env.update(
         {
             "REDIS_URL": url,

@@ -273,3 +273,47 @@ async def test_a_redrive_while_a_step_of_the_session_runs_is_refused_and_changes
     assert await r.xlen(client.keys.dlq) == 0
     assert await r.hget(sk.state, "h") is None
     assert await r.zscore(client.keys.ready, "dave") is not None
+
+
+async def _held_idle_session_with_a_letter(client: DialogClient, sid: str) -> list[Any]:
+    """A session that went idle (its state has the idle expiry), then held, with one dead
+    letter: the redrive arguments for that letter."""
+    sk = client.keys.session(sid)
+    r = client.redis
+    await r.hset(sk.state, mapping={"a": "1", "s": "1", "h": "held by a test"})
+    await r.expire(sk.state, client.settings.state_ttl_s)
+    letter = await r.xadd(client.keys.dlq, {"session_id": sid, "msg_id": "m2", "text": "hi"})
+    fields = json.dumps(["session_id", sid, "text", "hi", "msg_id", "m2"])
+    return ["redrive", client.settings.dedupe_ttl_s, 1, letter, "m2", fields]
+
+
+async def test_a_redrive_into_a_held_idle_session_removes_its_idle_expiry_while_the_letter_waits(
+    client: DialogClient,
+) -> None:
+    """The letter goes back as the session's next message: a state that keeps its idle
+    expiry could expire with the message in it (G5: no state expires while it has work
+    outstanding)."""
+    from dialog_worker.console import actions
+
+    redrive = await _held_idle_session_with_a_letter(client, "erin")
+    sk = client.keys.session("erin")
+    assert await client.redis.ttl(sk.state) > 0
+    result = await actions._hold_call(client, "erin", redrive)
+    assert result[:2] == ["redriven", "1"], result
+    assert await client.redis.hget(sk.state, "s") == "2"  # the letter waits as seq 2
+    assert await client.redis.ttl(sk.state) == -1  # no expiry while it waits
+    assert await client.redis.hget(sk.state, "h") is None  # released with the redrive
+    assert await client.redis.zscore(client.keys.ready, "erin") is not None
+
+
+async def test_a_redriven_letters_msg_id_claim_expires_like_any_other(client: DialogClient) -> None:
+    """The redriven letter's msg_id is claimed for its new seq (a copy sent meanwhile is a
+    duplicate) for the dedupe window, not for ever: after it a re-send is a new message."""
+    from dialog_worker.console import actions
+
+    redrive = await _held_idle_session_with_a_letter(client, "fay")
+    claim = client.keys.session("fay").dedupe("m2")
+    await actions._hold_call(client, "fay", redrive)
+    assert await client.redis.get(claim) == "2"
+    ttl = await client.redis.ttl(claim)
+    assert client.settings.dedupe_ttl_s - 5 <= ttl <= client.settings.dedupe_ttl_s

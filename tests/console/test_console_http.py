@@ -4,6 +4,7 @@ may act, CSRF, paging bounds, hostile ids and texts, and the actions with their 
 from __future__ import annotations
 
 import html
+import json
 import subprocess
 import sys
 import time
@@ -249,6 +250,70 @@ async def test_a_bulk_action_acts_only_on_the_listed_letters_and_needs_a_reason(
     assert left == [f"0:{entries[2]}", f"0:{late}"]
     audit = (await http.get("/audit", headers=VIEW)).text
     assert audit.count("purge_letters") == 2 and "test noise" in audit and "olga" in audit
+
+
+async def test_a_refused_action_is_audited_as_refused_with_its_reason_and_why(
+    http: httpx.AsyncClient, client: DialogClient, console_settings: Settings
+) -> None:
+    """An action the tool refuses (here a handle that names no dead letter) is a 400 for
+    the operator, and the audit keeps both entries: the request, and its outcome `refused`
+    with the operator's reason, the error, and the request's id."""
+    from dialog_worker.store.keys import audit_key
+
+    await add_letter(client, "s1", 1)
+    page = (await http.get("/letters", headers=OP)).text
+    form = {
+        "action": "redrive",
+        "handle": "0:not-a-letter",
+        "count": "1",
+        "reason": "retry after the outage",
+        "form_token": form_token(page),
+    }
+    r = await http.post("/letters/action", headers=OP, data=form)
+    assert r.status_code == 400 and "not a dead-letter handle" in r.text
+    rows = await client.redis.xrange(audit_key(console_settings))
+    assert [f["outcome"] for _, f in rows] == ["requested", "refused"]
+    (asked_id, asked), (_, refused) = rows
+    for entry in (asked, refused):
+        assert (entry["action"], entry["who"], entry["reason"]) == (
+            "redrive_letters",
+            "olga",
+            "retry after the outage",
+        )
+    assert refused["ref"] == asked_id
+    assert "not a dead-letter handle" in json.loads(refused["detail"])["error"]
+    audit = (await http.get("/audit", headers=VIEW)).text
+    assert "refused" in audit and "retry after the outage" in audit
+    assert await client.redis.xlen(client.keys.dlq) == 1  # nothing done
+
+
+async def test_audit_pages_show_every_entry_once_newest_first_across_page_boundaries(
+    http: httpx.AsyncClient, client: DialogClient, console_settings: Settings
+) -> None:
+    """Older pages go on from the id the previous page ended at, exclusive: no entry is
+    shown twice at a page boundary and none is skipped."""
+    import re
+
+    from dialog_worker.console.app import AUDIT_PAGE
+    from dialog_worker.store.keys import audit_key
+
+    key = audit_key(console_settings)
+    written = [
+        str(await client.redis.xadd(key, {"who": "olga", "action": f"a{i}", "outcome": "done"}))
+        for i in range(2 * AUDIT_PAGE + 7)
+    ]
+    shown: list[str] = []
+    pages = 0
+    url: str | None = "/audit"
+    while url is not None:
+        page = (await http.get(html.unescape(url), headers=VIEW)).text
+        pages += 1
+        shown += re.findall(r'<tr data-id="([^"]+)"', page)
+        more = re.search(r'<a href="(/audit\?before=[^"]+)">older', page)
+        url = more.group(1) if more else None
+        assert pages <= 4
+    assert shown == written[::-1]
+    assert pages == 3
 
 
 # -- sessions ---------------------------------------------------------------------------------

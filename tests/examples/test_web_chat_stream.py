@@ -19,7 +19,7 @@ import pytest
 from examples_path import with_examples
 from redis_server import free_port, wait_until
 from tcp_proxy import TcpProxy
-from worker_procs import WorkerPool
+from worker_procs import WorkerPool, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +43,12 @@ def _browser() -> Any:
     return webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
 
 
+# The example runs with a server token and a signing key of its own: the page must never see
+# the first, and the tokens it uses must be signed with the second.
+SERVER_TOKEN = "server-token-for-servers-only-0123456789"
+SIGNING_KEY = "k" * 40
+
+
 @pytest.fixture
 def chat_page(env: dict[str, str], tmp_path: Path) -> Iterator[TcpProxy]:
     """The example on its own port, reached through a proxy the test can cut."""
@@ -50,7 +56,12 @@ def chat_page(env: dict[str, str], tmp_path: Path) -> Iterator[TcpProxy]:
     log = (tmp_path / "web_chat.log").open("ab")
     proc = subprocess.Popen(
         [sys.executable, str(EXAMPLE)],
-        env={**with_examples(env), "WEB_CHAT_PORT": str(port)},
+        env={
+            **with_examples(env),
+            "WEB_CHAT_PORT": str(port),
+            "DIALOG_HTTP_TOKEN": SERVER_TOKEN,
+            "DIALOG_HTTP_SIGNING_KEY": SIGNING_KEY,
+        },
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -198,10 +209,14 @@ async def test_the_five_minute_demo_engine_types_its_answer_word_by_word(
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{chat_page.port}", timeout=30) as http:
         page = await http.get("/")
         assert page.status_code == 200 and "EventSource" in page.text
-        sent = await http.post("/sessions/demo/messages", json={"text": "hello there"})
+        grant = (await http.post("/session-token")).json()
+        auth = {"Authorization": f"Bearer {grant['token']}"}
+        sent = await http.post(
+            f"/sessions/{grant['session_id']}/messages", json={"text": "hello there"}, headers=auth
+        )
         assert sent.status_code == 202
         kinds, deltas, end = [], "", None
-        async with http.stream("GET", sent.json()["stream"]) as response:
+        async with http.stream("GET", sent.json()["stream"], headers=auth) as response:
             async for line in response.aiter_lines():
                 if line.startswith("event: "):
                     kinds.append(line[7:])
@@ -212,3 +227,261 @@ async def test_the_five_minute_demo_engine_types_its_answer_word_by_word(
                     break
     assert end == deltas == "You said: hello there"
     assert kinds.count("delta") >= 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The page as a person uses it: its own session only, Stop, what the server starts, a reload.
+
+TURNS_JS = """return [...document.querySelectorAll('.turn')].map((t) => {
+  const u = t.querySelector('.user'), b = t.querySelector('.bot');
+  return {user: u ? u.textContent : null, bot: b.textContent, state: b.dataset.state,
+          outcome: b.dataset.outcome || null, msg_id: b.dataset.msgId,
+          cancel: b.dataset.cancel || null, shown: b.shown, visible: b.offsetParent !== null};
+});"""
+
+
+def _turns(browser: Any) -> list[dict[str, Any]]:
+    return list(browser.execute_script(TURNS_JS))
+
+
+def _send(browser: Any, text: str) -> None:
+    browser.find_element("id", "text").send_keys(text)
+    browser.find_element("id", "send").click()
+
+
+def _open_chat(browser: Any, chat_page: TcpProxy) -> str:
+    """Loads the page; returns its session id once it holds a token and follows its events."""
+    browser.get(f"http://127.0.0.1:{chat_page.port}/")
+    wait_until(
+        lambda: browser.execute_script(
+            "return chat.feed && chat.feed.source.readyState === EventSource.OPEN"
+        ),
+        20,
+        what="the page follows its session",
+    )
+    return str(browser.execute_script("return chat.session"))
+
+
+async def test_the_page_gets_a_token_for_its_own_session_only_never_the_server_token(
+    chat_page: TcpProxy,
+):
+    """What the example's server hands a browser opens that browser's session, for the page's
+    four actions, and nothing else; the gateway refuses everything without a token."""
+    import httpx
+
+    from dialog_worker.client import session_tokens
+
+    base = f"http://127.0.0.1:{chat_page.port}"
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=30) as alice,
+        httpx.AsyncClient(base_url=base, timeout=30) as bob,
+    ):
+        page = await alice.get("/")
+        assert SERVER_TOKEN not in page.text and SIGNING_KEY not in page.text
+        first = await alice.post("/session-token")
+        assert first.headers["cache-control"] == "no-store"
+        assert "httponly" in first.headers["set-cookie"].lower()
+        grant = first.json()
+        again = (await alice.post("/session-token")).json()  # same browser: same session
+        other = (await bob.post("/session-token")).json()  # another browser: its own
+        assert again["session_id"] == grant["session_id"] != other["session_id"]
+        for given in (grant, other):
+            assert SERVER_TOKEN not in json.dumps(given)
+            checked = session_tokens.verify(SIGNING_KEY, given["token"])
+            assert checked.session_id == given["session_id"]
+            assert set(checked.actions) == {"send", "stream", "cancel", "events"}
+
+        def auth(token: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {token}"}
+
+        mine, theirs = grant["session_id"], other["session_id"]
+        body = {"text": "halo"}
+        assert (await alice.post(f"/sessions/{theirs}/messages", json=body)).status_code == 401
+        refused = await alice.post(
+            f"/sessions/{theirs}/messages", json=body, headers=auth(grant["token"])
+        )
+        assert refused.status_code == 403
+        sent = await alice.post(
+            f"/sessions/{mine}/messages", json=body, headers=auth(grant["token"])
+        )
+        assert sent.status_code == 202
+        # The server token still opens any session, for the application's own servers.
+        served = await bob.post(f"/sessions/{mine}/messages", json=body, headers=auth(SERVER_TOKEN))
+        assert served.status_code == 202
+
+
+def test_stop_after_a_double_text_stops_the_answer_being_written_not_the_queued_one(
+    chat_page: TcpProxy, workers: WorkerPool
+):
+    from dialog_worker.client import session_tokens
+
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    browser = _browser()
+    try:
+        session = _open_chat(browser, chat_page)
+        _send(browser, "200 40")  # about 8 s of answer
+        _send(browser, "5 40")  # double text: waits for its turn
+        wait_until(lambda: len(_turns(browser)) == 2, 10, what="both messages on the page")
+        wait_until(
+            lambda: (
+                _turns(browser)[0]["state"] == "streaming"
+                and browser.execute_script(
+                    "return chat.answers.get(arguments[0]).feed !== null",
+                    _turns(browser)[1]["msg_id"],
+                )
+            ),
+            20,
+            what="the first answer is being written and the second one was sent",
+        )
+        queued = _turns(browser)[1]
+        assert queued["state"] == "waiting" and not queued["visible"], "no second typing mark"
+        typing = browser.execute_script(
+            "return [document.getElementById('status').textContent,"
+            " getComputedStyle(document.querySelector('.bot'), '::after').content]"
+        )
+        stop = browser.find_element("id", "stop")
+        assert stop.is_enabled()
+        stop.click()
+        wait_until(lambda: _turns(browser)[1]["state"] == "done", 20, what="the second answer")
+        first, second = _turns(browser)
+        trace: list[str] = browser.execute_script("return chat.trace")
+        token = str(browser.execute_script("return chat.token"))
+        storage = str(browser.execute_script("return JSON.stringify(localStorage)"))
+        urls = str(
+            browser.execute_script("return performance.getEntries().map((e) => e.name).join(' ')")
+        )
+        source = browser.page_source
+        cookies = json.dumps(browser.get_cookies())
+    finally:
+        browser.quit()
+    reply = "".join(f"w{i} " for i in range(200))
+    assert typing[0] == "typing…" and "▍" in typing[1], typing  # while it was being written
+    assert (first["outcome"], first["cancel"]) == ("cancelled", "cancelled")
+    assert 0 < len(first["bot"]) < len(reply) and reply.startswith(first["bot"])
+    assert (second["outcome"], second["bot"], second["cancel"]) == (
+        "applied",
+        "w0 w1 w2 w3 w4 ",
+        None,
+    )
+    # Stop went to the first answer and disabled itself at once; it came back only for the
+    # next answer, once the first had ended.
+    clicked = trace.index(f"stop {first['msg_id']}")
+    assert trace[clicked + 1] == "stop disabled", trace
+    ended = trace.index(f"end {first['msg_id']} cancelled")
+    assert "stop enabled" not in trace[clicked:ended], trace
+    assert f"stop {second['msg_id']}" not in trace
+    # The page holds a token for its own session only; the server token is nowhere in it.
+    assert session_tokens.verify(SIGNING_KEY, token).session_id == session
+    for seen in (source, storage, urls, cookies):
+        assert SERVER_TOKEN not in seen and SIGNING_KEY not in seen
+
+
+def test_messages_the_server_starts_appear_on_the_page(
+    chat_page: TcpProxy, workers: WorkerPool, env: dict[str, str]
+):
+    """A timer's nudge (no user text: the engine sent it) and a message the application sent
+    to be delivered later show up by themselves, through the session's events."""
+    workers.start(1, DIALOG_ENGINE="timer_engines:Timers")
+    browser = _browser()
+    try:
+        session = _open_chat(browser, chat_page)
+        _send(browser, "remind 1 nudge are you still there?")
+        wait_until(
+            lambda: len(_turns(browser)) == 2,
+            20,
+            what="the timer's message, a second after the answer",
+        )
+        later = run_cli(
+            env, "send", session, "your order shipped", "--deliver-at", str(time.time() + 1)
+        )
+        assert later.returncode == 0, later.stderr
+        wait_until(lambda: len(_turns(browser)) == 3, 20, what="the delivered message")
+        turns = _turns(browser)
+    finally:
+        browser.quit()
+    shown = [(t["user"], t["bot"], t["outcome"], t["visible"]) for t in turns]
+    assert shown[:2] == [
+        (
+            "remind 1 nudge are you still there?",
+            "ok remind 1 nudge are you still there?",
+            "applied",
+            True,
+        ),
+        (None, "fired nudge: are you still there?", "applied", True),
+    ]
+    # The engine answers a message that waited for its time as it does a timer's; one whose
+    # time had come by the time it was sent (a slow machine), as any other message.
+    later_id = turns[2]["msg_id"]
+    answers = {f"fired msg:{later_id}: your order shipped", "ok your order shipped"}
+    assert shown[2][0] == "your order shipped" and shown[2][1] in answers, shown[2]
+    assert shown[2][2:] == ("applied", True)
+
+
+def test_a_reload_mid_answer_shows_the_conversation_and_resumes_the_answer(
+    chat_page: TcpProxy, workers: WorkerPool
+):
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    reply = "".join(f"w{i} " for i in range(150))
+    browser = _browser()
+    try:
+        session = _open_chat(browser, chat_page)
+        _send(browser, "3 0")
+        wait_until(lambda: _turns(browser)[0]["state"] == "done", 20, what="the first answer")
+        _send(browser, "150 40")  # about 6 s of answer
+        wait_until(
+            lambda: len(_turns(browser)) == 2 and _turns(browser)[1]["bot"],
+            20,
+            what="the second answer is being written",
+        )
+        before = _turns(browser)[1]
+        browser.refresh()
+        assert _open_chat(browser, chat_page) == session
+        wait_until(
+            lambda: len(_turns(browser)) == 2 and _turns(browser)[0]["state"] == "done",
+            20,
+            what="the conversation after the reload",
+        )
+        resumed = _turns(browser)[1]
+        wait_until(lambda: _turns(browser)[1]["state"] == "done", 30, what="the answer ends")
+        turns = _turns(browser)
+    finally:
+        browser.quit()
+    assert [(t["user"], t["bot"], t["outcome"]) for t in turns] == [
+        ("3 0", "w0 w1 w2 ", "applied"),
+        ("150 40", reply, "applied"),
+    ]
+    assert turns[1]["msg_id"] == before["msg_id"]
+    assert resumed["user"] == "150 40" and resumed["state"] in ("waiting", "streaming")
+    # After the reload the answer went on growing from the start, never a piece twice, and
+    # was seen mid-answer (not only its end).
+    shown = turns[1]["shown"]
+    assert all(reply.startswith(text) for text in shown), shown
+    assert any(0 < len(text) < len(reply) for text in shown), "resumed mid-answer"
+
+
+def test_the_page_fits_a_narrow_phone_screen(chat_page: TcpProxy, workers: WorkerPool):
+    workers.start(1, DIALOG_ENGINE="timer_engines:Timers")
+    browser = _browser()
+    try:
+        browser.set_window_size(360, 740)
+        _open_chat(browser, chat_page)
+        _send(browser, "x" * 300)  # one long word: it must wrap, not widen the page
+        wait_until(lambda: _turns(browser)[0]["state"] == "done", 20, what="the answer")
+        layout = browser.execute_script(
+            """const r = (id) => document.getElementById(id).getBoundingClientRect();
+            const bubbles = [...document.querySelectorAll('.bubble')].map(
+              (b) => b.getBoundingClientRect().right);
+            return {width: window.innerWidth, height: window.innerHeight,
+                    scroll: document.documentElement.scrollWidth,
+                    text: r('text'), send: r('send'), stop: r('stop'), bubbles};"""
+        )
+    finally:
+        browser.quit()
+    width = layout["width"]
+    assert width <= 400, layout
+    assert layout["scroll"] <= width, "nothing wider than the screen"
+    for control in ("text", "send", "stop"):
+        box = layout[control]
+        assert 0 <= box["left"] and box["right"] <= width and box["bottom"] <= layout["height"]
+    assert layout["text"]["width"] > width / 3, "the input keeps most of the row"
+    assert layout["bubbles"] and max(layout["bubbles"]) <= width

@@ -160,23 +160,37 @@ def test_eviction_policy_refused_at_start_with_what_to_set(tmp_path: Path) -> No
         server.stop()
 
 
-async def test_eviction_override_runs_and_says_so(tmp_path: Path) -> None:
+async def test_eviction_override_runs_stays_ready_through_rechecks_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """DIALOG_ALLOW_EVICTION=1 holds for the periodic re-check too, not only at start: the
+    policy moves to noeviction and back to an evicting one under the running worker (each
+    seen by a re-check: the gauge follows it), and the worker stays ready and applies."""
     from dialog_worker.client.dialog_client import DialogClient
     from dialog_worker.config import load_settings
 
     extra = ("--maxmemory", "100mb", "--maxmemory-policy", "volatile-lru", "--appendonly", "yes")
     server = RedisServer(tmp_path / "redis", extra=extra).start()
-    env = worker_env(server.url, DIALOG_ALLOW_EVICTION="1")
+    env = worker_env(server.url, DIALOG_ALLOW_EVICTION="1", DIALOG_REDIS_CHECK_INTERVAL_S="1")
     pool = WorkerPool(env, tmp_path)
+    admin = redis.Redis.from_url(server.url)
     try:
         [w] = pool.start(1, metrics=True)
         async with DialogClient(settings=load_settings(environ=env)) as c:
             reply = await c.ask("ev1", "nama saya Budi", timeout=20)
-        assert reply.outcome == "applied"
-        told = [line for line in w.log_text().splitlines() if line.startswith("dialog-worker:")]
-        assert len(told) == 1 and "DIALOG_ALLOW_EVICTION=1" in told[0], told
-        assert "dialog_redis_eviction_unsafe 1.0" in w.metrics_text()
+            assert reply.outcome == "applied"
+            told = [ln for ln in w.log_text().splitlines() if ln.startswith("dialog-worker:")]
+            assert len(told) == 1 and "DIALOG_ALLOW_EVICTION=1" in told[0], told
+            assert "dialog_redis_eviction_unsafe 1.0" in w.metrics_text()
+            admin.config_set("maxmemory-policy", "noeviction")
+            wait_until(lambda: "dialog_redis_eviction_unsafe 0.0" in w.metrics_text(), 10)
+            admin.config_set("maxmemory-policy", "allkeys-lru")
+            wait_until(lambda: "dialog_redis_eviction_unsafe 1.0" in w.metrics_text(), 10)
+            assert w._get("/readyz") == (200, "ready\n")  # the re-check kept it ready
+            assert (await c.ask("ev1", "lagi", timeout=20)).outcome == "applied"
+        assert w.alive()
     finally:
+        admin.close()
         pool.stop_all()
         server.stop()
 

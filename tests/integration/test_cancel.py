@@ -90,6 +90,31 @@ async def test_cancel_of_a_queued_message_ends_it_in_its_turn_without_a_step(
     assert (reply.outcome, reply.seq) == ("applied", 4)
 
 
+async def test_a_waiting_message_cancelled_behind_a_long_step_stays_cancelled_for_the_window(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The cancel of a waiting message is kept DIALOG_DEDUPE_TTL_S (a day by default), as
+    documented: a step ahead of it may run for minutes and the message still ends
+    cancelled in its turn. Its mark's expiry is read right after the cancel (a mark kept
+    seconds, or milliseconds, would be gone by the turn of a message behind a long step)."""
+    log = start(workers, tmp_path)
+    url = env["REDIS_URL"]
+    await client.send("s9", "sleep 1", msg_id="long")
+    await client.send("s9", "after it", msg_id="late")
+    await wait_for(lambda: any(e["event"] == "started" for e in engine_log(log)))
+    result = await client.cancel("s9", "late")
+    assert (result.status, result.seq) == ("cancelled", 2)
+    window_s = client.settings.dedupe_ttl_s
+    mark = client.keys_for("s9").session("s9").cancel_mark("late")
+    assert window_s - 5 <= await client.redis.ttl(mark) <= window_s
+    got = await wait_for(lambda: len(events(url)) >= 2 and events(url))
+    assert [(e["msg_id"], e["outcome"]) for e in got] == [
+        ("long", "applied"),
+        ("late", "cancelled"),
+    ]
+    assert {e["msg_id"] for e in engine_log(log) if e["event"] == "started"} == {"long"}
+
+
 async def test_a_running_async_step_stops_within_the_bound(
     workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
 ) -> None:

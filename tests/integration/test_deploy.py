@@ -145,6 +145,7 @@ def test_dockerfile_is_multi_stage_non_root_with_healthcheck_and_clean_stop() ->
     assert "scripts/install-wheel.sh /usr/local/bin/install-wheel.sh" in runtime.all("COPY")
     [install] = [r for r in runtime.all("RUN") if "install-wheel.sh" in r]
     assert "from=builder" in install and "PIP_NO_INDEX=1" in install
+    assert "EXTRAS=http" in install
 
 
 def dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:
@@ -236,10 +237,11 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
             copy_context(sources, target.parent, rules)
     assert (src / "worker" / "dialog_worker" / "__init__.py").is_file()
     [build] = builder.all("RUN")
-    assert shlex.split(build) == "python -m pip wheel --wheel-dir /wheels .".split()
+    # The project with the http extra: the gateway and the console run from the same image.
+    assert shlex.split(build) == [*"python -m pip wheel --wheel-dir /wheels".split(), ".[http]"]
     wheels = tmp / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(wheels), "."],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(wheels), ".[http]"],
         cwd=src,
         check=True,
         timeout=300,
@@ -393,6 +395,75 @@ def test_burst_through_dialog_worker_run_from_the_installed_venv(
             proc.wait(10)
 
 
+def test_serve_and_console_run_from_the_installed_venv(
+    image: Path, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The image's venv has the http extra: `dialog-worker serve` and `console` start from it
+    (no PYTHONPATH: only the installed copy), answer their health checks, and refuse what
+    carries no token."""
+    bin_dir = image / "bin"
+    app = tmp_path / "app"
+    app.mkdir()
+    venv_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    gateway_port, console_port = free_port(), free_port()
+    venv_env.update(
+        DIALOG_HTTP_PORT=str(gateway_port),
+        DIALOG_HTTP_TOKEN="server-token-0123456789",
+        DIALOG_HTTP_SIGNING_KEY="s" * 40,
+        DIALOG_CONSOLE_PORT=str(console_port),
+        DIALOG_CONSOLE_OPERATORS="ops:console-token-0123456789",
+    )
+
+    def status(url: str) -> int:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return 0
+
+    procs = []
+    for command in ("serve", "console"):
+        log = (tmp_path / f"{command}.log").open("wb")
+        procs.append(
+            subprocess.Popen(
+                [str(bin_dir / "dialog-worker"), command],
+                env=venv_env,
+                cwd=app,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+        log.close()
+    try:
+        gateway = f"http://127.0.0.1:{gateway_port}"
+        console = f"http://127.0.0.1:{console_port}"
+        wait_until(lambda: status(f"{gateway}/healthz") == 200, 30, what="the gateway up")
+        wait_until(lambda: status(f"{console}/healthz") == 200, 30, what="the console up")
+        assert status(f"{gateway}/sessions/s1/events") == 401
+        assert status(f"{console}/") == 401
+        # docker-compose.yml's health checks of both services, with the image's python.
+        compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+        for name in ("serve", "console"):
+            command = compose["services"][name]["healthcheck"]["test"]
+            assert command[:2] == ["CMD", "python"]
+            check = [str(bin_dir / "python"), *command[2:]]
+            assert subprocess.run(check, env=venv_env, timeout=30).returncode == 0, name
+            closed = {**venv_env, "DIALOG_HTTP_PORT": "1", "DIALOG_CONSOLE_PORT": "1"}
+            failed = subprocess.run(check, env=closed, capture_output=True, timeout=30)
+            assert failed.returncode != 0, f"{name}: the health check must be able to fail"
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
 # ---------------------------------------------------------------------------------------------
 # docker-compose.yml
 
@@ -451,6 +522,47 @@ def test_compose_services_redis_worker_prometheus_grafana(compose: dict[str, Any
     assert seconds(worker["stop_grace_period"]) > grace
     assert worker.get("stop_signal", "SIGTERM") == "SIGTERM"
     assert env["DIALOG_METRICS_HOST"] == "0.0.0.0"
+
+
+# Settings that hold secrets: in compose they come from the environment (or .env), never a value.
+SECRET_SETTINGS = {
+    "DIALOG_HTTP_TOKEN",
+    "DIALOG_HTTP_SIGNING_KEY",
+    "DIALOG_CONSOLE_OPERATORS",
+    "DIALOG_CONSOLE_VIEWERS",
+}
+
+
+def test_compose_serve_and_console_take_their_secrets_from_the_environment_only(
+    compose: dict[str, Any],
+) -> None:
+    services = compose["services"]
+    ports = {"serve": "DIALOG_HTTP_PORT", "console": "DIALOG_CONSOLE_PORT"}
+    for name, port_setting in ports.items():
+        service = services[name]
+        assert service["profiles"] == ["web"], "opt-in: plain `up` starts no web service"
+        assert service["command"] == [name]
+        assert service["image"] == services["worker"]["image"] and service["build"] == "."
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+        env = {k: str(v) for k, v in service["environment"].items()}
+        assert env["REDIS_URL"] == "redis://redis:6379/0"
+        secrets = {k: v for k, v in env.items() if k in SECRET_SETTINGS}
+        assert secrets and all(v == f"${{{k}:-}}" for k, v in secrets.items()), secrets
+        # Names checked; values given by the environment checked as unset.
+        check_env_names({k: "" if v.startswith("${") else v for k, v in env.items()}, name)
+        [published] = service["ports"]
+        host, host_port, container_port = published.split(":")
+        assert host_port == container_port, "the documented port on the host too"
+        assert host == "127.0.0.1", "published on the loopback only: a proxy goes in front"
+        assert container_port == env[port_setting]
+        assert (
+            "%s/healthz' % os.environ['" + port_setting + "']" in service["healthcheck"]["test"][-1]
+        )
+        assert service.get("stop_signal", "SIGTERM") == "SIGTERM"
+    http = services["serve"]["environment"]
+    assert {"DIALOG_HTTP_TOKEN", "DIALOG_HTTP_SIGNING_KEY"} <= set(http)
+    assert http["DIALOG_HTTP_HOST"] == "0.0.0.0"
+    assert services["console"]["environment"]["DIALOG_CONSOLE_HOST"] == "0.0.0.0"
 
 
 def test_compose_prometheus_scrapes_every_worker_replica(compose: dict[str, Any]) -> None:
@@ -513,7 +625,10 @@ def test_kubernetes_core_objects_validate_against_the_openapi_schema(
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     version = "1.30.0"
     core = {k: d for k, d in manifests.items() if not d["apiVersion"].startswith("keda.sh/")}
-    assert {"Deployment", "Service", "PodDisruptionBudget"} <= {d["kind"] for d in core.values()}
+    assert {"Deployment", "Service", "PodDisruptionBudget", "Ingress"} <= {
+        d["kind"] for d in core.values()
+    }
+    assert {"Deployment/dialog-gateway", "Deployment/dialog-console"} <= core.keys()
     for doc in core.values():
         kubernetes_validate.validate(doc, version, strict=True)
     broken = copy.deepcopy(core["Deployment/dialog-worker"])
@@ -562,12 +677,12 @@ def test_kubernetes_service_pdb_and_keda_scaledobject(manifests: dict[str, dict[
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
-    [service] = [d for d in manifests.values() if d["kind"] == "Service"]
+    service = manifests["Service/dialog-worker"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert service["spec"].get("clusterIP") == "None"  # one DNS record per pod
     assert [p["port"] for p in service["spec"]["ports"]] == [DEFAULTS.metrics_port]
 
-    [pdb] = [d for d in manifests.values() if d["kind"] == "PodDisruptionBudget"]
+    pdb = manifests["PodDisruptionBudget/dialog-worker"]
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert "maxUnavailable" in pdb["spec"] or "minAvailable" in pdb["spec"]
 
@@ -591,6 +706,70 @@ def test_kubernetes_service_pdb_and_keda_scaledobject(manifests: dict[str, dict[
     assert all(r["name"] and r["key"] for r in refs.values())
 
 
+@pytest.mark.parametrize(
+    ("name", "command", "port_setting", "secrets"),
+    [
+        ("dialog-gateway", "serve", "DIALOG_HTTP_PORT", {"DIALOG_HTTP_SIGNING_KEY"}),
+        ("dialog-console", "console", "DIALOG_CONSOLE_PORT", {"DIALOG_CONSOLE_OPERATORS"}),
+    ],
+)
+def test_kubernetes_gateway_and_console_take_secrets_and_probe_their_own_port(
+    manifests: dict[str, dict[str, Any]],
+    name: str,
+    command: str,
+    port_setting: str,
+    secrets: set[str],
+) -> None:
+    deployment = manifests[f"Deployment/{name}"]
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["args"] == [command]
+    worker = manifests["Deployment/dialog-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == worker["image"], "one image for every service"
+    env = {e["name"]: e for e in container["env"]}
+    plain = {n: e["value"] for n, e in env.items() if "value" in e}
+    check_env_names(plain, f"{name} deployment")
+    from_secret = {n for n, e in env.items() if "valueFrom" in e}
+    assert {"REDIS_URL", *secrets} <= from_secret
+    assert from_secret.isdisjoint(plain), "a secret never has a value in the file"
+    refs = {env[n]["valueFrom"]["secretKeyRef"]["name"] for n in from_secret}
+    assert refs == {name}, "each service reads its own Secret (its own Redis user)"
+    for secret in SECRET_SETTINGS & env.keys():
+        assert secret in from_secret, f"{secret} in plain text"
+    port = int(plain[port_setting])
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for kind in ("readinessProbe", "livenessProbe"):
+        get = container[kind]["httpGet"]
+        assert (get["path"], named.get(get["port"], get["port"])) == ("/healthz", port)
+    security = {**pod["securityContext"], **container["securityContext"]}
+    assert security["runAsNonRoot"] is True and security["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert pod["automountServiceAccountToken"] is False
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    service = manifests[f"Service/{name}"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    # Neither is picked up by the worker's Service, PDB or autoscaler.
+    workers = manifests["Deployment/dialog-worker"]["spec"]["selector"]["matchLabels"]
+    assert not workers.items() <= labels.items()
+
+
+def test_kubernetes_ingress_sends_only_the_gateways_routes_unbuffered(
+    manifests: dict[str, dict[str, Any]],
+) -> None:
+    ingress = manifests["Ingress/dialog-gateway"]
+    [rule] = ingress["spec"]["rules"]
+    [path] = rule["http"]["paths"]
+    assert path["path"] == "/sessions/" and path["pathType"] == "Prefix"
+    backend = path["backend"]["service"]
+    assert backend["name"] == "dialog-gateway" and backend["port"]["name"] == "http"
+    assert [t["hosts"] for t in ingress["spec"]["tls"]] == [[rule["host"]]]
+    notes = ingress["metadata"]["annotations"]
+    assert notes["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    # Longer than a connection's 10 minutes: the gateway ends it, not the proxy.
+    assert int(notes["nginx.ingress.kubernetes.io/proxy-read-timeout"]) > 600
+
+
 # ---------------------------------------------------------------------------------------------
 # scripts/container-check.sh (the image built and run with podman; .ci/run runs it after pytest)
 
@@ -611,9 +790,9 @@ def test_container_check_uses_the_host_network_only() -> None:
     code = [line for line in script.splitlines() if "--network=" not in line]  # the guards
     modes = re.findall(r'"--network",\s*"([^"]+)"', "\n".join(code))
     assert modes and set(modes) == {"host"}, modes
-    # Every podman run/build names it: the worker containers, the id check, the build, and
-    # the sender and verifier (in_image).
-    assert len(modes) == 4 and 'in_image = ["--network", "host"' in script
+    # Every podman run/build names it: the worker containers, the id check, the build, the
+    # sender and verifier (in_image), the own bot's build and its wrong-engine run.
+    assert len(modes) == 6 and 'in_image = ["--network", "host"' in script
     assert not re.search(r'"network",\s*"create"', script)
     assert 'netns = "host"' in script  # podman's default for anything not given --network
     assert "network_mode: host" in script  # every compose service

@@ -126,6 +126,40 @@ async def test_last_event_id_or_after_resumes_and_the_end_cursor_gets_204(
         assert late.status_code == 200 and sse.events[-1].data["text"] == REPLY
 
 
+async def test_a_retried_answer_resets_with_an_event_that_carries_no_id(
+    gateway: GatewayProc, workers: WorkerPool
+):
+    """The first attempt streams a wrong start and fails; the reader is told to start over
+    by a `reset` event, which has no cursor: it carries no `id:` line (else the browser would
+    send that id back on its next reconnect and be refused), and the browser's last id stays
+    the last piece's, from which a reconnect resumes."""
+    workers.start(1, DIALOG_ENGINE="stream_engines:FailsFirstAttempt")
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        posted = await http.post("/sessions/web-r/messages", json={"text": "8 5"}, headers=AUTH)
+        url = posted.json()["stream"]
+        parser = SSEParser()
+        lines: list[str] = []
+        async with http.stream("GET", url, headers=AUTH) as response:
+            async for line in response.aiter_lines():
+                lines.append(line)
+                event = parser.line(line)
+                if event is not None and event.kind == "end":
+                    break
+        kinds = [e.kind for e in parser.events]
+        assert "reset" in kinds and kinds[-1] == "end", kinds
+        reset = kinds.index("reset")
+        assert parser.events[reset].id is None
+        head = lines[lines.index("event: reset") - 1]
+        assert not head.startswith("id:"), head  # no id line of any value
+        assert all(e.id == e.data["cursor"] for e in parser.events if e.kind != "reset")
+        answer = "".join(f"w{i} " for i in range(8))
+        assert shown(parser.events) == answer
+        last_id = next(e.id for e in reversed(parser.events[:-1]) if e.id is not None)
+        _, again = await read_sse(http, url, headers={"Last-Event-ID": last_id})
+        assert again.events and again.events[-1].kind == "end"
+        assert again.events[-1].data["text"] == answer
+
+
 async def test_cancel_route_stops_the_answer_which_ends_cancelled_with_what_was_shown(
     gateway: GatewayProc, workers: WorkerPool
 ):
@@ -268,6 +302,33 @@ async def test_a_body_that_is_not_json_or_too_large_is_refused(gateway: GatewayP
             "/sessions/a/messages", content=b'{"text": "' + b"x" * 200_000 + b'"}', headers=AUTH
         )
         assert huge.status_code == 413
+
+
+async def test_a_chunked_body_without_content_length_is_held_to_the_same_limit(
+    gateway: GatewayProc,
+):
+    """A body sent in chunks declares no Content-Length: it is counted as it arrives and
+    refused (413) once past the limit, not read whole; one within the limit is taken."""
+    settings = load_settings(environ={})
+    limit = settings.max_message_bytes + 16_384  # the gateway's body limit (BODY_SLACK_BYTES)
+
+    def chunks(body: bytes):
+        async def gen():
+            for i in range(0, len(body), 4096):
+                yield body[i : i + 4096]
+
+        return gen()
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        fits = b'{"text": "' + b"x" * 1000 + b'"}'
+        ok = await http.post("/sessions/a/messages", content=chunks(fits), headers=AUTH)
+        assert ok.status_code == 202, ok.text
+        huge = b'{"text": "hi", "meta": {"pad": "' + b"x" * (limit + 1) + b'"}}'
+        refused = await http.post("/sessions/a/messages", content=chunks(huge), headers=AUTH)
+        assert refused.request.headers.get("content-length") is None
+        assert refused.request.headers["transfer-encoding"] == "chunked"
+        assert refused.status_code == 413, refused.text
+        assert refused.json()["error"] == f"the body must be at most {limit} bytes"
 
 
 async def test_a_bad_cursor_is_a_400(gateway: GatewayProc):

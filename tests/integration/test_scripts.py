@@ -178,7 +178,7 @@ async def test_a_refused_entry_is_dead_lettered_alone_with_its_raw_fields(
     good = await xadd(h, "good")
     _, read, jobs, _, counts = await h.intake()
     assert read == 2 and [j[3] for j in jobs] == [good]
-    assert [int(c) for c in counts] == [0, 1, 0, 0, 0, 0]
+    assert [int(c) for c in counts] == [0, 1, 0, 0, 0, 0, 0]
     [letter] = await h.dead()
     for name, value in fields.items():
         assert letter[name.encode()] == (value if isinstance(value, bytes) else value.encode())
@@ -209,7 +209,7 @@ async def test_33_extra_fields_are_refused_and_32_are_accepted(h):
     await h.r.xadd(h.k.stream, base | {f"f{i}": "v" for i in range(33)})
     await h.r.xadd(h.k.stream, base | {"msg_id": "m2"} | {f"f{i}": "v" for i in range(32)})
     _, _, jobs, _, counts = await h.intake()
-    assert len(jobs) == 1 and [int(c) for c in counts] == [0, 1, 0, 0, 0, 0]
+    assert len(jobs) == 1 and [int(c) for c in counts] == [0, 1, 0, 0, 0, 0, 0]
 
 
 async def test_a_repeated_msg_id_gets_one_duplicate_event_with_the_original_seq_and_reply(h):
@@ -219,7 +219,7 @@ async def test_a_repeated_msg_id_gets_one_duplicate_event_with_the_original_seq_
     assert (await h.commit(commit_args(job, doc)))[0][0] == Code.COMMITTED
     again = await xadd(h, "d", "first again", msg_id="m-1")
     _, _, jobs, _, counts = await h.intake()
-    assert jobs == [] and [int(c) for c in counts] == [1, 0, 0, 0, 0, 0]
+    assert jobs == [] and [int(c) for c in counts] == [1, 0, 0, 0, 0, 0, 0]
     event = (await h.replies())[-1]
     assert (event[b"outcome"], event[b"seq"], event[b"reply"]) == (
         b"duplicate", b"1", b"the answer")  # fmt: skip
@@ -408,7 +408,7 @@ async def test_an_entry_that_names_a_field_twice_is_refused(h):
         "XADD", h.k.stream, "*", "session_id", "a", "text", "x", "session_id", "b"
     )
     _, read, jobs, _, counts = await h.intake()
-    assert (read, jobs, [int(c) for c in counts]) == (1, [], [0, 1, 0, 0, 0, 0])
+    assert (read, jobs, [int(c) for c in counts]) == (1, [], [0, 1, 0, 0, 0, 0, 0])
     [letter] = await h.dead()
     assert b"session_id appears more than once" in letter[b"error"]
     assert await h.state("a") == {} and await h.state("b") == {}
@@ -419,7 +419,7 @@ async def test_a_copy_of_an_outstanding_message_is_answered_by_its_commit_after_
     _, _, [job], _, _ = await h.intake()
     copy = await xadd(h, "cw", "nama saya Budi", msg_id="m-1")
     _, _, jobs, held, counts = await h.intake()
-    assert (jobs, held, [int(c) for c in counts]) == ([], [], [1, 0, 0, 0, 0, 0])
+    assert (jobs, held, [int(c) for c in counts]) == ([], [], [1, 0, 0, 0, 0, 0, 0])
     assert await h.replies() == []  # not before the original's own event
     [r] = await h.commit(commit_args(job))
     assert int(r[0]) == Code.COMMITTED
@@ -460,7 +460,7 @@ async def test_intake_leaves_a_lock_someone_else_holds_and_looks_again_when_it_e
     await h.r.set(lock, "someone-else", px=3000)
     await xadd(h, "l")
     _, read, jobs, _, counts = await h.intake()
-    assert (read, jobs, [int(c) for c in counts]) == (1, [], [0, 0, 1, 0, 0, 0])
+    assert (read, jobs, [int(c) for c in counts]) == (1, [], [0, 0, 1, 0, 0, 0, 0])
     assert await h.r.get(lock) == b"someone-else"
     now = await server_ms(h)
     due = await h.r.zscore(h.k.ready, "l")
@@ -700,6 +700,115 @@ async def test_a_commit_clears_the_failure_record_of_the_message_it_applied(h):
     assert int(r[0]) == Code.HANDOFF
     state = await h.state("fr")
     assert b"e" not in state and b"f" not in state  # seq 2 starts with a clean record
+
+
+# ---------------------------------------------------------------------------------------------
+# double-texting: interrupt and coalesce (intake's multitask), reset
+
+
+async def commit_in_turn(h: Harness, job: list[Any], outcome: str = "applied") -> list[Any]:
+    """Commit ``job`` ([sid, token, seq, entry id, ..., version at 6]) and return the reply."""
+    [r] = await h.commit(commit_args(job, outcome=outcome))
+    return list(r)
+
+
+def next_job(job: list[Any], handoff: list[Any]) -> list[Any]:
+    """The job a HANDOFF reply hands on: same session and token, the next seq and entry."""
+    return [job[0], job[1], int(handoff[2]), handoff[3], handoff[4], b"", int(handoff[1])]
+
+
+async def test_coalesce_supersedes_exactly_the_messages_waiting_before_it(h):
+    """m1 runs; m2 and m3 wait; m4 arrives with multitask=coalesce: m2 and m3 (every waiting
+    one before it, the last included) end superseded in their turn, m4 itself runs, and the
+    running m1 is not touched."""
+    for i in (1, 2, 3):
+        await xadd(h, "co", f"t{i}", msg_id=f"m{i}")
+    _, _, [job], held, _ = await h.intake()
+    assert [int(x[1]) for x in held] == [2, 3]
+    assert (int(job[2]), job[10]) == (1, b"")
+    await xadd(h, "co", "t4", msg_id="m4", multitask="coalesce")
+    _, _, jobs, _, _ = await h.intake()
+    assert jobs == []  # m1 holds the lock
+    assert (await h.state("co"))[b"xs"] == b"4"
+    endings = []
+    outcome = "applied"
+    while True:
+        r = await commit_in_turn(h, job, outcome)
+        if int(r[0]) != Code.HANDOFF:
+            assert int(r[0]) == Code.COMMITTED
+            break
+        endings.append((int(r[2]), r[5]))
+        job = next_job(job, r)
+        outcome = r[5].decode() or "applied"
+    assert endings == [(2, b"superseded"), (3, b"superseded"), (4, b"")]
+    got = [(e[b"seq"], e[b"outcome"]) for e in await h.replies()]
+    assert got == [
+        (b"1", b"applied"),
+        (b"2", b"superseded"),
+        (b"3", b"superseded"),
+        (b"4", b"applied"),
+    ]
+
+
+async def test_interrupt_marks_the_running_message_and_cancels_the_waiting_ones(h):
+    """m1 runs (its lock taken by an earlier call); m2 waits; m3 arrives with
+    multitask=interrupt: the running m1 gets the cancel mark its worker watches (no other
+    message does: not the waiting m2, never m3 itself), so m1's commit is refused; m2 ends
+    cancelled in its turn and m3 runs."""
+    for i in (1, 2):
+        await xadd(h, "it", f"t{i}", msg_id=f"m{i}")
+    _, _, [job], _, _ = await h.intake()
+    await xadd(h, "it", "t3", msg_id="m3", multitask="interrupt")
+    assert (await h.intake())[2] == []
+    sk = h.k.session("it")
+    marked = [m for m in ("m1", "m2", "m3") if await h.r.exists(sk.cancel_mark(m))]
+    assert marked == ["m1"]
+    assert (await h.state("it"))[b"xc"] == b"3"
+    [r] = await h.commit(commit_args(job))
+    assert int(r[0]) == Code.CANCELLED  # the worker commits it cancelled instead
+    r = await commit_in_turn(h, job, "cancelled")
+    assert (int(r[0]), int(r[2]), r[5]) == (Code.HANDOFF, 2, b"cancelled")
+    job = next_job(job, r)
+    r = await commit_in_turn(h, job, "cancelled")
+    assert (int(r[0]), int(r[2]), r[5]) == (Code.HANDOFF, 3, b"")
+    assert int((await commit_in_turn(h, next_job(job, r)))[0]) == Code.COMMITTED
+    got = [(e[b"seq"], e[b"outcome"]) for e in await h.replies()]
+    assert got == [(b"1", b"cancelled"), (b"2", b"cancelled"), (b"3", b"applied")]
+
+
+async def test_an_interrupt_read_with_the_running_message_ends_that_one_without_a_step(h):
+    """m1 and m2 (multitask=interrupt) come in one intake call: m1's job, handed out by this
+    very call, ends cancelled without a step (its ending says so; no mark is needed), and m2
+    runs next."""
+    await xadd(h, "iu", "t1", msg_id="m1")
+    await xadd(h, "iu", "t2", msg_id="m2", multitask="interrupt")
+    _, _, [job], _, _ = await h.intake()
+    assert (int(job[2]), job[10]) == (1, b"cancelled")
+    r = await commit_in_turn(h, job, "cancelled")
+    assert (int(r[0]), int(r[2]), r[5]) == (Code.HANDOFF, 2, b"")
+
+
+async def test_a_reset_fences_a_commit_that_read_the_old_state_by_its_version_too(h):
+    """Reset deletes the lock (the running step's commit is refused by its token) and moves
+    the version on: a commit that read the state before the reset is refused by the version
+    as well, even under a lock that is its own again (two fences, each enough alone). The
+    message that was running waits again, due at once."""
+    await xadd(h, "rv", "t1", msg_id="m1")
+    _, _, [job], _, _ = await h.intake()
+    k = h.k
+    erase = await h.s.erase(
+        keys=[k.ready, k.session_prefix], args=["reset", "rv", '{"step":"ROOT"}']
+    )
+    assert int(erase[0]) == 1 and int(erase[4]) == 1  # found, and a step was running
+    # Its message waits again, due now (not when the fenced step's lease would have ended).
+    assert await h.r.zscore(k.ready, "rv") <= await server_ms(h)
+    [r] = await h.commit(commit_args(job))
+    assert int(r[0]) == Code.FENCED_TOKEN
+    await h.r.set(k.session("rv").lock, job[1], px=TTL_MS)  # the lock is the step's again
+    [r] = await h.commit(commit_args(job))
+    assert int(r[0]) == Code.FENCED_VERSION
+    assert (await h.state("rv"))[b"d"] == b'{"step":"ROOT"}'
+    assert await h.replies() == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1141,10 +1250,13 @@ async def test_a_burst_read_in_one_call_writes_its_sessions_indexes_once_not_per
     ran = await commands_run(h)
     assert (int(read), len(jobs), len(held)) == (41, 2, 39)
     assert ran["pexpire"] == 2  # one per session's index, not one per message
-    assert ran["zremrangebyscore"] == 1  # session a's seqs passed 32
-    assert ran["hget"] == 2  # one look at each session's timers
-    # ready set and ages (one each per session), one index ZADD per session, one bucket ZADD
-    assert ran["zadd"] == 2 + 2 + 2 + 1
+    # Session a's seqs passed 32 (its index is pruned), and the tenant's sessions in flight are
+    # counted once (leases that ran out dropped first).
+    assert ran["zremrangebyscore"] == 2
+    assert ran["hget"] == 2 + 1  # one look at each session's timers, the tenant's settings once
+    # ready set and ages (one each per session), one index ZADD per session, one bucket ZADD,
+    # and each session counted in flight for its tenant
+    assert ran["zadd"] == 2 + 2 + 2 + 1 + 2
     ids = await h.r.zrange(h.k.session("a").ids, 0, -1)
     assert sorted(ids) == sorted(f"m{i}".encode() for i in range(1, 41))
     assert await h.r.zrange(h.k.session("b").ids, 0, -1) == [jobs[1][3]]  # its entry id

@@ -261,14 +261,17 @@ async def test_a_worker_stops_at_once_while_its_read_blocks(env):
     assert time.monotonic() - stopped < 1.5
 
 
-def test_a_worker_short_of_slots_reads_the_backlog_in_one_call_when_a_slot_frees(
+def test_a_worker_short_of_slots_reads_the_backlog_into_the_queue_and_its_commits_take_it_up(
     workers, env, tmp_path
 ):
-    """All slots busy and a backlog waiting: the next free slot makes one intake call read a
-    batch (one session takes the slot; the others it locks wait in the worker for the next
-    free one, their leases kept), not one entry per call while the rest wait in the stream.
-    The batch is taken up in order, one slot at a time."""
+    """All slots busy and a backlog arriving: the reader still reads it (each message into its
+    session, each session into its tenant's queue, no lock taken), so the scheduler sees every
+    tenant's messages, not only the backlog ahead of them; each freed slot goes to the queue's
+    next session in the commit that freed it: in stream order, one slot at a time, each step
+    once. (Tenants in use: some tenant has settings; without, the backlog waits in the stream
+    for a slot, test_a_worker_without_tenants_leaves_the_backlog_in_the_stream.)"""
     r = redis.Redis.from_url(env["REDIS_URL"])
+    r.hset("dialog:{dialog}:ready:tset", "default", "1 0 0")
     steps = tmp_path / "steps.jsonl"
     workers.start(
         1,
@@ -281,29 +284,47 @@ def test_a_worker_short_of_slots_reads_the_backlog_in_one_call_when_a_slot_frees
     wait_until(lambda: r.exists("dialog:{dialog}:s:{first}:lock"), 20, what="the first step")
     for i in range(30):
         r.xadd("dialog", {"session_id": f"s{i}", "text": "sleep 0.1", "msg_id": f"m{i}"})
-    assert r.xlen("dialog") == 30  # the one slot is taken: nothing read yet
-    # The first step ends: one call reads the 30 entries and locks their sessions.
-    wait_until(lambda: r.xlen("dialog") == 0, 5, what="the backlog read")
+    # Read while the one slot is busy: queued, not locked.
+    wait_until(lambda: r.zcard("dialog:{dialog}:ready:runq:default") == 30, 5, what="queued")
+    assert r.xlen("dialog") == 0 and r.exists("dialog:{dialog}:s:{first}:lock")
     locks = [f"dialog:{{dialog}}:s:{{s{i}}}:lock" for i in range(30)]
-    assert r.exists(*locks) >= 29  # held while they wait (s0 may be done already)
-    # 30 x 0.1 s one after another, each lease (1 s) renewed while it waits.
+    assert r.exists(*locks) == 0
+    assert r.zrange("dialog:{dialog}:ready:active", 0, -1) == [b"default"]
     wait_until(lambda: all(int(r.hget(f"dialog:{{dialog}}:s:{{s{i}}}:state", "a") or 0) == 1
                            for i in range(30)), 20, what="every session applied")  # fmt: skip
     applied = [e for _, e in r.xrange("dialog-replies") if e[b"session_id"] != b"first"]
     assert [e[b"session_id"].decode() for e in applied] == [f"s{i}" for i in range(30)]
     log = workers.procs[0].log_text()
     assert "lease_lost" not in log and "commit_fenced" not in log
-    # Each step ran once: no lease ran out while its session waited for the slot.
     ran = [json.loads(line)["msg_id"] for line in steps.read_text().splitlines()]
     assert sorted(ran) == sorted(["first", *(f"m{i}" for i in range(30))])
+    # Nothing left queued or counted in flight once every session is done.
+    assert r.exists("dialog:{dialog}:ready:active", "dialog:{dialog}:ready:runq:default") == 0
+    assert r.zcard("dialog:{dialog}:ready:busy:default") == 0
 
 
-async def test_a_session_waiting_for_a_slot_whose_message_is_cancelled_ends_without_a_step(
+def test_a_worker_without_tenants_leaves_the_backlog_in_the_stream(workers, env, tmp_path):
+    """No tenants configured: a worker whose slots are all busy reads nothing more, so the
+    unread backlog stays in the stream, where an autoscaler sees it (XLEN); the next slot that
+    frees reads it."""
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    workers.start(1, DIALOG_CONCURRENCY="1", DIALOG_ENGINE="timer_engines:Timers")
+    r.xadd("dialog", {"session_id": "first", "text": "sleep 1", "msg_id": "first"})
+    wait_until(lambda: r.exists("dialog:{dialog}:s:{first}:lock"), 20, what="the first step")
+    for i in range(10):
+        r.xadd("dialog", {"session_id": f"s{i}", "text": "hi", "msg_id": f"m{i}"})
+    time.sleep(0.3)  # several of the reader's 20 ms turns, had it been reading ahead
+    assert r.xlen("dialog") == 10 and r.exists("dialog:{dialog}:s:{first}:lock")
+    wait_until(lambda: r.xlen("dialog-replies") == 11, 20, what="all answered")
+
+
+async def test_a_queued_session_whose_message_is_cancelled_ends_without_a_step(
     client: DialogClient, workers, env, tmp_path
 ):
-    """A session read ahead and held while it waits for a slot is a queued message to its
-    user: cancelled meanwhile, it ends cancelled in its turn and its step never runs."""
+    """A session read while every slot is busy waits in its tenant's queue: a queued message
+    to its user. Cancelled meanwhile, it ends cancelled in its turn and its step never runs."""
     r = redis.Redis.from_url(env["REDIS_URL"])
+    r.hset("dialog:{dialog}:ready:tset", "default", "1 0 0")  # tenants in use: read ahead
     steps = tmp_path / "steps.jsonl"
     workers.start(
         1, DIALOG_CONCURRENCY="1", DIALOG_ENGINE="timer_engines:Timers", TIMER_ENGINE_LOG=str(steps)
@@ -312,8 +333,9 @@ async def test_a_session_waiting_for_a_slot_whose_message_is_cancelled_ends_with
     wait_until(lambda: r.exists("dialog:{dialog}:s:{first}:lock"), 20, what="the first step")
     for i in range(5):
         r.xadd("dialog", {"session_id": f"s{i}", "text": "sleep 0.3", "msg_id": f"m{i}"})
-    locks = [f"dialog:{{dialog}}:s:{{s{i}}}:lock" for i in range(5)]
-    wait_until(lambda: r.exists(*locks) == 5, 10, what="the five read ahead and locked")
+    wait_until(
+        lambda: r.zcard("dialog:{dialog}:ready:runq:default") == 5, 10, what="the five queued"
+    )
     assert (await client.cancel("s4", "m4")).status == "cancelled"
 
     def ended() -> list[bytes]:

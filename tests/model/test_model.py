@@ -179,6 +179,9 @@ class Session:
     age: int | None = None  # its score in the ages: when its next message was appended
     xc: int = 0  # messages below this seq end cancelled (an interrupting message)
     xs: int = 0  # messages below this seq, not running yet, end superseded (coalesce)
+    # T: the tenant it counts in flight for, from a lock taken for a message until a commit or
+    # release gives the lock up (a lease that runs out leaves it: its count expires instead)
+    counted: bool = False
 
     @property
     def outstanding(self) -> bool:
@@ -600,7 +603,7 @@ class DialogScripts(RuleBasedStateMachine):
             if jobs:
                 for job in jobs:
                     job.held = {}
-                self._check_intake(again, ("0-0", 0, jobs, [], [0, 0, 0, 0, 0, 0]))
+                self._check_intake(again, ("0-0", 0, jobs, [], [0, 0, 0, 0, 0, 0, 0]))
             else:
                 more = self._predict_intake(w, count, base)
                 self._check_intake(again, more)
@@ -686,6 +689,7 @@ class DialogScripts(RuleBasedStateMachine):
                 ss.age = id_key(e.id)[0]
                 if ss.lock is None:
                     ss.lock = f"{base}:{len(taken) + 1}"
+                    ss.counted = True
                     ss.attempts += 1
                     ss.ready = "later"
                     job = self._job(ss, ss.lock, e)
@@ -708,7 +712,7 @@ class DialogScripts(RuleBasedStateMachine):
             len(todo),
             jobs,
             held,
-            [dups, refused, contended, trimmed, int(ahead), rejected],
+            [dups, refused, contended, trimmed, int(ahead), rejected, 0],
         )
 
     def _check_intake(self, reply: list[Any], expected: tuple[Any, ...]) -> None:
@@ -816,6 +820,7 @@ class DialogScripts(RuleBasedStateMachine):
             e = ss.by_seq[ss.applied + 1]
             gap = e.deleted
             ss.lock = s(row[2])
+            ss.counted = ss.counted or not gap
             ss.attempts += 1
             ss.ready = "later"
             job = self._job(ss, ss.lock, e, gap=gap)
@@ -925,6 +930,7 @@ class DialogScripts(RuleBasedStateMachine):
         else:
             ss.last_error = error  # why the attempt stays counted
         ss.lock = None
+        ss.counted = False
         ss.ready = "due" if delay_ms == 0 else "later"
 
     def commit(self, worker: int, mask: int, resend: bool) -> None:
@@ -1039,6 +1045,7 @@ class DialogScripts(RuleBasedStateMachine):
             return self._handoff_answer(ss, job, nxt)
         ss.attempts = 0
         ss.lock = None
+        ss.counted = False
         ss.ready = "due" if ss.outstanding else None
         if not ss.outstanding:
             ss.age = None  # (with the next one missing, it keeps this one's age)
@@ -1381,6 +1388,8 @@ class DialogScripts(RuleBasedStateMachine):
             want["xc"] = str(ss.xc)
         if ss.xs:
             want["xs"] = str(ss.xs)
+        if ss.counted:
+            want["T"] = "default"
         # tc: whether the session has timers a user message cancels (none here: no timers);
         # ie: when its msg_id index expires (what intake last set it to)
         got = {n: v for n, v in h.items() if n not in ("d", "n", "f", "g", "tc", "ie")}

@@ -57,7 +57,7 @@ def test_33_extra_fields_are_refused_without_a_msg_id_too(r: redis.Redis) -> Non
     accepted = xadd(r, "session_id", "t", "text", "hi", *extra(MAX_EXTRA_FIELDS))
     _, read, jobs, _, counts = intake(r)
     assert (read, [j[3].decode() for j in jobs]) == (2, [accepted])
-    assert [int(c) for c in counts] == [0, 1, 0, 0, 0, 0]
+    assert [int(c) for c in counts] == [0, 1, 0, 0, 0, 0, 0]
     [letter] = [f for _, f in r.xrange(KEYS.dlq)]
     assert letter[b"source_entry_id"].decode() == refused
     assert b"too many fields: 33" in letter[b"error"]

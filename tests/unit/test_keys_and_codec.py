@@ -498,6 +498,19 @@ def test_a_tenant_pattern_needs_a_group_and_must_compile() -> None:
     from dialog_worker.errors import ConfigError
 
     assert load_settings(environ={"DIALOG_TENANT_PATTERN": "^(a)"}).tenant_pattern == "^(a)"
-    for bad in ("^a", "(", "[z-a]"):
+    # What the scripts cannot match alike is refused, saying what: alternation, counted
+    # repeats, nested or repeated groups, non-ASCII, escapes other than \d \w \s.
+    for bad in (
+        "^a",
+        "(",
+        "[z-a]",
+        "(a|b)",
+        "(a{2})",
+        "((a))",
+        "(a)+",
+        "(é)",
+        r"(\bx)",
+        "(?:a)(b)",
+    ):
         with pytest.raises(ConfigError, match="DIALOG_TENANT_PATTERN"):
             load_settings(environ={"DIALOG_TENANT_PATTERN": bad})

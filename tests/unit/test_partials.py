@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+import redis.exceptions
 
 from dialog_worker import StreamEvent, emit
 from dialog_worker.client import partial_reader as partials
@@ -574,3 +575,81 @@ async def test_the_ends_of_messages_committed_together_go_in_one_call() -> None:
     assert len(replies.calls) == 1
     ends = [replies.calls[0][i : i + BATCH_WIDTH] for i in range(0, 50 * BATCH_WIDTH, BATCH_WIDTH)]
     assert [(e[0], e[4], e[7]) for e in ends] == [("e", i + 1, "dead_lettered") for i in range(50)]
+
+
+class FlakyReplies(PartialReplies):
+    """The worker's partial writer whose first script call fails on a lost connection after
+    the step emitted more meanwhile; the calls after it are written (the texts recorded)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, load_settings(environ={"DIALOG_PARTIAL_FLUSH_MS": "1"}))  # type: ignore[arg-type]
+        self.sent: list[str] = []
+        self.calling = asyncio.Event()
+        self.fail = asyncio.Event()
+        self.failed = False
+
+    async def call(self, keys: list[str], args: list[str | int]) -> list[int]:
+        texts = [str(args[i + 5]) for i in range(0, len(args), BATCH_WIDTH)]
+        if not self.failed:
+            self.failed = True
+            self.calling.set()
+            await self.fail.wait()
+            raise redis.exceptions.ConnectionError("Connection reset by peer")
+        self.sent += texts
+        return [1] * len(texts)
+
+
+async def test_text_of_a_write_lost_on_a_connection_error_goes_before_what_came_after_it() -> None:
+    """A batch whose call failed on a connection error is given back to its writer: it is
+    written again at the next flush, ahead of what the step emitted while the call was on
+    its way (after it, readers would see the answer's pieces out of order)."""
+    replies = FlakyReplies()
+    keys = SimpleNamespace(
+        shard=0, session=lambda sid: SimpleNamespace(lock="L", partial=lambda m: f"P:{m}")
+    )
+    job = SimpleNamespace(keys=keys, token="t", seq=1, session_id="s", attempts=1, partial=None)
+
+    async def step() -> str:
+        emit("one ")
+        await replies.calling.wait()  # "one " is on its way
+        emit("two ")
+        replies.fail.set()  # ... and its call fails
+        await asyncio.sleep(0.05)
+        emit("three ")
+        return "one two three "
+
+    await replies.run(job, SimpleNamespace(msg_id="m"), step())  # type: ignore[arg-type]
+    assert "".join(replies.sent) == "one two three "
+    assert job.partial.pos == len(replies.sent)  # each written piece counted once
+
+
+async def test_a_follower_more_than_its_backlog_behind_the_router_reads_the_rest_itself() -> None:
+    """A follower that takes nothing while the router reads on (a slow consumer of the
+    answer) holds at most WATCH_BACKLOG entries; past that it drops them and, when it takes
+    again, reads from its own place by itself (XRANGE), so it still gets every piece once,
+    in order: never a silent gap."""
+    stream = GatedStream("P")
+    stream.visible = 10**6  # every entry added is there for the follower's own reads too
+    router = partials.PartialRouter(stream)  # type: ignore[arg-type]
+    keys = MessageKeys("P", "S", "D")
+    reply: asyncio.Future = asyncio.get_running_loop().create_future()
+    stream.add(0)
+    events = follow(stream, router, keys, "m", None, reply, None)  # type: ignore[arg-type]
+    got = [await asyncio.wait_for(anext(events), 2)]  # p0 by its own read; it listens after
+    pieces = partials.WATCH_BACKLOG + 2 * partials.PAGE
+    for pos in range(1, pieces + 1):
+        stream.add(pos)
+    reads = -(-pieces // partials.PAGE)  # the router's reads that bring them all
+    for _ in range(reads):
+        stream.gate.put_nowait(None)
+    for _ in range(200):  # the router has handed out all it read (the follower took none)
+        if len(stream.reads) > reads:
+            break
+        await asyncio.sleep(0.01)
+    assert len(stream.reads) > reads
+    while len(got) < pieces + 1:
+        stream.gate.put_nowait(None)  # the router may read on meanwhile
+        got.append(await asyncio.wait_for(anext(events), 2))
+    assert [e.text for e in got] == [f"t{pos} " for pos in range(pieces + 1)]
+    await events.aclose()
+    await router.aclose()

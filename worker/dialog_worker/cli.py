@@ -17,7 +17,7 @@ import anyio
 import redis.exceptions
 import structlog
 
-from dialog_worker import bench
+from dialog_worker import bench, tracing
 from dialog_worker.client.dialog_client import DEFAULT_CLAIM_IDLE_MS, DialogClient
 from dialog_worker.config import Settings, load_settings, redact_url
 from dialog_worker.errors import (
@@ -355,7 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(overrides)
         if args.command == "run":
             return _run(settings, args.processes, overrides)
-        return int(anyio.run(_COMMANDS[args.command], settings, args))
+        traced = args.command in TRACED_COMMANDS and tracing.setup(TRACED_COMMANDS[args.command])
+        try:
+            return int(anyio.run(_COMMANDS[args.command], settings, args))
+        finally:
+            if traced:
+                tracing.shutdown()  # export the spans of this command before exit
     except KeyboardInterrupt:
         print("dialog-worker: interrupted", file=sys.stderr)
         return EXIT_FAILURE
@@ -759,6 +764,13 @@ async def _serve(settings: Settings, args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else settings.http_port
     return await serve(settings, host, port, args.no_auth)
 
+
+# Commands that trace what they do when the OTEL_* variables ask for it (service names).
+TRACED_COMMANDS = {
+    "send": "dialog-worker-cli",
+    "ask": "dialog-worker-cli",
+    "serve": "dialog-worker-gateway",
+}
 
 _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
     "send": _send,

@@ -130,6 +130,11 @@ class Settings:
     def prefix(self) -> str:
         return self.key_prefix or self.stream
 
+    @property
+    def tenant_lua_pattern(self) -> str:
+        """DIALOG_TENANT_PATTERN as the scripts match it ("" for none)."""
+        return tenant_pattern_forms(self.tenant_pattern)[0] if self.tenant_pattern else ""
+
     def redacted_url(self) -> str:
         return redact_url(self.redis_url)
 
@@ -297,17 +302,179 @@ def _echo_fields(name: str, raw: Any) -> str:
 
 
 def _tenant_pattern(name: str, raw: Any) -> str:
-    """A regular expression with at least one group (its first names the tenant), or ""."""
+    """A regular expression of the supported kind (`tenant_pattern_forms`) with one group (it
+    names the tenant), or ""."""
     value = str(raw)
     if not value:
         return ""
     try:
-        compiled = re.compile(value)
-    except re.error as exc:
-        raise ConfigError(name, f"is not a regular expression: {exc}") from None
-    if compiled.groups < 1:
-        raise ConfigError(name, "needs a group, e.g. ^([^:]+): (its first group names the tenant)")
+        tenant_pattern_forms(value)
+    except ValueError as exc:
+        raise ConfigError(name, str(exc)) from None
     return value
+
+
+# DIALOG_TENANT_PATTERN is matched inside the Lua scripts (intake queues a session under its
+# tenant) as well as in Python, so it is limited to what both match alike: a sequence of
+# single-character atoms (a literal, an escaped punctuation mark, `.`, `\d \w \s \D \W \S`,
+# a class `[...]` / `[^...]` of ASCII literals, ranges and those escapes), each optionally
+# followed by `*`, `+`, `?`, `*?` or `+?`; one group `( ... )` of such atoms (not quantified);
+# `^` first and `$` last. It applies to the session id's UTF-8 bytes: `.` and a negated class
+# match one byte. tenant_pattern_forms gives its Lua pattern and an equivalent Python regular
+# expression over bytes.
+_PATTERN_SPECIAL = set("\\.^$*+?()[]{}|")
+_LUA_ESCAPES = {"d": "%d", "D": "%D", "w": "[%w_]", "W": "[^%w_]", "s": "%s", "S": "%S"}
+_LUA_CLASS_ESCAPES = {"d": "%d", "w": "%w_", "s": "%s"}
+_PY_ESCAPES = {
+    "d": "[0-9]",
+    "D": "[^0-9]",
+    "w": "[0-9A-Za-z_]",
+    "W": "[^0-9A-Za-z_]",
+    "s": "[ \\t\\n\\r\\f\\v]",
+    "S": "[^ \\t\\n\\r\\f\\v]",
+}
+_PY_CLASS_ESCAPES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}
+
+
+def _lua_literal(ch: str) -> str:
+    return ch if ch.isalnum() else "%" + ch
+
+
+def _py_literal(ch: str) -> str:
+    return re.escape(ch)
+
+
+@functools.lru_cache(maxsize=16)
+def tenant_pattern_forms(pattern: str) -> tuple[str, bytes]:
+    """The Lua pattern and the Python regular expression (over bytes) of a supported
+    DIALOG_TENANT_PATTERN; raises ValueError saying what is not supported."""
+    if not pattern.isascii() or any(ord(c) < 32 or ord(c) == 127 for c in pattern):
+        raise ValueError("must be printable ASCII")
+    lua: list[str] = []
+    py: list[str] = []
+    i, n, groups, in_group, atoms_in_group = 0, len(pattern), 0, False, 0
+    if pattern.startswith("^"):
+        lua.append("^")
+        py.append("^")
+        i = 1
+    end_anchor = pattern.endswith("$") and not pattern.endswith("\\$")
+    if end_anchor:
+        n -= 1
+    while i < n:
+        ch = pattern[i]
+        if ch == "(":
+            if in_group or groups:
+                raise ValueError("may have one group only, not nested")
+            if pattern.startswith("(?", i):
+                raise ValueError("supports a plain group ( ... ) only")
+            in_group, groups, atoms_in_group = True, 1, 0
+            lua.append("(")
+            py.append("(")
+            i += 1
+            continue
+        if ch == ")":
+            if not in_group:
+                raise ValueError("has a ) without its (")
+            if not atoms_in_group:
+                raise ValueError("has an empty group")
+            in_group = False
+            lua.append(")")
+            py.append(")")
+            i += 1
+            if i < n and pattern[i] in "*+?{":
+                raise ValueError("cannot repeat the group (repeat what is inside it)")
+            continue
+        # One atom.
+        if ch == "\\":
+            if i + 1 >= n:
+                raise ValueError("ends with a lone backslash")
+            esc = pattern[i + 1]
+            if esc in _LUA_ESCAPES:
+                lua_atom, py_atom = _LUA_ESCAPES[esc], _PY_ESCAPES[esc]
+            elif not esc.isalnum():
+                lua_atom, py_atom = _lua_literal(esc), _py_literal(esc)
+            else:
+                raise ValueError(f"does not support \\{esc} (\\d \\w \\s \\D \\W \\S only)")
+            i += 2
+        elif ch == "[":
+            j = i + 1
+            negate = j < n and pattern[j] == "^"
+            if negate:
+                j += 1
+            lua_items: list[str] = []
+            py_items: list[str] = []
+            first = True
+            while j < n and (pattern[j] != "]" or first):
+                first = False
+                c = pattern[j]
+                if c == "\\":
+                    if j + 1 >= n:
+                        raise ValueError("ends inside a class")
+                    e = pattern[j + 1]
+                    if e in _LUA_CLASS_ESCAPES:
+                        lua_items.append(_LUA_CLASS_ESCAPES[e])
+                        py_items.append(_PY_CLASS_ESCAPES[e])
+                    elif not e.isalnum():
+                        lua_items.append("%" + e)
+                        py_items.append(re.escape(e))
+                    else:
+                        raise ValueError(f"does not support \\{e} in a class")
+                    j += 2
+                elif j + 2 < n and pattern[j + 1] == "-" and pattern[j + 2] != "]":
+                    lo, hi = c, pattern[j + 2]
+                    if not (lo.isalnum() and hi.isalnum()) or lo > hi:
+                        raise ValueError(f"has a range {lo}-{hi} that is not a-z, A-Z or 0-9 like")
+                    lua_items.append(f"{lo}-{hi}")
+                    py_items.append(f"{re.escape(lo)}-{re.escape(hi)}")
+                    j += 3
+                elif c == "[":
+                    raise ValueError("does not support [ inside a class (escape it: \\[)")
+                else:
+                    lua_items.append(_lua_literal(c))
+                    py_items.append(re.escape(c))
+                    j += 1
+            if j >= n or not lua_items:
+                raise ValueError("has a class [ without its ] (or an empty one)")
+            hat = "^" if negate else ""
+            lua_atom = f"[{hat}{''.join(lua_items)}]"
+            py_atom = f"[{hat}{''.join(py_items)}]"
+            i = j + 1
+        elif ch == ".":
+            lua_atom, py_atom = ".", "[\\x00-\\xff]"
+            i += 1
+        elif ch in _PATTERN_SPECIAL:
+            raise ValueError(
+                f"does not support {ch!r} here (no alternation, counted repeats or anchors "
+                "inside; escape a literal with a backslash)"
+            )
+        else:
+            lua_atom, py_atom = _lua_literal(ch), _py_literal(ch)
+            i += 1
+        if in_group:
+            atoms_in_group += 1
+        # Its quantifier, if any.
+        quant = ""
+        if i < n and pattern[i] in "*+?":
+            quant = pattern[i]
+            i += 1
+            if i < n and pattern[i] == "?":
+                if quant == "?":
+                    raise ValueError("does not support ?? (lazy optional)")
+                quant += "?"
+                i += 1
+        if i < n and pattern[i] in "*+?{":
+            raise ValueError("does not support this repeat (one of * + ? *? +? per atom)")
+        lua_quant = {"": "", "*": "*", "+": "+", "?": "?", "*?": "-"}.get(quant)
+        lua.append(lua_atom + lua_quant if lua_quant is not None else lua_atom + lua_atom + "-")
+        py.append(py_atom + quant)
+    if in_group:
+        raise ValueError("has a ( without its )")
+    if not groups:
+        raise ValueError("needs a group, e.g. ^([^:]+): (its group names the tenant)")
+    if end_anchor:
+        lua.append("$")
+        py.append("\\Z")
+    return "".join(lua), "".join(py).encode("ascii")
 
 
 def _signing_key(name: str, raw: Any) -> str:

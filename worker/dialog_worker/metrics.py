@@ -85,6 +85,12 @@ class Metrics:
             "Messages handed straight to the lock holder by its previous commit",
             registry=r,
         )
+        self.dispatches = Counter(
+            "dialog_dispatches",
+            "Slots freed by a commit and given, in the same call, to a session waiting in a "
+            "tenant's queue",
+            registry=r,
+        )
         # Unread inbound entries removed by something other than a worker (MAXLEN, MINID,
         # XTRIM, XDEL), and a stream whose last id was pushed ahead (see lua/intake-5.lua).
         self.inbound_trimmed = Counter(
@@ -92,6 +98,13 @@ class Metrics:
         )
         self.inbound_id_ahead = Counter(
             "dialog_inbound_id_ahead", "Inbound stream found with its last id ahead", registry=r
+        )
+        # Inbound traceparent / tracestate fields that are not W3C Trace Context (counted
+        # while tracing is on; the message goes on without them: dialog_worker/tracing.py).
+        self.trace_context_invalid = Counter(
+            "dialog_trace_context_invalid",
+            "Inbound messages whose traceparent or tracestate field was malformed (ignored)",
+            registry=r,
         )
         self.processing = Histogram(
             "dialog_processing_seconds",
@@ -123,6 +136,11 @@ class Metrics:
             "dialog_delayed", "Sessions with messages outstanding (the ready set)"
         )
         self.dlq_length = queue_gauge("dialog_dlq_length", "XLEN of the dead-letter stream")
+        self.sessions_queued = queue_gauge(
+            "dialog_sessions_queued",
+            "Sessions waiting in the tenants' queues for a slot (read ahead while tenants are "
+            "in use)",
+        )
         self.in_flight = Gauge(
             "dialog_in_flight",
             "Messages being processed here",
@@ -204,4 +222,5 @@ class Metrics:
             self.oldest_pending_age,
             self.delayed,
             self.dlq_length,
+            self.sessions_queued,
         )

@@ -20,6 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from dialog_worker import tracing
 from dialog_worker.client import interrupts, session_tokens
 from dialog_worker.client.erasure import Eraser, EraseResult, erase
 from dialog_worker.client.interrupts import PendingInterrupt, ResumeResult
@@ -238,11 +239,23 @@ class DialogClient:
         with self._cluster_errors("send"):
             await self._ready()
         await self._check_readers(stream)
-        try:
-            with self._cluster_errors("send"):
-                entry_id = await self.redis.xadd(stream, fields)  # type: ignore[arg-type]
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise UncertainSendError(session_id, msg_id, exc) from exc
+        # A dialog.send span around the append while tracing is on; its context goes in the
+        # entry's traceparent / tracestate fields when they fit the message's limits.
+        with tracing.producing(stream, session_id, msg_id) as carried:
+            if carried:
+                # As intake counts them: every field but session_id, text, msg_id, multitask.
+                extras = len(fields) - 3 - (multitask is not None)
+                tracing.fit_fields(
+                    fields,
+                    carried,
+                    MAX_EXTRA_FIELDS - extras,
+                    self.settings.max_message_bytes - size,
+                )
+            try:
+                with self._cluster_errors("send"):
+                    entry_id = await self.redis.xadd(stream, fields)  # type: ignore[arg-type]
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                raise UncertainSendError(session_id, msg_id, exc) from exc
         return SendResult(session_id, msg_id, str(entry_id))
 
     async def ask(
@@ -352,17 +365,27 @@ class DialogClient:
         deadline = _deadline(timeout)
         router = self._router(self.keys_for(session_id).replies)
         waiter = router.expect(session_id, msg_id)
+        trace = tracing.stream_trace(session_id, msg_id, resumed=cursor is not None)
+        failure: BaseException | None = None
         try:
             await router.start()
             rejected = router.rejected(session_id, msg_id)
             if rejected is not None and not waiter.done():
                 waiter.set_result(rejected)
             async for event in self._follow(session_id, msg_id, cursor, waiter, deadline):
+                if trace is not None:
+                    trace.saw(event.kind, event.outcome)
                 yield event
         except TimeoutError:
-            raise ReplyTimeout(session_id, msg_id, timeout or 0, router.problem()) from None
+            failure = ReplyTimeout(session_id, msg_id, timeout or 0, router.problem())
+            raise failure from None
+        except Exception as exc:
+            failure = exc
+            raise
         finally:
             router.forget(session_id, msg_id, waiter)
+            if trace is not None:
+                trace.end(failure, _answer_traceparent(waiter))
 
     async def ask_stream(
         self,
@@ -385,17 +408,30 @@ class DialogClient:
         deadline = _deadline(timeout)
         router = self._router(self.keys_for(session_id).replies)
         waiter = router.expect(session_id, msg_id)
+        # One trace for the whole exchange: the send (and the worker's spans) hang from the
+        # reader's dialog.stream span.
+        trace = tracing.stream_trace(session_id, msg_id)
+        failure: BaseException | None = None
         try:
             await router.start()
-            await self.send(session_id, text, msg_id=msg_id, meta=meta, expires_at=expires_at)
+            with tracing.active(trace):
+                await self.send(session_id, text, msg_id=msg_id, meta=meta, expires_at=expires_at)
             async for event in self._follow(
                 session_id, msg_id, None, waiter, deadline, new, sent=True
             ):
+                if trace is not None:
+                    trace.saw(event.kind, event.outcome)
                 yield event
         except TimeoutError:
-            raise ReplyTimeout(session_id, msg_id, timeout, router.problem()) from None
+            failure = ReplyTimeout(session_id, msg_id, timeout, router.problem())
+            raise failure from None
+        except Exception as exc:
+            failure = exc
+            raise
         finally:
             router.forget(session_id, msg_id, waiter)
+            if trace is not None:
+                trace.end(failure, _answer_traceparent(waiter))
 
     def session_token(
         self, session_id: str, ttl_s: float = 3600, actions: Iterable[str] | None = None
@@ -716,6 +752,13 @@ class DialogClient:
     def keys_for(self, session_id: str) -> Keys:
         """The shard a session belongs to (the only one in the plain layout)."""
         return self.topology.for_session(session_id)
+
+
+def _answer_traceparent(waiter: asyncio.Future[Reply]) -> str:
+    """The traceparent of the reply event a stream ended on ('' if none came)."""
+    if not waiter.done() or waiter.cancelled() or waiter.exception() is not None:
+        return ""
+    return waiter.result().traceparent
 
 
 def _deadline(timeout: object) -> float | None:

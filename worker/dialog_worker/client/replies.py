@@ -112,17 +112,24 @@ class Reply:
     bubbles: list[dict[str, Any]] | None = None
     no_reply: bool = False
     echo: dict[str, str] = dataclasses.field(default_factory=dict)
+    # W3C trace context of the attempt that answered (tracing on in the worker), or "".
+    traceparent: str = ""
     interrupt_id: str | None = None
     payload: Any = None
 
     def as_dict(self) -> dict[str, Any]:
-        """All fields; ``bubbles``, ``no_reply``, ``echo``, ``interrupt_id`` and ``payload``
-        only when the event has them, so a plain reply prints as it always did
-        (`dialog-worker ask`, `replies`)."""
+        """All fields; ``bubbles``, ``no_reply``, ``echo``, ``traceparent``, ``interrupt_id``
+        and ``payload`` only when the event has them, so a plain reply prints as it always
+        did (`dialog-worker ask`, `replies`)."""
         shown = dataclasses.asdict(self)
         if self.interrupt_id is None:
             del shown["interrupt_id"], shown["payload"]
-        for name, empty in (("bubbles", None), ("no_reply", False), ("echo", {})):
+        for name, empty in (
+            ("bubbles", None),
+            ("no_reply", False),
+            ("echo", {}),
+            ("traceparent", ""),
+        ):
             if shown[name] == empty:
                 del shown[name]
         return shown
@@ -147,6 +154,7 @@ def reply_from_entry(
         bubbles=_bubbles(values.get(b"bubbles")),
         no_reply=values.get(b"no_reply") == b"1",
         echo=_echoed(values),
+        traceparent=_traceparent(values.get(b"traceparent")),
         interrupt_id=_text(values[b"interrupt_id"]) if b"interrupt_id" in values else None,
         payload=_payload(values.get(b"payload")),
     )
@@ -180,13 +188,22 @@ def _echoed(values: RawFields) -> dict[str, str]:
     for name, value in values.items():
         if (
             name not in EVENT_FIELDS
-            and name not in (b"bubbles", b"no_reply")
+            and name not in (b"bubbles", b"no_reply", b"traceparent")
             and name not in INTERRUPT_FIELDS
         ):
             if len(echo) >= MAX_ECHOED:
                 break
             echo[_text(name)] = _text(value)
     return echo
+
+
+def _traceparent(value: bytes | None) -> str:
+    # Kept as written when it is short printable ASCII: readers parse it (tracing.py) or pass
+    # it on; never a long or binary value from a forged event.
+    if value is None or len(value) > 128 or not value.isascii():
+        return ""
+    text = value.decode("ascii")
+    return text if text.isprintable() else ""
 
 
 def _text(value: bytes | str | None) -> str:

@@ -33,6 +33,7 @@ from typing import Any, TypeVar, cast
 
 import anyio.from_thread
 
+from dialog_worker import tracing
 from dialog_worker.client import session_tokens
 from dialog_worker.client.dialog_client import CancelResult, DialogClient, SendResult
 from dialog_worker.client.erasure import EraseResult
@@ -101,9 +102,22 @@ class SyncDialogClient:
         msg_id: str | None = None,
         meta: Mapping[str, str] | None = None,
         expires_at: float | None = None,
+        *,
+        multitask: str | None = None,
+        deliver_at: float | None = None,
     ) -> SendResult:
         """Enqueue one message and return at once (`DialogClient.send`)."""
-        return self._call(lambda c: c.send(session_id, text, msg_id, meta, expires_at=expires_at))
+        return self._call(
+            lambda c: c.send(
+                session_id,
+                text,
+                msg_id,
+                meta,
+                multitask=multitask,
+                expires_at=expires_at,
+                deliver_at=deliver_at,
+            )
+        )
 
     def ask(
         self,
@@ -112,11 +126,20 @@ class SyncDialogClient:
         msg_id: str | None = None,
         timeout: float = 30,
         expires_at: float | None = None,
+        *,
+        multitask: str | None = None,
     ) -> Reply:
         """Send and wait up to ``timeout`` seconds for the reply (`DialogClient.ask`): raises
         `ReplyTimeout` (ask again with its ``msg_id`` to keep waiting)."""
         return self._call(
-            lambda c: c.ask(session_id, text, msg_id, timeout=timeout, expires_at=expires_at)
+            lambda c: c.ask(
+                session_id,
+                text,
+                msg_id,
+                timeout=timeout,
+                multitask=multitask,
+                expires_at=expires_at,
+            )
         )
 
     def state(self, session_id: str) -> dict[str, Any] | None:
@@ -207,6 +230,11 @@ class SyncDialogClient:
                 "use DialogClient (async) there"
             )
         portal, client = self._started()
+        carried = tracing.current()
+        # The caller's trace goes on in the loop thread (recent anyio versions copy the
+        # calling thread's context into the portal's task as well; older ones do not).
+        if carried is not None:
+            return cast(T, portal.call(_in_context, carried, call, client))
         return cast(T, portal.call(call, client))
 
     def _iterate(self, make: Callable[[DialogClient], AsyncIterator[T]]) -> Iterator[T]:
@@ -215,7 +243,13 @@ class SyncDialogClient:
         self._call(_nothing)  # the same refusal inside an event loop, at the call
         portal, client = self._started()
         events = portal.call(make, client)
+        carried = tracing.current()
         try:
+            if carried is not None:  # the reader's span starts in the caller's trace
+                try:
+                    yield portal.call(_in_context, carried, _first_of, events)
+                except StopAsyncIteration:
+                    return
             while True:
                 try:
                     yield portal.call(events.__anext__)
@@ -266,3 +300,14 @@ class SyncDialogClient:
 
 async def _nothing(client: DialogClient) -> None:
     return None
+
+
+async def _in_context(carried: Any, call: Callable[[Any], Coroutine[Any, Any, T]], arg: Any) -> T:
+    """``call(arg)`` on the loop with the calling thread's trace context current: the loop's
+    tasks do not inherit the caller's context variables."""
+    with tracing.attached(carried):
+        return await call(arg)
+
+
+async def _first_of(events: AsyncIterator[T]) -> T:
+    return await events.__anext__()

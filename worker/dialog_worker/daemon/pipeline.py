@@ -29,9 +29,11 @@ import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
+from dialog_worker import tracing
 from dialog_worker.config import Settings
 from dialog_worker.daemon.failures import describe_failure, retry_after_of, retry_delay_ms
 from dialog_worker.daemon.partial_writer import PartialReplies, PartialWriter
+from dialog_worker.daemon.slots import TURN_AFTER_S, SlotGate
 from dialog_worker.daemon.step_journal import AttemptJournal, JournalFenced
 from dialog_worker.engine import cancellation, timers
 from dialog_worker.engine import journal as step_journal
@@ -115,12 +117,22 @@ class Job:
     timer_ops: timers.TimerOps | None = None
     # The message's step journal for this attempt (dialog_worker.once / interrupt).
     journal: AttemptJournal | None = None
+    # Handed out by a commit for a slot it freed (another session's message), not handed on
+    # by its own session's commit: it starts without a turn being taken first.
+    fresh: bool = False
+    # Its cancel mark was looked at since its step started (Pipeline.watch_cancels).
+    watched: bool = False
+    # Its spans, while tracing is on (dialog_worker/tracing.py).
+    trace: tracing.MessageTrace | None = None
     # Its cancel mark's key, built once: the cancel watch asks for it every interval.
     _mark: str = ""
 
     @classmethod
-    def from_script(cls, keys: Keys, row: Sequence[Any], gap: bool = False) -> Job:
-        """A job row of intake-5.lua or resume-3.lua (without resume's leading kind)."""
+    def from_script(
+        cls, keys: Keys, row: Sequence[Any], gap: bool = False, fresh: bool = False
+    ) -> Job:
+        """A job row of intake-5.lua, resume-3.lua (without resume's leading kind) or of a
+        commit that handed its freed slot to a queued session (commit-5.lua, dispatch)."""
         sid, token, seq, entry_id, flat, doc, version, attempts, first, error, ending = row
         return cls(
             keys=keys,
@@ -136,6 +148,7 @@ class Job:
             last_error=text(error),
             gap=gap,
             ending=text(ending),
+            fresh=fresh,
         )
 
     def cancel_mark(self) -> str:
@@ -156,18 +169,36 @@ class Job:
 class Committer:
     """Group commit for one shard: every commit submitted while a call is in flight goes in
     the next call, with no added wait. One task (`run`) sends; submitters wait shielded, since
-    a commit once sent must be seen to its end."""
+    a commit once sent must be seen to its end.
 
-    def __init__(self, scripts: Scripts, keys: Keys, settings: Settings) -> None:
+    Each call also carries what the tenants' scheduling needs (lua/commit-5.lua): a commit
+    that hands its session on gives the slot up when another session is owed it, and one that
+    frees its slot fills it with the session owed it, in the same call, while `dispatching`
+    (not once the worker stops) and the shard's resumer does not wait for a slot (a due
+    session of the ready set, a crashed worker's, has first call on the next one)."""
+
+    def __init__(
+        self,
+        scripts: Scripts,
+        keys: Keys,
+        settings: Settings,
+        token_base: Callable[[], str] | None = None,
+        slots: SlotGate | None = None,
+    ) -> None:
         self.scripts = scripts
         self.keys = keys
         self.settings = settings
-        self._queue: list[tuple[list[Any], _Slot]] = []
+        self.token_base = token_base
+        self.slots = slots
+        self.dispatching = token_base is not None
+        self._queue: list[tuple[list[Any], bool, _Slot]] = []
         self._wakeup = anyio.Event()
 
-    async def commit(self, args: list[Any]) -> list[Any]:
+    async def commit(self, args: list[Any], slow: bool = False) -> list[Any]:
+        """Send one commit (its 13 values); `slow`: its step took a while (TURN_AFTER_S), so
+        the session takes turns with its tenant's waiting sessions."""
         slot = _Slot()
-        self._queue.append((args, slot))
+        self._queue.append((args, slow, slot))
         self._wakeup.set()
         with anyio.CancelScope(shield=True):
             await slot.done.wait()
@@ -183,12 +214,20 @@ class Committer:
                 batch, self._queue = self._queue[:COMMIT_BATCH], self._queue[COMMIT_BATCH:]
                 await self._send(batch)
 
-    async def _send(self, batch: list[tuple[list[Any], _Slot]]) -> None:
+    async def _send(self, batch: list[tuple[list[Any], bool, _Slot]]) -> None:
         k, s = self.keys, self.settings
         args: list[Any] = [s.lock_ttl_ms, s.state_ttl_s, s.reply_maxlen, len(batch)]
-        for commit_args, _ in batch:
+        for commit_args, _, _ in batch:
             args += commit_args
         args.append(s.on_dead_letter)  # "hold": a dead letter holds its session
+        if self.token_base is not None:
+            resumer_waiting = self.slots is not None and self.slots.resumer_waiting
+            args += [
+                "1" if self.dispatching and not resumer_waiting else "0",
+                self.token_base(),
+                s.tenant_lua_pattern,
+                "".join("1" if slow else "0" for _, slow, _ in batch),
+            ]
         try:
             with anyio.CancelScope(shield=True):
                 results = await oom.call(  # out of memory: wait for room, lease kept
@@ -198,11 +237,11 @@ class Committer:
                     ),
                 )
         except Exception as exc:  # every waiter gets the failure; none is left hanging
-            for _, slot in batch:
+            for _, _, slot in batch:
                 slot.error = exc
                 slot.done.set()
             return
-        for (_, slot), result in zip(batch, results, strict=True):
+        for (_, _, slot), result in zip(batch, results, strict=True):
             slot.result = result
             slot.done.set()
 
@@ -236,6 +275,8 @@ class Pipeline:
         self.step_limiter = anyio.CapacityLimiter(settings.concurrency)
         # What steps emit (dialog_worker.emit) goes to their messages' partial streams.
         self.partials = PartialReplies(scripts.commit.redis, settings)
+        # Per shard, the cancel count as the cancel watch last read it (watch_cancels).
+        self._cancels_seen: dict[int, object] = {}
         # Producer fields copied onto every reply event of their message (DIALOG_ECHO_FIELDS).
         self.echo_names = [n.encode() for n in settings.echo_fields.split(",") if n]
 
@@ -260,7 +301,7 @@ class Pipeline:
                 )
                 started = time.perf_counter()
                 job = await self._process(job)
-                if job is not None and between is not None:
+                if job is not None and not job.fresh and between is not None:
                     self.leases[job.token] = job  # renewed by the heartbeat while it waits
                     try:
                         await between(time.perf_counter() - started)
@@ -287,6 +328,17 @@ class Pipeline:
             if self.stopping:
                 await self.hand_back(job)
                 return None
+            if tracing.enabled and not job.gap:
+                job.trace = tracing.message_trace(
+                    job.fields,
+                    job.session_id,
+                    job.entry_id,
+                    job.seq,
+                    job.attempts,
+                    job.keys.stream,
+                    self.metrics.trace_context_invalid.inc,
+                    failed_before=bool(job.first_failed_at or job.last_error),
+                )
             if job.ending:
                 return await self._end(job, job.ending)
             if job.gap:
@@ -332,6 +384,8 @@ class Pipeline:
                 )
                 # This delivery is not an attempt: the step is not run again.
                 return await self._deadletter(job, msg, "exhausted", error, job.attempts - 1)
+            if job.trace is not None:
+                job.trace.begin_step()
             try:
                 new_state, reply = await self.partials.run(job, msg, self._step(job, msg))
             except anyio.get_cancelled_exc_class():
@@ -375,6 +429,8 @@ class Pipeline:
         finally:
             if self.leases.get(job.token) is job:
                 del self.leases[job.token]
+            if job.trace is not None:
+                job.trace.end(lost=job.lost)
 
     def _expired(self, msg: Message) -> bool:
         deadline = msg.expires_at_ms
@@ -390,6 +446,8 @@ class Pipeline:
             value = job.fields.get(name)
             if value is not None:
                 extras += [name.decode(), redis_text(value.decode("utf-8", "replace"))]
+        if job.trace is not None and tracing.TRACEPARENT not in extras[::2]:
+            extras += job.trace.reply_fields()  # reply consumers continue the trace
         return extras
 
     async def _step(self, job: Job, msg: Message) -> tuple[dict[str, Any], CheckedReply]:
@@ -427,18 +485,28 @@ class Pipeline:
         raise StepTimeout(f"step did not finish within {self.settings.step_timeout_s:g} s")
 
     async def watch_cancels(self, redis: Redis) -> float:
-        """One look at the cancel marks of the steps running here (one MGET per shard, only
-        while steps run): a marked one is stopped, and its message ends cancelled. Called every
-        `cancellation.WATCH_INTERVAL_S`, the bound on how late a running step learns of its
-        cancel (the commit script checks the mark too, so a missed look costs time, never
-        an outcome)."""
+        """One look at the cancel marks of the steps running here: a marked one is stopped,
+        and its message ends cancelled. Called every `cancellation.WATCH_INTERVAL_S`, the bound
+        on how late a running step learns of its cancel (the commit script checks the mark
+        too, so a missed look costs time, never an outcome). Per shard with steps running, one
+        GET of the shard's cancel count, and the marks (one MGET) only of the steps that
+        started since the last look, or of all of them when the count moved: thousands of
+        long steps in flight cost one key per look, not thousands."""
         by_shard: dict[int, list[Job]] = {}
         for job in list(self.leases.values()):
             if job.scope is not None and job.msg_id and not job.cancel_flag.is_set():
                 by_shard.setdefault(job.keys.shard, []).append(job)
-        for jobs in by_shard.values():
+        for shard, jobs in by_shard.items():
+            count = await redis.get(jobs[0].keys.cancels)
+            if count != self._cancels_seen.get(shard, b"unread"):
+                self._cancels_seen[shard] = count
+            else:
+                jobs = [j for j in jobs if not j.watched]
+            if not jobs:
+                continue
             marks = await redis.mget([j.cancel_mark() for j in jobs])
             for job, mark in zip(jobs, marks, strict=True):
+                job.watched = True
                 if mark is not None and job.scope is not None:
                     job.cancel_flag.set()
                     job.scope.cancel()
@@ -528,8 +596,13 @@ class Pipeline:
             # without a step keeps none).
             job.timer_ops.encoded() if outcome == "applied" and job.timer_ops else "",
         ]
-        result = await self.committers[job.keys.shard].commit(args)
+        if job.trace is not None:
+            job.trace.begin_commit(outcome, dead_letter["error"] if dead_letter else "")
+        slow = time.perf_counter() - started >= TURN_AFTER_S
+        result = await self.committers[job.keys.shard].commit(args, slow)
         code = Code(int(result[0]))
+        if job.trace is not None:
+            job.trace.end_commit(code.name.lower())
         if code is Code.INVALID:
             # Refused by the script for this commit alone (the others of the call were
             # written): nothing was written for it. A normal result is dead-lettered; a dead
@@ -562,6 +635,10 @@ class Pipeline:
         )
         await self.partials.committed(job, msg_id, outcome, reply_text(reply))
         if code is not Code.HANDOFF:
+            if len(result) > 2:
+                # The slot this commit freed went to the session owed it: work that one now.
+                self.metrics.dispatches.inc()
+                return Job.from_script(job.keys, result[2], fresh=True)
             return None
         self.metrics.handoffs.inc()
         version, next_seq, next_id, flat, next_ending = (
@@ -653,6 +730,8 @@ class Pipeline:
         delay = retry_delay_ms(
             job.attempts, settings.backoff_base_ms, settings.backoff_max_ms, retry_after_s
         )
+        if job.trace is not None:
+            job.trace.failed(error)
         code = await self._release(job, delay, error, Release.FAILED)
         if code is Code.RELEASED:
             self.metrics.retries.labels("error").inc()
@@ -666,6 +745,8 @@ class Pipeline:
         step streamed text: those entries carry the attempt's number, and the next attempt
         must have a new one, or readers would take its first pieces for ones they have."""
         streamed = job.partial is not None and job.partial.used
+        if job.trace is not None:
+            job.trace.handed_back(counted=streamed)
         if streamed:  # the reason is kept: shutdowns alone can use up the attempts
             await self._release(job, 0, HANDED_BACK_STREAMED, Release.HAND_BACK_STREAMED)
         else:

@@ -29,9 +29,18 @@ log = structlog.get_logger("dialog_worker.daemon.reader")
 
 # Most entries one intake call reads (the script refuses more).
 INTAKE_BATCH = 1000
-# Entries a reader's intake call reads at least, whatever its free slots: the sessions it
-# locks beyond them wait in the process for a slot, their leases renewed (Sessions.start).
+# Entries a reader's intake call reads at least, whatever its free slots: the sessions that
+# may start beyond them join their tenants' queues (lua/_common.lua, the tenants), where a
+# slot freed by any worker's commit finds the one owed it.
 READ_BATCH_SHORT_OF_SLOTS = 64
+# Where tenants are in use, a reader with no free slot still reads new entries into their
+# sessions and queues (so the scheduler sees every tenant's messages, not only the backlog
+# ahead of them), once a slot frees or after this long, whichever comes first: under a backlog
+# the calls read batches. Without tenants it waits for a slot, as the unread backlog stays in
+# the stream, where an autoscaler reads it (XLEN).
+READ_WITHOUT_SLOTS_S = 0.02
+# How often a reader asks whether the shard has tenants' settings (Reader.tenants_in_use).
+TENANTS_RECHECK_S = 5.0
 # The waiter role of a shard (see Reader.idle_wait): a lease at least this long (and three
 # blocking reads), renewed when half of it is left; a worker that waits on the wake stream asks
 # whether the role is free this often (a waiter that died leaves it to expire), and blocks
@@ -103,9 +112,10 @@ class Reader:
         return shard.slots.take(shard.slots.free)
 
     def intake_call(
-        self, shard: Shard, count: int, claim_idle_ms: int = 0
+        self, shard: Shard, count: int, claim_idle_ms: int = 0, free: int | None = None
     ) -> tuple[list[str], list[Any]]:
-        """The intake script's keys and arguments (lua/intake-5.lua)."""
+        """The intake script's keys and arguments (lua/intake-5.lua): read up to `count`
+        entries, hand out up to `free` slots (default: `count`)."""
         k, s = shard.keys, self.settings
         return [k.stream, k.ready, k.session_prefix, k.dlq, k.replies], [
             k.group,
@@ -124,10 +134,14 @@ class Reader:
             len(self.shards),
             s.multitask,
             s.echo_fields,
+            count if free is None else free,
+            s.tenant_lua_pattern,
         ]
 
-    async def intake(self, shard: Shard, count: int, claim_idle_ms: int = 0) -> list[Any]:
-        keys, args = self.intake_call(shard, count, claim_idle_ms)
+    async def intake(
+        self, shard: Shard, count: int, claim_idle_ms: int = 0, free: int | None = None
+    ) -> list[Any]:
+        keys, args = self.intake_call(shard, count, claim_idle_ms, free)
         # Shielded: entries the script delivered are ours (locked or queued), so the reply
         # must be seen and its jobs started, whatever is cancelled meanwhile.
         with anyio.CancelScope(shield=True):
@@ -139,15 +153,20 @@ class Reader:
             await self.ensure_group(shard)
         if shard.slots.free == 0 and shard.lease_until:
             await self.hand_over(shard)  # busy: another worker waits for new entries
-        await shard.slots.acquire()
-        slots = 1 + self.take_free_slots(shard)
-        # Short of slots under a backlog, a call still reads a batch: later messages of the
-        # sessions in flight get their seq (their commits hand them on), and the sessions it
-        # locks beyond the slots wait here for one (Sessions.start), rather than one entry per call.
-        # Not again while any of those still waits: at most one batch is held that way.
-        entries = slots if shard.locked_waiting else max(slots, READ_BATCH_SHORT_OF_SLOTS)
+        slots = self.take_free_slots(shard)
+        if not slots and not await self.tenants_in_use(shard):
+            await shard.slots.acquire()
+            slots = 1 + self.take_free_slots(shard)
+        elif not slots:
+            with anyio.move_on_after(READ_WITHOUT_SLOTS_S):
+                await shard.slots.acquire()
+                slots = 1 + self.take_free_slots(shard)
+        # With free slots a call reads about as many entries (a batch at least); with none it
+        # reads what there is, up to INTAKE_BATCH: those sessions wait in their tenants'
+        # queues, and the next slot freed anywhere goes to the one owed it.
+        entries = max(slots, READ_BATCH_SHORT_OF_SLOTS) if slots else INTAKE_BATCH
         try:
-            reply = await self.intake(shard, entries)
+            reply = await self.intake(shard, entries, free=slots)
         except redis.exceptions.ResponseError as exc:
             self.sessions.give_slots(shard, slots)
             if "NOGROUP" in str(exc):
@@ -160,13 +179,26 @@ class Reader:
             self.sessions.give_slots(shard, slots)
             raise
         last_id, read = reply[0], int(reply[1])
-        self.sessions.start(shard, work, reply, slots)
+        waiting = self.sessions.start(shard, work, reply, slots)
+        if waiting and read and not shard.slots.free:
+            await self.wake_one(shard)  # sessions wait for slots another worker may have
         if read < min(entries, INTAKE_BATCH):
             # The stream had no more: wait (a blocking read from the last id returns at once
             # if something came meanwhile) rather than run another intake call to find out.
             await self.commits_first(read)
             await self.idle_wait(shard, last_id, work)
         return 0
+
+    async def tenants_in_use(self, shard: Shard) -> bool:
+        """Whether tenants share this shard: DIALOG_TENANT_PATTERN is set, or some tenant has
+        settings (`dialog-worker tenants set`), looked up every TENANTS_RECHECK_S."""
+        if self.settings.tenant_pattern:
+            return True
+        now = time.monotonic()
+        if now - shard.tenants_checked_at >= TENANTS_RECHECK_S:
+            shard.tenants_checked_at = now
+            shard.tenants_configured = bool(await self.raw.exists(shard.keys.tenant_settings))
+        return shard.tenants_configured
 
     @staticmethod
     async def commits_first(started: int) -> None:
@@ -270,7 +302,7 @@ class Reader:
         its end), where shutdown appends one entry to end it at once (end_reads_ahead)."""
         count = shard.slots.take(min(shard.slots.free - 1, INTAKE_BATCH))
         k = shard.keys
-        keys, args = self.intake_call(shard, count)
+        keys, args = self.intake_call(shard, count, free=count)
         done = shard.read_ahead_done = anyio.Event()
         try:
             with anyio.CancelScope(shield=True):
@@ -326,6 +358,17 @@ class Reader:
         shard.lease_until = now + lease_s
         shard.waiter_seen_until = 0.0
         return True
+
+    async def wake_one(self, shard: Shard) -> None:
+        """Wake one other reader of the shard (it reads, and hands out its free slots to the
+        sessions waiting in the queues): the waiter hands its role over, any other reader
+        appends to the wake stream."""
+        if shard.lease_until:
+            await self.hand_over(shard)
+        else:
+            await self.raw.xadd(
+                shard.keys.wake, {"from": self.settings.consumer}, maxlen=1, approximate=False
+            )
 
     async def hand_over(self, shard: Shard) -> None:
         """Give up the waiter role and wake one other reader (it takes the role if free)."""

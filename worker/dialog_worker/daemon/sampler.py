@@ -73,6 +73,7 @@ class Sampler:
             m.oldest_pending_age.labels(label).set(stats["oldest_pending_age_s"])
             m.delayed.labels(label).set(stats["delayed"])
             m.dlq_length.labels(label).set(stats["dlq_length"])
+            m.sessions_queued.labels(label).set(stats["queued"])
             empty = empty and not (
                 stats["stream_length"] or stats["pending"] or stats["delayed"] or stats["waiting"]
             )

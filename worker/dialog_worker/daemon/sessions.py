@@ -12,7 +12,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
@@ -73,11 +72,6 @@ class Sessions:
         self.pipeline = pipeline
         self.stopping = stopping
         self.leases: dict[str, Job] = pipeline.leases
-        # Sessions locked beyond the free slots, waiting for one (run_when_a_slot_frees).
-        self.waiting_for_slots: dict[str, anyio.CancelScope] = {}
-        # Their hand-backs at shutdown go one at a time: each needs a connection, and the
-        # pool is sized for the slots (there may be up to READ_BATCH_SHORT_OF_SLOTS of them).
-        self.hand_backs = anyio.Lock()
         self._token_counter = 0
         # A restarted process may reuse its consumer name and pid (pid 1 in a container):
         # the nonce keeps its tokens apart from the locks its previous life still holds.
@@ -95,11 +89,13 @@ class Sessions:
         self._token_counter += 1
         return f"{self._token_nonce}:{self._token_counter}"
 
-    def start(self, shard: Shard, work: anyio.abc.TaskGroup, reply: list[Any], slots: int) -> None:
-        """One task per session whose lock the intake took; its held entries go with it.
-        Synchronous: nothing may come between a script's reply and the start of its jobs."""
+    def start(self, shard: Shard, work: anyio.abc.TaskGroup, reply: list[Any], slots: int) -> bool:
+        """One task per session whose lock the intake took (at most `slots`: the script hands
+        out no more); its held entries go with it; the slots it did not fill go back.
+        Synchronous: nothing may come between a script's reply and the start of its jobs.
+        Returns whether sessions of the shard still wait in its tenants' queues."""
         _, _, rows, held_rows, counts = reply
-        dups, refused, contended, trimmed, ahead, rejected = (int(c) for c in counts)
+        dups, refused, contended, trimmed, ahead, rejected, waiting = (int(c) for c in counts)
         if rejected:
             self.metrics.messages.labels("rejected").inc(rejected)
         if trimmed:
@@ -122,51 +118,10 @@ class Sessions:
             jobs[job.session_id] = job
         for sid, _, entry_id, flat in held_rows:
             jobs[sid.decode("utf-8")].held[text(entry_id)] = fields_dict(flat)
-        self.give_slots(shard, max(0, slots - len(jobs)))
-        for n, job in enumerate(jobs.values()):
-            if n < slots:
-                work.start_soon(self.run_session, shard, job)
-            else:
-                shard.locked_waiting += 1
-                work.start_soon(self.run_when_a_slot_frees, shard, job)
-
-    async def run_when_a_slot_frees(self, shard: Shard, job: Job) -> None:
-        """A session a reader locked beyond its free slots (see read_once): it waits for a
-        slot in line with the reader, behind the resumer, its lease renewed by the heartbeat
-        meanwhile; a worker that stops hands it back at once."""
-        self.leases[job.token] = job
-        try:
-            with anyio.CancelScope() as waiting:
-                self.waiting_for_slots[job.token] = waiting
-                if self.stopping.is_set():
-                    waiting.cancel()
-                await shard.slots.acquire()
-        finally:
-            shard.locked_waiting -= 1
-            self.waiting_for_slots.pop(job.token, None)
-            if self.leases.get(job.token) is job:
-                del self.leases[job.token]
-        if waiting.cancel_called:
-            with anyio.CancelScope(shield=True):
-                async with self.hand_backs:
-                    try:
-                        await self.pipeline.hand_back(job)
-                    except redis.exceptions.RedisError as exc:
-                        # Its lease runs out and the session comes back through the ready set.
-                        log.warning("hand_back_failed", session_id=job.session_id, error=str(exc))
-            return
-        if not job.ending:
-            # Cancelled while it waited: it ends in its turn without a step, as a message that
-            # waited in the stream or behind its session's running one would (the commit
-            # script checks the mark as well: a failed look costs a started step, no outcome).
-            msg_id = text(job.fields.get(b"msg_id", job.entry_id.encode()))
-            mark = job.keys.session(job.session_id).cancel_mark(msg_id)
-            try:
-                if await self.raw.exists(mark):
-                    job.ending = "cancelled"
-            except redis.exceptions.RedisError as exc:
-                log.warning("cancel_check_failed", session_id=job.session_id, error=str(exc))
-        await self.run_session(shard, job)
+        self.give_slots(shard, slots - len(jobs))
+        for job in jobs.values():
+            work.start_soon(self.run_session, shard, job)
+        return waiting > 0
 
     async def run_session(self, shard: Shard, job: Job) -> None:
         self.started += 1

@@ -27,10 +27,12 @@ class Shard:
     # Another worker held the waiter role when this process last asked: it counts as alive
     # until then (monotonic s; 0: none seen).
     waiter_seen_until: float = 0.0
+    # Whether tenants' settings were found for the shard, and when that was asked (monotonic s;
+    # Reader.tenants_in_use).
+    tenants_configured: bool = False
+    tenants_checked_at: float = float("-inf")
     # Set when the read with an intake call behind it (Reader.read_ahead) has returned.
     read_ahead_done: anyio.Event | None = None
-    # Sessions this process locked beyond its free slots, waiting for one (Sessions.start).
-    locked_waiting: int = 0
 
     @property
     def reading_ahead(self) -> bool:

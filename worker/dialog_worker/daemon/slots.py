@@ -32,6 +32,12 @@ class SlotGate:
         return self._free
 
     @property
+    def resumer_waiting(self) -> bool:
+        """The resumer waits for a slot: the next one freed is its (the ready set's due
+        sessions have first call), not the queues' (a commit does not fill it)."""
+        return bool(self._waiting[0])
+
+    @property
     def contended(self) -> bool:
         """Every slot is taken and someone waits for one."""
         return self._free <= 0 and any(self._waiting)

@@ -26,6 +26,9 @@ log = structlog.get_logger("dialog_worker.daemon.upkeep")
 # How long the resumer sleeps when no session waits in the ready set: anything added later is
 # due a lock lease or a backoff from then, except a hand-back at shutdown.
 RESUME_IDLE_S = 1.0
+# The resumer takes a slot for a session due this soon by this worker's clock (the script
+# decides by Redis's): a clock a little behind Redis's costs a poll interval, no more.
+DUE_SLACK_MS = 50
 # How often the worker doing a shard's upkeep (Shard.does_upkeep) looks for due timers (one
 # ZRANGE of the first; the fire script only when one is due): the most a timer is appended
 # after it is due, while that worker lives.
@@ -57,19 +60,30 @@ class Upkeep:
 
     async def resume_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         """Take up due sessions of the ready set, as many as there are free slots. Waits for
-        one slot first, ahead of the reader (see SlotGate): a due session is taken up within
-        one poll interval plus the time until the next slot frees up, whatever the backlog."""
+        one slot first, ahead of the reader (see SlotGate), and no commit fills a freed slot
+        from the queues while it waits: a due session is taken up within one poll interval
+        plus the time until the next slot frees up, whatever the backlog. Nothing due, it
+        still hands free slots to sessions waiting in the tenants' queues (a slot a release
+        freed, say), without waiting for one."""
         if not shard.group_ready:
             return self.settings.promote_interval_ms / 1000
-        if not await self.raw.zrange(shard.keys.ready, 0, 0):
+        k, s = shard.keys, self.settings
+        head = await self.raw.zrange(k.ready, 0, 0, withscores=True)
+        if not head:
             # One cheap look instead of a script call while idle, then a wait on the kick
             # list, where a resume of a parked session (lua/resolve-2.lua) or an interrupt's
-            # timeout (lua/fire-3.lua) wakes every resumer at once.
+            # timeout (lua/fire-3.lua) wakes an idle resumer at once.
             await self.wait_for_kick(shard)
             return 0
-        await shard.slots.acquire(priority=True)
-        slots = 1 + self.reader.take_free_slots(shard)
-        k, s = shard.keys, self.settings
+        ahead_ms = float(head[0][1]) - time.time() * 1000
+        if ahead_ms <= DUE_SLACK_MS:
+            await shard.slots.acquire(priority=True)
+            slots = 1 + self.reader.take_free_slots(shard)
+        elif shard.slots.free and await self.raw.exists(k.tenants_active):
+            slots = self.reader.take_free_slots(shard)
+        else:
+            # Nothing due yet (sessions in flight are there until their leases end).
+            return min(s.promote_interval_ms, ahead_ms) / 1000
         try:
             with anyio.CancelScope(shield=True):
                 rows, wait_ms = await self.scripts.resume(
@@ -79,6 +93,7 @@ class Upkeep:
                         self.sessions.token_base(),
                         s.lock_ttl_ms,
                         int(s.gap_timeout_s * 1000),
+                        s.tenant_lua_pattern,
                     ],
                 )
                 jobs = [Job.from_script(k, row[1:], gap=row[0] == b"g") for row in rows]

@@ -35,6 +35,7 @@ import redis.exceptions
 import structlog
 from redis.asyncio import Redis
 
+from dialog_worker import tracing
 from dialog_worker.config import Settings
 from dialog_worker.daemon.health_server import serve as serve_http
 from dialog_worker.daemon.pipeline import Committer, Pipeline
@@ -97,7 +98,14 @@ class Worker:
         redis_checks.oom.metrics = self.metrics
         self.stopping = anyio.Event()
         self.committers = {
-            s.keys.shard: Committer(self.scripts, s.keys, settings) for s in self.shards
+            s.keys.shard: Committer(
+                self.scripts,
+                s.keys,
+                settings,
+                token_base=lambda: self.sessions.token_base(),
+                slots=s.slots,
+            )
+            for s in self.shards
         }
         self.pipeline = Pipeline(settings, self.scripts, engine, self.metrics, {}, self.committers)
         self.sessions = Sessions(
@@ -219,11 +227,11 @@ class Worker:
                                 partial(self.upkeep.fire_once, shard),
                             )
                         await self.stopping.wait()
+                        for committer in self.committers.values():
+                            committer.dispatching = False  # no new session after intake stops
                         await self.reader.end_reads_ahead()
                         intake.cancel_scope.cancel()
                     await self.reader.leave_waiter_roles()
-                    for waiting in list(self.sessions.waiting_for_slots.values()):
-                        waiting.cancel()  # each hands its session back at once
                     # Intake has stopped; in-flight work gets the grace period, then is cancelled
                     # (cancelled steps hand their message back, see Pipeline._process).
                     work.cancel_scope.deadline = (
@@ -359,4 +367,10 @@ def run_worker(settings: Settings, engine: Engine, **kwargs: Any) -> None:
     except ImportError:
         pass
     worker = Worker(settings, engine, freeze_startup=True, **kwargs)
-    anyio.run(worker.run, backend_options=backend_options)
+    # Traces when the OTEL_* variables ask for them (the process is the worker's, so the
+    # tracer provider is ours to install); what is still buffered is exported at exit.
+    tracing.setup("dialog-worker")
+    try:
+        anyio.run(worker.run, backend_options=backend_options)
+    finally:
+        tracing.shutdown()

@@ -43,6 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from dialog_worker import tracing
 from dialog_worker.client import session_tokens
 from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.client.partial_reader import StreamEvent
@@ -142,7 +143,13 @@ def create_app(
                 CORSMiddleware,
                 allow_origins=origins,
                 allow_methods=["GET", "POST"],
-                allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
+                allow_headers=[
+                    "Authorization",
+                    "Content-Type",
+                    "Last-Event-ID",
+                    "traceparent",
+                    "tracestate",
+                ],
                 allow_credentials=False,
                 max_age=600,
             )
@@ -251,9 +258,12 @@ async def post_message(request: Request) -> Response:
         times[name] = float(value)
     msg_id = msg_id if msg_id is not None else uuid.uuid4().hex
     try:
-        sent = await client.send(
-            session_id, text, msg_id=msg_id, meta=meta, multitask=multitask, **times
-        )
+        # The request's own traceparent header (a browser's, a caller's) is the parent of the
+        # send's span, so the message's trace starts where the request's did.
+        with tracing.attached(tracing.from_headers(request.headers)):
+            sent = await client.send(
+                session_id, text, msg_id=msg_id, meta=meta, multitask=multitask, **times
+            )
     except ValidationError as exc:
         return _error(400, str(exc))
     except (redis.exceptions.RedisError, OSError):
@@ -363,7 +373,10 @@ async def stream_answer(request: Request) -> Response:
     after = request.headers.get("last-event-id") or request.query_params.get("after") or None
     events = client.stream(session_id, msg_id, after=after, timeout=CONNECTION_MAX_S)
     queue: asyncio.Queue[StreamEvent | BaseException | None] = asyncio.Queue(QUEUE_EVENTS)
-    pump = asyncio.create_task(_pump(events, queue))
+    # The reader's dialog.stream span starts in the pump task, which inherits the request's
+    # trace context (its traceparent header) from here.
+    with tracing.attached(tracing.from_headers(request.headers)):
+        pump = asyncio.create_task(_pump(events, queue))
     first: StreamEvent | BaseException | None = None
     try:
         # Long enough to learn that a finished answer has nothing more for this cursor (204),

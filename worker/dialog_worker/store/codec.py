@@ -19,7 +19,9 @@ from typing import Any
 
 import orjson
 
+from dialog_worker.config import tenant_pattern_forms
 from dialog_worker.errors import ValidationError
+from dialog_worker.tracing import TRACE_FIELD_BYTES
 
 MAX_ID_BYTES = 256
 # Fields a producer may add besides session_id, text and msg_id (they reach the engine as
@@ -162,25 +164,27 @@ class Message:
 
 
 @functools.lru_cache(maxsize=8)
-def _tenant_regex(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+def _tenant_regex(pattern: str) -> re.Pattern[bytes]:
+    # The same matching as the scripts' (config.tenant_pattern_forms): over the id's bytes.
+    return re.compile(tenant_pattern_forms(pattern)[1])
 
 
 def tenant_of(fields: dict[bytes, bytes], session_id: str, pattern: str = "") -> str:
     """The tenant a message belongs to: its ``tenant`` field when that is a usable name (UTF-8,
-    1 to MAX_TENANT_BYTES bytes, no control characters or spaces), else the first group of
-    ``pattern`` (DIALOG_TENANT_PATTERN) matched against the session id, else `DEFAULT_TENANT`.
-    Never raises: a message with an unusable tenant field belongs to the default tenant, it is
-    not refused for it."""
+    1 to MAX_TENANT_BYTES bytes, no control characters or spaces), else the group of
+    ``pattern`` (DIALOG_TENANT_PATTERN) matched against the session id's UTF-8 bytes, else
+    `DEFAULT_TENANT`. The scripts compute the same (tenant_of in lua/_common.lua). Never
+    raises: a message with an unusable tenant field belongs to the default tenant, it is not
+    refused for it."""
     raw = fields.get(b"tenant")
     if raw is not None:
         name = _tenant_name(raw)
         if name is not None:
             return name
     if pattern:
-        match = _tenant_regex(pattern).search(session_id)
+        match = _tenant_regex(pattern).search(session_id.encode("utf-8", "surrogatepass"))
         if match is not None and match.group(1):
-            name = _tenant_name(match.group(1).encode("utf-8", "surrogatepass"))
+            name = _tenant_name(match.group(1))
             if name is not None:
                 return name
     return DEFAULT_TENANT
@@ -232,6 +236,8 @@ def decode_message(
                 continue
             meta[name] = raw_value.decode("utf-8")
         except UnicodeDecodeError:
+            if raw_name in TRACE_FIELD_BYTES:
+                continue  # bad trace context is ignored (and counted by tracing), never fatal
             shown = raw_name.decode("utf-8", "replace")
             raise MalformedEntry(f"field {shown!r} is not valid UTF-8") from None
     return Message(

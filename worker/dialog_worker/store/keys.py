@@ -224,6 +224,44 @@ class Keys:
         return f"{self.ready}:timers"
 
     @property
+    def cancels(self) -> str:
+        """A counter: how many cancel marks were set for messages that may be running (the
+        workers' cancel watch reads the marks only when it moved; note_cancel in
+        lua/_common.lua)."""
+        return f"{self.session_prefix}cancels"
+
+    # The tenants' share of the shard's slots (lua/_common.lua, "Tenants"): the names the
+    # scripts derive from the ready set's (runq_key, busy_key, active_key, vt_key, tset_key,
+    # tmin_key).
+    def tenant_queue(self, tenant: str) -> str:
+        """A sorted set: the tenant's sessions waiting for a slot -> their place."""
+        return f"{self.ready}:runq:{tenant}"
+
+    def tenant_busy(self, tenant: str) -> str:
+        """A sorted set: the tenant's sessions in flight -> when their lease ends (ms)."""
+        return f"{self.ready}:busy:{tenant}"
+
+    @property
+    def tenants_active(self) -> str:
+        """A sorted set: tenants with sessions waiting -> virtual time (the fair order)."""
+        return f"{self.ready}:active"
+
+    @property
+    def tenants_vt(self) -> str:
+        """A hash: tenant -> virtual time; field "\\n": the shard's virtual clock."""
+        return f"{self.ready}:vt"
+
+    @property
+    def tenant_settings(self) -> str:
+        """A hash: tenant -> "weight min max", the shard's copy of the tenants' settings."""
+        return f"{self.ready}:tset"
+
+    @property
+    def tenants_guaranteed(self) -> str:
+        """A sorted set: tenants with a guaranteed minimum -> that minimum."""
+        return f"{self.ready}:tmin"
+
+    @property
     def waiter(self) -> str:
         """Which worker waits for new entries of this shard's stream (a string holding its
         consumer name, with a lease TTL): one blocked reader per shard, not one per worker."""

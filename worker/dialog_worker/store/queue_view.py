@@ -79,6 +79,7 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
     # entries; nothing unread can be more than what the stream holds.
     lag = min(int(lag), int(stream_length))
     trimmed, ahead, check_error = inbound
+    queued = await queued_sessions(redis, keys)
     return {
         "stream": keys.stream,
         "group": keys.group,
@@ -86,6 +87,7 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
         "lag": lag,
         "pending": pending,
         "waiting": waiting,
+        "queued": queued,
         "oldest_pending_age_s": round(oldest, 3),
         "delayed": delayed,
         "dlq_length": dlq_length,
@@ -94,6 +96,24 @@ async def queue_stats(redis: Redis, keys: Keys) -> dict[str, Any]:
         "id_ahead": ahead,
         "trim_check_error": check_error,
     }
+
+
+# Most tenants whose queues `queued_sessions` counts (one ZCARD each).
+QUEUED_TENANTS_COUNTED = 1000
+
+
+async def queued_sessions(redis: Redis, keys: Keys) -> int:
+    """Sessions waiting in the shard's tenants' queues for a slot (lua/_common.lua, the
+    tenants): where tenants are in use, the backlog a busy pool has read waits there rather
+    than in the inbound stream."""
+    tenants = await redis.zrange(keys.tenants_active, 0, QUEUED_TENANTS_COUNTED - 1)
+    if not tenants:
+        return 0
+    async with redis.pipeline(transaction=False) as pipe:
+        for tenant in tenants:
+            name = tenant.decode() if isinstance(tenant, bytes) else str(tenant)
+            pipe.zcard(keys.tenant_queue(name))
+        return sum(int(n) for n in await pipe.execute())
 
 
 async def _lag_from_counters(
@@ -142,7 +162,16 @@ async def aggregate_stats(redis: Redis, shards: Sequence[Keys]) -> dict[str, Any
     if len(per_shard) == 1:
         return per_shard[0]
     total: dict[str, Any] = {"stream": [s["stream"] for s in per_shard], "group": shards[0].group}
-    for key in ("stream_length", "lag", "pending", "waiting", "delayed", "dlq_length", "trimmed"):
+    for key in (
+        "stream_length",
+        "lag",
+        "pending",
+        "waiting",
+        "queued",
+        "delayed",
+        "dlq_length",
+        "trimmed",
+    ):
         total[key] = sum(s[key] or 0 for s in per_shard)
     total["oldest_pending_age_s"] = max(s["oldest_pending_age_s"] for s in per_shard)
     total["consumers"] = max(s["consumers"] for s in per_shard)
