@@ -647,6 +647,7 @@ local function should_yield(ctx, t, slow)
   end
   serve(ctx, t, rcall('ZSCORE', active_key(ctx.ready), t) ~= false)
   return yield
+end
 
 -- The step journal and interrupts (journal-1.lua, interrupt-3.lua, resolve-2.lua).
 -- A message's journal is a hash of its session, named by its msg_id (journal:<msg_id>),

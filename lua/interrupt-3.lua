@@ -73,13 +73,15 @@ local err = expect_streams({replies}) or expect_types({{ready, 'zset'}, {ages_ke
 if err then return err end
 
 if redis.pcall('GET', lock) ~= token then return {-1} end
-local h = rcall('HMGET', state, 'a', 'w')
+local h = rcall('HMGET', state, 'a', 'w', 'T')
 if (tonumber(h[1]) or 0) ~= seq - 1 or (h[2] and h[2] ~= msg_id) then return {-2} end
 
 local now = now_ms()
 local timeout_at = 0
 if timeout > 0 then timeout_at = now + math.floor(timeout) end
 rcall('HSET', state, 'w', msg_id)
+busy_leave(ready, sid, h[3])  -- no longer in flight for its tenant (as a release)
+rcall('HDEL', state, 'T')
 rcall('SET', await, cjson.encode({
   id = id, n = n, msg_id = msg_id, seq = seq, entry_id = entry_id, payload = payload,
   at = now, timeout_at = timeout_at}))
