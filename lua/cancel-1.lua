@@ -13,9 +13,9 @@
   Returns {status, seq, outcome}
     'cancelled', seq, ''   the message is outstanding (waiting or running): it will end
                            cancelled (one cancelled reply event)
-    'finished', seq, outcome  it already ended (outcome 'cancelled', 'superseded' or
-                           'expired' when its history turn says so, else '': applied or
-                           dead-lettered)
+    'finished', seq, outcome  it already ended (outcome 'cancelled', 'superseded',
+                           'budget_exceeded' or 'expired' when its history turn says so,
+                           else '': applied or dead-lettered)
     'pending', 0, ''       no message with this msg_id is outstanding that this script can
                            find (not arrived yet, or sent without a msg_id): the mark ends it
                            cancelled if it is outstanding or arrives while the mark is kept;
@@ -58,6 +58,7 @@ if ok and type(doc) == 'table' and type(doc['history']) == 'table' then
       local outcome = ''
       if turn['cancelled'] == true then outcome = 'cancelled'
       elseif turn['superseded'] == true then outcome = 'superseded'
+      elseif turn['budget_exceeded'] == true then outcome = 'budget_exceeded'
       elseif turn['expired'] == true then outcome = 'expired' end
       return {'finished', turn['seq'], outcome}
     end

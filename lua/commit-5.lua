@@ -18,7 +18,8 @@
 
   Commits are isolated: one whose arguments cannot be used (a seq that is not a number, an
   outcome we do not know, dead-letter fields or reply extras that are not a JSON array of
-  strings in pairs, reply extras naming a field every event carries) is answered
+  strings in pairs, reply extras naming a field every event carries, usage that is not what
+  this header says) is answered
   INVALID and writes nothing; the others of the call are written. Only a call whose shape is
   wrong, or a shared key its writes touch of the wrong type, fails as a whole, before its first
   write (see the plan below).
@@ -29,9 +30,10 @@
   KEYS[4] reply stream     KEYS[5] dead-letter stream
 
   ARGV[1] lock ttl (ms)   ARGV[2] state ttl (s)   ARGV[3] reply MAXLEN (0: none)
-  ARGV[4] number of commits N, then N groups of 13:
+  ARGV[4] number of commits N, then N groups of 14:
     token, session_id, seq, expected version, state JSON, msg_id, reply, outcome
-    ("applied" | "dead_lettered" | "cancelled" | "superseded" | "expired"), entry id (the
+    ("applied" | "dead_lettered" | "cancelled" | "superseded" | "expired" |
+    "budget_exceeded"), entry id (the
     message's entry; "" for a gap),
     dead-letter fields (JSON array of name/value pairs added after the original fields; ""
     for a normal commit), id of the session's next entry if the caller already has it (or ""),
@@ -41,6 +43,11 @@
     {"op": "set", "name", "text", "meta": [name, value, ...], "at_ms" | "delay_ms",
     "cancel_on_message"} and {"op": "cancel", "name"}, applied in order with the commit's
     writes; a set replaces a timer of the same name; see set_timer in _common.lua)
+    model usage of the committed attempt ("" for none: a JSON object {"t": tenant, "d": UTC
+    day yyyymmdd, "i": input tokens, "o": output tokens, "m": cost in millionths, "n":
+    calls}, whole numbers >= 0): added to the tenant's counters of that day in the shard's
+    usage hash (<ready set>:usage:<day>, fields <tenant>:in|out|cost|calls, kept 40 days) with
+    the reply, so committed usage is counted exactly once
   After the groups, optionally: "hold" (a dead-lettered commit holds its session) or
   "continue", alone or followed by the scheduling values (the tenants in _common.lua):
     "1" | "0"     whether a commit that frees its slot fills it from the shard's queues
@@ -77,7 +84,7 @@
 local stream, ready, sprefix, replies, dlq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lock_ttl, state_ttl, maxlen, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
   tonumber(ARGV[4])
-local WIDTH = 13
+local WIDTH = 14
 if not (lock_ttl and state_ttl and maxlen and n) or n < 1
     or (#ARGV ~= 4 + n * WIDTH and #ARGV ~= 5 + n * WIDTH and #ARGV ~= 9 + n * WIDTH) then
   return redis.error_reply('ERR commit: bad arguments')
@@ -96,6 +103,9 @@ local inbound, ages = inbound_key(ready), ages_key(ready)
 
 local OUTCOMES = {applied = true, dead_lettered = true, cancelled = true, superseded = true,
                   expired = true}
+OUTCOMES.budget_exceeded = true  -- over its tenant's (or session's) token budget: no step
+local USAGE_KEEP_S = 40 * 86400
+local MAX_COUNT = 1e15
 -- Reply extras may not replace the fields every event carries.
 local EVENT_FIELDS = {session_id = true, msg_id = true, seq = true, outcome = true, reply = true,
                       produced_at = true, entry_id = true}
@@ -110,9 +120,23 @@ local function pairs_of(json)
   return list
 end
 
+-- A commit's usage argument decoded, or nil when it is not what the header says.
+local function usage_of(json)
+  local ok, u = pcall(cjson.decode, json)
+  if not ok or type(u) ~= 'table' or type(u['t']) ~= 'string' or #u['t'] < 1 or #u['t'] > 64
+      or type(u['d']) ~= 'string' or not string.find(u['d'], '^%d%d%d%d%d%d%d%d$') then
+    return nil
+  end
+  for _, name in ipairs({'i', 'o', 'm', 'n'}) do
+    local v = u[name]
+    if type(v) ~= 'number' or v < 0 or v > MAX_COUNT or math.floor(v) ~= v then return nil end
+  end
+  return u
+end
+
 -- Why a commit's arguments cannot be written, or nil (then c.extra holds its letter fields,
--- c.event its reply extras).
-local function invalid(c, extra_json, event_json)
+-- c.event its reply extras, c.usage its usage).
+local function invalid(c, extra_json, event_json, usage_json)
   if not (c.seq and c.version and c.seq >= 1) then return 'seq or version is not a number' end
   if not OUTCOMES[c.outcome] then return 'unknown outcome' end
   if extra_json ~= '' then
@@ -125,6 +149,10 @@ local function invalid(c, extra_json, event_json)
     for i = 1, #c.event, 2 do
       if EVENT_FIELDS[c.event[i]] then return 'bad reply extras' end
     end
+  end
+  if usage_json ~= '' then
+    c.usage = usage_of(usage_json)
+    if not c.usage then return 'bad usage' end
   end
   return nil
 end
@@ -199,7 +227,7 @@ for i = 0, n - 1 do
              version = tonumber(ARGV[b + 4]), doc = ARGV[b + 5], msg_id = ARGV[b + 6],
              reply = ARGV[b + 7], outcome = ARGV[b + 8], entry_id = ARGV[b + 9],
              known_next = ARGV[b + 11]}
-  c.problem = invalid(c, ARGV[b + 10], ARGV[b + 12])
+  c.problem = invalid(c, ARGV[b + 10], ARGV[b + 12], ARGV[b + 14])
   if not c.problem and ARGV[b + 13] ~= '' then
     c.timers, c.problem = timer_ops(ARGV[b + 13])
   end
@@ -285,6 +313,10 @@ for _, c in ipairs(commits) do
     touch.writes = true
     touch.dlq = touch.dlq or again or c.extra ~= nil
     touch.timers = touch.timers or again or c.timers ~= nil
+    if c.usage then
+      touch.usage = touch.usage or {}
+      touch.usage[c.usage['d']] = true
+    end
     touch.stream = touch.stream or again or before_custody(h[7]) or before_custody(h[4])
       or not not h[5]
   end
@@ -301,6 +333,7 @@ if touch.writes then
     sets[#sets + 1] = {active_key(ready), 'zset'}
     sets[#sets + 1] = {vt_key(ready), 'hash'}
   end
+  for day in pairs(touch.usage or {}) do sets[#sets + 1] = {ready .. ':usage:' .. day, 'hash'} end
   local err = expect_streams(streams) or expect_types(sets)
   if err then return err end
 end
@@ -326,15 +359,25 @@ for ci, c in ipairs(commits) do
       index_letter(ready, sprefix, c.sid, rcall('XREVRANGE', dlq, '+', '-', 'COUNT', 1)[1][1])
     end
     if c.msg_id ~= '' and ((not id and c.outcome == 'dead_lettered') or c.outcome == 'expired'
+        or c.outcome == 'budget_exceeded'
         or c.outcome == 'cancelled' or c.outcome == 'superseded') then
-      -- A gap, or a message that was cancelled, superseded or expired: it ended without
-      -- being applied, so its msg_id may be sent again.
+      -- A gap, or a message that was cancelled, superseded, expired or over its budget: it
+      -- ended without being applied, so its msg_id may be sent again.
       local dkey = session_key(sprefix, c.sid, 'msg:' .. c.msg_id)
       if redis.pcall('GET', dkey) == tostring(c.seq) then rcall('DEL', dkey) end
       rcall('DEL', cancel_key(sprefix, c.sid, c.msg_id))
     end
     reply_event(replies, maxlen, c.sid, c.msg_id, c.seq, c.outcome, c.reply, now, c.entry_id,
                 c.event)
+    if c.usage then
+      local u = c.usage
+      local ukey = ready .. ':usage:' .. u['d']
+      rcall('HINCRBY', ukey, u['t'] .. ':in', u['i'])
+      rcall('HINCRBY', ukey, u['t'] .. ':out', u['o'])
+      rcall('HINCRBY', ukey, u['t'] .. ':cost', u['m'])
+      rcall('HINCRBY', ukey, u['t'] .. ':calls', u['n'])
+      rcall('EXPIRE', ukey, USAGE_KEEP_S)
+    end
     local forget = {}  -- state fields that go besides the message's own
     if c.timers and apply_timers(c, now) then
       forget[1] = 'tc'  -- the next user message must look at the timers (cancel_message_timers)

@@ -241,6 +241,7 @@ async def test_stats_and_session_show_queue_and_a_held_lock(env, client):
         "lag": 1,
         "pending": 0,
         "waiting": 0,
+        "queued": 0,
         "delayed": 0,
         "dlq_length": 0,
         "consumers": 0,

@@ -61,7 +61,7 @@ class Harness:
         k = self.k
         args: list[Any] = [TTL_MS, 3600, maxlen, len(commits)]
         for c in commits:
-            args += [*c, *[""] * (13 - len(c))]  # reply extras, timer operations (when left out)
+            args += [*c, *[""] * (14 - len(c))]  # extras, timers, usage (when left out)
         return await self.s.commit(
             keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args
         )
@@ -1348,3 +1348,67 @@ async def test_holding_a_session_that_does_not_exist_leaves_a_key_that_expires(
     await client.redis.expire(state, 50)
     await actions.hold(client, "never-seen", "ops")
     assert 0 < await client.redis.ttl(state) <= 50
+
+
+# --- model usage committed with the reply (the 14th value of a commit group) --------------------
+
+
+def usage_json(**over: Any) -> str:
+    return json.dumps({"t": "acme", "d": "20260101", "i": 10, "o": 5, "m": 1500, "n": 1, **over})
+
+
+async def test_a_commits_usage_is_counted_with_its_reply_and_once_when_the_call_is_sent_again(h):
+    for sid in ["u1", "u2"]:
+        await xadd(h, sid)
+    _, _, jobs, _, _ = await h.intake()
+    first = [*commit_args(jobs[0]), "", usage_json()]
+    second = [*commit_args(jobs[1]), "", usage_json(i=1, o=2, m=0, n=3)]
+    r1, r2 = await h.commit(first, second)
+    assert (int(r1[0]), int(r2[0])) == (Code.COMMITTED, Code.COMMITTED)
+    counters = await h.r.hgetall(h.k.usage("20260101"))
+    assert counters == {b"acme:in": b"11", b"acme:out": b"7", b"acme:cost": b"1500",
+                        b"acme:calls": b"4"}  # fmt: skip
+    assert 39 * 86400 < await h.r.ttl(h.k.usage("20260101")) <= 40 * 86400
+    [again] = await h.commit(first)  # the worker lost the reply and sent the call again
+    assert int(again[0]) == Code.COMMITTED
+    assert await h.r.hgetall(h.k.usage("20260101")) == counters
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["{", "[]", usage_json(i=-1), usage_json(o=1.5), usage_json(d="2026-01-01"),
+     usage_json(t=""), usage_json(t="x" * 65), usage_json(n="1"), usage_json(m=1e16)],
+)  # fmt: skip
+async def test_usage_that_cannot_be_counted_fails_its_commit_alone(h, bad):
+    for sid in ["b1", "b2"]:
+        await xadd(h, sid)
+    _, _, jobs, _, _ = await h.intake()
+    r1, r2 = await h.commit(
+        [*commit_args(jobs[0]), "", bad], [*commit_args(jobs[1]), "", usage_json()]
+    )
+    assert (int(r1[0]), int(r2[0])) == (Code.INVALID, Code.COMMITTED)
+    assert r1[1] == b"bad usage"
+    assert await h.r.hget(h.k.usage("20260101"), "acme:in") == b"10"
+    assert b"d" not in await h.state("b1")
+
+
+async def test_a_usage_hash_of_the_wrong_type_fails_the_call_before_any_write(h):
+    await xadd(h, "w1")
+    _, _, [job], _, _ = await h.intake()
+    await h.r.set(h.k.usage("20260101"), "not a hash")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await h.commit([*commit_args(job), "", usage_json()])
+    assert await h.replies() == [] and b"d" not in await h.state("w1")
+
+
+async def test_budget_exceeded_ends_a_message_unapplied_and_frees_its_msg_id(h):
+    await xadd(h, "bx", msg_id="m1")
+    _, _, [job], _, _ = await h.intake()
+    assert await h.r.exists(h.k.session("bx").dedupe("m1")) == 1
+    args = commit_args(job, outcome="budget_exceeded")
+    args[5] = b"m1"  # its msg_id
+    [r] = await h.commit(args)
+    assert int(r[0]) == Code.COMMITTED
+    [event] = await h.replies()
+    assert event[b"outcome"] == b"budget_exceeded"
+    assert await h.r.exists(h.k.session("bx").dedupe("m1")) == 0, "a re-send is applied"

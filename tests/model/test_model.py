@@ -28,6 +28,13 @@ field that intake and commit echo onto every event of theirs (copies answered by
 original's commit carry the original's), and m6 carries an expires_at long past: its turn
 ends it expired, without a step, and frees its msg_id (checked against the dedupe key).
 
+Model limits and budgets: a held job may be handed back as a rate-limited step is (a 429
+paused its key, or its turn is a minute away): its attempt is not counted and its session's
+later messages wait behind it; m4's tenant has spent its day's budget, so its turn ends it
+budget_exceeded without a step (its msg_id freed); every applied commit carries its step's
+usage, and the tenant's counters of the day must equal the usage of the commits written (a
+commit sent twice, or fenced, adds nothing).
+
 Checked after every step (the model predicts each script's answer and effects first):
 - every reply event and dead letter is one the model expected from that call: an entry ends
   at most once, with the outcome, seq and extra fields it must have (applied / dead_lettered /
@@ -101,6 +108,14 @@ FALLBACK = "maaf"
 ECHO_FIELD = "channel"
 CHANNEL_OF = {"m2": "web", "m3": "wa"}
 EXPIRED_MSG_ID = "m6"
+# Model usage and budgets: m4's tenant has spent its budget, so its turn ends it
+# budget_exceeded without a step (the pipeline's decision, like expiry); every applied commit
+# carries the usage of its step (tokens by its seq), which the commit adds to the tenant's
+# counters of the day: checked against the sum of what was committed, so a commit sent twice
+# (or fenced) counts nothing more.
+BUDGET_MSG_ID = "m4"
+TENANT, DAY = "acme", "20260101"
+UNAPPLIED = ("cancelled", "superseded", "expired", "budget_exceeded")
 EVENT_FIELDS = {b"session_id", b"msg_id", b"seq", b"outcome", b"reply", b"produced_at",
                 b"entry_id"}  # fmt: skip
 DRAIN_ROUNDS = 12
@@ -348,7 +363,7 @@ class Scripts:
         k = self.k
         args: list[Any] = [LOCK_TTL_MS, STATE_TTL_S, 0, len(commits)]
         for c in commits:
-            args += [*c, *[""] * (13 - len(c))]  # reply extras, timer operations (when left out)
+            args += [*c, *[""] * (14 - len(c))]  # extras, timers, usage (when left out)
         return self.commit(keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args)
 
     def call_release(self, job: Job, delay_ms: int, error: str, mode: Release) -> int:
@@ -422,7 +437,8 @@ class Commit(NamedTuple):
 
 class HandBack(NamedTuple):
     i: int
-    streamed: bool  # its step had streamed partial text: the attempt stays counted
+    how: str  # shutdown | streamed (its step had streamed text: the attempt stays counted)
+    # | rate_limited (its key is paused or its turn is later: back in a minute, no attempt)
 
 
 class Renew(NamedTuple):
@@ -477,7 +493,7 @@ ACTIONS: list[tuple[int, st.SearchStrategy[Any]]] = [
     (2, st.builds(Resume, workers, rarely)),
     (4, st.builds(Step, pick, st.booleans())),
     (4, st.builds(Commit, workers, st.integers(0, 255), rarely)),
-    (1, st.builds(HandBack, pick, st.booleans())),
+    (1, st.builds(HandBack, pick, st.sampled_from(["shutdown", "streamed", "rate_limited"]))),
     (1, st.builds(Renew, workers)),
     (1, st.builds(Crash, workers)),
     (2, st.builds(TimePasses, sessions, st.sampled_from([True, True, False]))),
@@ -521,6 +537,7 @@ class DialogScripts(RuleBasedStateMachine):
         self.letters_seen = "-"
         self.changed = False  # since the last check
         self.marks: set[tuple[str, str]] = set()  # (session, msg_id) cancel marks
+        self.usage = dict.fromkeys(("in", "out", "cost", "calls"), 0)  # committed, per the model
 
     @rule(a=action)
     def act(self, a: Any) -> None:
@@ -860,6 +877,10 @@ class DialogScripts(RuleBasedStateMachine):
             self._stepped(w, job, "dead_lettered", "gap")
         elif field(job.fields, b"expires_at") is not None:
             self._stepped(w, job, "expired", "")  # its turn came after its expiry: no step
+        elif (
+            field(job.fields, b"msg_id") == BUDGET_MSG_ID.encode() and job.attempts <= MAX_ATTEMPTS
+        ):
+            self._stepped(w, job, "budget_exceeded", "")  # its tenant's tokens are spent
         elif job.attempts > MAX_ATTEMPTS:
             self._stepped(w, job, "dead_lettered", "exhausted")
         elif field(job.fields, b"text") == b"boom":
@@ -878,7 +899,7 @@ class DialogScripts(RuleBasedStateMachine):
             "seq": job.seq, "msg_id": s(msg_id), "entry_id": job.entry_id, "bot": reply
         }  # fmt: skip
         extras: list[str] = []
-        if outcome in ("cancelled", "superseded", "expired"):
+        if outcome in UNAPPLIED:
             reply = turn["bot"] = ""
             turn[outcome] = True
         elif outcome == "applied":
@@ -898,16 +919,21 @@ class DialogScripts(RuleBasedStateMachine):
             job.token, job.sid, job.seq, job.version, doc, msg_id, reply, outcome,
             job.entry_id, letter, known_next, json.dumps(extras) if extras else "",
         ]  # fmt: skip
+        if outcome == "applied":  # its step's model usage (timers: none)
+            job.commit += ["", json.dumps({"t": TENANT, "d": DAY, "i": job.seq, "o": 1, "m": 7,
+                                           "n": 1})]  # fmt: skip
         note(f"step {w.name} {job} -> {outcome} {kind}")
 
-    def hand_back(self, i: int, streamed: bool) -> None:
+    def hand_back(self, i: int, how: str) -> None:
         """Shutdown: a job goes back unfinished, its attempt not counted unless its step had
-        streamed text."""
+        streamed text. Rate limited (a provider's 429 paused its key, or its turn is later):
+        back until the key opens, its attempt not counted, its session's order kept."""
         held = self._held_jobs()
         if not held:
             return
         w, job = held[i % len(held)]
-        self._release(w, job, 0, Release.HAND_BACK_STREAMED if streamed else Release.HAND_BACK)
+        mode = Release.HAND_BACK_STREAMED if how == "streamed" else Release.HAND_BACK
+        self._release(w, job, 60_000 if how == "rate_limited" else 0, mode)
 
     def _release(self, w: SimWorker, job: Job, delay_ms: int, mode: Release) -> None:
         ss = self.sessions[job.sid]
@@ -970,7 +996,7 @@ class DialogScripts(RuleBasedStateMachine):
             assert int(got[1]) == want[1], f"commit of {job}: version {got[1]} != {want[1]}"
             assert job.commit is not None
             msg_id, outcome = s(job.commit[5]), s(job.commit[7])
-            if outcome in ("cancelled", "superseded", "expired") and msg_id:
+            if outcome in UNAPPLIED and msg_id:
                 # It ended without being applied: its msg_id is free exactly when the model
                 # says so (a re-send is then a new message).
                 ss = self.sessions[job.sid]
@@ -1005,7 +1031,7 @@ class DialogScripts(RuleBasedStateMachine):
             return (Code.FENCED_VERSION,)
         e = ss.by_seq[job.seq]
         assert job.entry_id in (e.id, ""), f"{job} commits {job.entry_id}, seq {job.seq} is {e}"
-        _, _, _, _, doc, msg_id, reply, outcome, _, letter, _, extras_json = job.commit
+        _, _, _, _, doc, msg_id, reply, outcome, _, letter, _, extras_json = job.commit[:12]
         extras = json.loads(extras_json) if extras_json else []
         event_extras = tuple(sorted(zip(extras[::2], extras[1::2], strict=True)))
         if (
@@ -1015,12 +1041,16 @@ class DialogScripts(RuleBasedStateMachine):
             and (ss.xc > job.seq or (ss.sid, s(msg_id)) in self.marks)
         ):
             return (Code.CANCELLED,)  # nothing written
-        if msg_id and (outcome in ("cancelled", "superseded", "expired") or (e.deleted and letter)):
+        if msg_id and (outcome in UNAPPLIED or (e.deleted and letter)):
             # Ended without being applied: its msg_id is free (and its cancel mark gone).
             if ss.dedupe.get(s(msg_id)) == (job.seq, ss.life):
                 del ss.dedupe[s(msg_id)]
             self.marks.discard((ss.sid, s(msg_id)))
         self._end(e, outcome)
+        if len(job.commit) > 13 and job.commit[13]:
+            usage = json.loads(job.commit[13])
+            for name, got in (("in", "i"), ("out", "o"), ("cost", "m"), ("calls", "n")):
+                self.usage[name] += usage[got]
         e.anonymous = not job.entry_id
         self.expect_events.append(
             (job.entry_id, ss.sid, outcome, e.seq, s(msg_id), reply, event_extras)
@@ -1098,7 +1128,7 @@ class DialogScripts(RuleBasedStateMachine):
             return ("pending", 0, "")
         for turn in reversed(ss.history if ss.version else []):
             if turn["msg_id"] == msg_id:
-                flags = [o for o in ("cancelled", "superseded", "expired") if turn.get(o)]
+                flags = [o for o in UNAPPLIED if turn.get(o)]
                 return ("finished", turn["seq"], flags[0] if flags else "")
         if seq is not None and seq <= ss.applied:
             return ("finished", seq, "")
@@ -1329,6 +1359,13 @@ class DialogScripts(RuleBasedStateMachine):
         for ss in self.sessions.values():
             assert (ss.age is not None) == ss.outstanding, f"{ss.sid}: age {ss.age}"
 
+        # Usage: the tenant's counters are exactly the usage of the commits written.
+        counters = {s(n): int(v) for n, v in self.r.hgetall(k.usage(DAY)).items()}
+        want_usage = (
+            {f"{TENANT}:{n}": v for n, v in self.usage.items()} if self.usage["calls"] else {}
+        )
+        assert counters == want_usage, f"usage counters {counters} != model {want_usage}"
+
         # Cancel marks: exactly those the model says (kept until their message ends).
         got_marks = {s(key) for key in self.r.scan_iter(match=f"{k.prefix}:*:cancel:*")}
         want_marks = {k.session(sid).cancel_mark(m) for sid, m in self.marks}
@@ -1481,7 +1518,14 @@ class DialogScripts(RuleBasedStateMachine):
                 for f in events
                 if f[b"session_id"] == sid.encode()
                 and f[b"outcome"]
-                in (b"applied", b"dead_lettered", b"cancelled", b"superseded", b"expired")
+                in (
+                    b"applied",
+                    b"dead_lettered",
+                    b"cancelled",
+                    b"superseded",
+                    b"expired",
+                    b"budget_exceeded",
+                )
                 and f[b"seq"] != b"0"
                 and f[b"entry_id"]  # a gap names no entry
             ]

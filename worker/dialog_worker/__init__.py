@@ -4,10 +4,12 @@ For applications: `DialogClient` (send, ask, replies, ack, state) and `Reply`;
 `SyncDialogClient` (send, ask, state) for code without an event loop. For engines:
 the `Engine` protocol, `TransientError` and `PermanentError`, `emit` to stream a reply as it
 is written, `cancelled()` for a plain step to notice that its message was cancelled, and
-`schedule` / `cancel_timer` for messages to the step's own session later; for agents, `once`
-(a step journal: a tool or model call is made once per message, whatever re-runs the step),
-`interrupt` (wait for a person, then go on: `DialogClient.pending` / `resume`) and
-`emit_event` (typed events beside the streamed text) (docs/engine.md).
+`schedule` / `cancel_timer` for messages to the step's own session later, `model_call` and
+`usage` for calls to a model (shared rate limits, usage metering, budgets), `RateLimited` for a
+provider's 429 and `BudgetExceeded`; for agents, `once` (a step journal: a tool or model call
+is made once per message, whatever re-runs the step), `interrupt` (wait for a person, then go
+on: `DialogClient.pending` / `resume`) and `emit_event` (typed events beside the streamed
+text) (docs/engine.md).
 """
 
 from dialog_worker.client.dialog_client import CancelResult, DialogClient, SendResult
@@ -20,12 +22,15 @@ from dialog_worker.engine.cancellation import cancelled
 from dialog_worker.engine.emit import emit, emit_event
 from dialog_worker.engine.interrupts import Interrupted, interrupt
 from dialog_worker.engine.journal import once
+from dialog_worker.engine.model_calls import model_call, usage
 from dialog_worker.engine.protocol import Engine
 from dialog_worker.engine.timers import cancel_timer, schedule
 from dialog_worker.errors import (
+    BudgetExceeded,
     InterruptTimeout,
     JournalFull,
     PermanentError,
+    RateLimited,
     ReplyStreamError,
     ReplyTimeout,
     TransientError,
@@ -34,6 +39,7 @@ from dialog_worker.errors import (
 from dialog_worker.version import __version__
 
 __all__ = [
+    "BudgetExceeded",
     "CancelResult",
     "DialogClient",
     "Engine",
@@ -42,6 +48,7 @@ __all__ = [
     "JournalFull",
     "PendingInterrupt",
     "PermanentError",
+    "RateLimited",
     "Reply",
     "ReplyStreamError",
     "ReplyTimeout",
@@ -58,6 +65,8 @@ __all__ = [
     "emit",
     "emit_event",
     "interrupt",
+    "model_call",
     "once",
     "schedule",
+    "usage",
 ]

@@ -57,6 +57,36 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _whole_number(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {raw!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {raw!r}") from None
+    if not 0 < value <= 7 * 86400:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 604800, got {raw}")
+    return value
+
+
+def _weight(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {raw!r}") from None
+    if not 0 < value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1000000, got {raw}")
+    return value
+
+
 def _processes(raw: str) -> int:
     if raw == "auto":
         from dialog_worker.daemon.supervisor import cpu_count
@@ -328,6 +358,51 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--timeout", type=float, default=120.0, help="seconds to wait for replies (default 120)"
     )
+    limits = sub.add_parser(
+        "limits",
+        help="model-provider limit keys: one JSON line per key (limits), change a key's limits "
+        "for every worker (limits set), or close it for a while (limits pause); both audited",
+    )
+    lsub = limits.add_subparsers(dest="limits_command", metavar="ACTION")
+    lset = lsub.add_parser(
+        "set", help="set some of a key's limits for every worker (0: no limit; wins over settings)"
+    )
+    lset.add_argument("key", help="the limit key, e.g. openai:gpt-4.1")
+    lset.add_argument("--rpm", type=_whole_number, help="requests per minute (0: none)")
+    lset.add_argument("--tpm", type=_whole_number, help="tokens per minute (0: none)")
+    lset.add_argument(
+        "--max-in-flight", type=_whole_number, help="calls at once on the key (0: none)"
+    )
+    lset.add_argument("--reason", default="", help="recorded in the audit stream")
+    lpause = lsub.add_parser(
+        "pause",
+        help="close a key for every worker for a while (as after a provider's 429); waiting "
+        "messages resume in order when it opens; a longer pause in force is kept",
+    )
+    lpause.add_argument("key", help="the limit key")
+    lpause.add_argument(
+        "--for", dest="for_s", type=_seconds, required=True, metavar="SECONDS", help="how long"
+    )
+    lpause.add_argument("--reason", required=True, help="why (recorded in the audit stream)")
+
+    tenants_cmd = sub.add_parser(
+        "tenants",
+        help="tenants with settings or usage today, one JSON line each (tenants); change one "
+        "tenant's settings (tenants set TENANT ...), audited",
+    )
+    tsub = tenants_cmd.add_subparsers(dest="tenants_command", metavar="ACTION")
+    tset = tsub.add_parser("set", help="change some of a tenant's settings (the others are kept)")
+    tset.add_argument("tenant", help="the tenant's name")
+    tset.add_argument("--weight", type=_weight, help="its share of the slots (default 1)")
+    tset.add_argument("--min", type=_whole_number, help="slots it is always given (default 0)")
+    tset.add_argument("--max", type=_whole_number, help="most slots it may hold (0: no cap)")
+    tset.add_argument(
+        "--daily-tokens",
+        type=_whole_number,
+        help="tokens a UTC day (0: no budget; unset: DIALOG_TENANT_DAILY_TOKENS)",
+    )
+    tset.add_argument("--reason", default="", help="recorded in the audit stream")
+
     console = sub.add_parser(
         "console", help="web console for operators (needs the http extra; docs/console.md)"
     )
@@ -636,6 +711,63 @@ async def _erase_session(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _who() -> str:
+    return "cli:" + (os.environ.get("USER") or os.environ.get("LOGNAME") or "unknown")
+
+
+async def _limits(settings: Settings, args: argparse.Namespace) -> int:
+    from dialog_worker.ops import model_limits
+
+    async with DialogClient(settings=settings) as c:
+        if args.limits_command == "set":
+            _emit(
+                await model_limits.set_limits(
+                    c.redis,
+                    settings,
+                    args.key,
+                    _who(),
+                    rpm=args.rpm,
+                    tpm=args.tpm,
+                    max_in_flight=args.max_in_flight,
+                    reason=args.reason,
+                )
+            )
+        elif args.limits_command == "pause":
+            _emit(
+                await model_limits.pause_key(
+                    c.redis, settings, args.key, args.for_s, args.reason, _who(), "cli"
+                )
+            )
+        else:
+            for row in await model_limits.list_limits(c.redis, settings):
+                _emit(row)
+    return EXIT_OK
+
+
+async def _tenants(settings: Settings, args: argparse.Namespace) -> int:
+    from dialog_worker.ops import model_limits
+
+    async with DialogClient(settings=settings) as c:
+        if args.tenants_command == "set":
+            _emit(
+                await model_limits.set_tenant(
+                    c.redis,
+                    settings,
+                    args.tenant,
+                    _who(),
+                    args.reason,
+                    weight=args.weight,
+                    min=args.min,
+                    max=args.max,
+                    daily_tokens=args.daily_tokens,
+                )
+            )
+        else:
+            for row in await model_limits.list_tenants(c.redis, settings):
+                _emit(row)
+    return EXIT_OK
+
+
 async def _stats(settings: Settings, args: argparse.Namespace) -> int:
     from dialog_worker.store.queue_view import aggregate_stats
 
@@ -787,6 +919,8 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] =
     "verify": _verify,
     "dlq": _dlq,
     "reshard": _reshard,
+    "limits": _limits,
+    "tenants": _tenants,
     "bench": bench.bench_command,
     "console": _console,
 }

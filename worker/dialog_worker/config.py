@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import os
 import re
@@ -30,6 +31,8 @@ from dialog_worker.errors import ConfigError
 DEFAULT_CONFIG_FILE = Path("config/worker.toml")
 # An engine's own `fallback_reply` replaces it unless DIALOG_FALLBACK_REPLY is set.
 DEFAULT_FALLBACK_REPLY = "Maaf, pesan Anda tidak dapat diproses. Silakan coba lagi nanti."
+# What a message over its tenant's or session's token budget is answered.
+DEFAULT_BUDGET_REPLY = "Maaf, batas penggunaan harian telah tercapai. Silakan coba lagi besok."
 # Names that default to the stream name plus a suffix unless set explicitly (contract v2 §2).
 DERIVED_NAMES = {"group": "-workers", "reply_stream": "-replies", "dlq_stream": "-dlq"}
 
@@ -82,6 +85,18 @@ class Settings:
     # Which tenant a message belongs to when it has no tenant field: the first group of this
     # regular expression matched against its session id ("" or no match: the default tenant).
     tenant_pattern: str = ""
+    # Model-provider limits per limit key (a JSON object, or a table in the config file):
+    # {"openai:gpt-4.1": {"rpm": 500, "tpm": 200000, "max_in_flight": 32}}; `dialog-worker
+    # limits set` overrides them at runtime for every worker (dialog_worker/store/limits.py).
+    model_limits: str = ""
+    # How long a step waits inside `model_call` for its key's turn; a longer wait hands the
+    # message back to its turn until then (no attempt spent).
+    model_call_max_wait_ms: int = 2000
+    # Tokens a tenant may use per day (UTC) unless `tenants set --daily-tokens` says otherwise,
+    # and a session (0: no budget); over it a message ends budget_exceeded with this reply.
+    tenant_daily_tokens: int = 0
+    session_daily_tokens: int = 0
+    budget_reply: str = DEFAULT_BUDGET_REPLY
     # A message whose turn comes this long after it was appended ends expired (0: never).
     message_ttl_s: float = 0.0
     # After a dead letter: "continue" with the session's next message, or "hold" the session
@@ -279,6 +294,7 @@ NOT_ECHOED = frozenset(
         "requeues",
         "attempts",
         "enqueued_at",
+        "usage",
     }
 )
 MAX_ECHO_FIELDS = 16
@@ -477,6 +493,75 @@ def tenant_pattern_forms(pattern: str) -> tuple[str, bytes]:
     return "".join(lua), "".join(py).encode("ascii")
 
 
+# A limit key names a provider's quota (``openai:gpt-4.1``): shown by the CLI, used in metric
+# labels and Redis key names, so it is short text without spaces or control characters.
+MAX_LIMIT_KEY_BYTES = 200
+LIMIT_FIELDS = ("rpm", "tpm", "max_in_flight")
+# A limit above this is a typo (a billion tokens a minute), refused rather than obeyed.
+MAX_LIMIT_VALUE = 10**12
+
+
+def limit_key_problem(key: object) -> str | None:
+    """Why ``key`` cannot name a limit key, or None."""
+    if not isinstance(key, str) or not key:
+        return "a limit key is non-empty text"
+    if len(key.encode("utf-8", "surrogatepass")) > MAX_LIMIT_KEY_BYTES:
+        return f"a limit key is at most {MAX_LIMIT_KEY_BYTES} bytes"
+    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in key):
+        return "a limit key has no spaces or control characters"
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a limit key is UTF-8 text"
+    return None
+
+
+def limit_value(name: str, raw: object) -> int:
+    """One of a limit key's rpm / tpm / max_in_flight: a whole number >= 0 (0: no limit)."""
+    if isinstance(raw, bool) or not isinstance(raw, int | str):
+        raise ConfigError(name, f"expected a whole number >= 0, got {raw!r}")
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise ConfigError(name, f"expected a whole number >= 0, got {raw!r}") from None
+    if not 0 <= value <= MAX_LIMIT_VALUE:
+        raise ConfigError(name, f"must be between 0 and {MAX_LIMIT_VALUE}, got {value}")
+    return value
+
+
+def parse_model_limits(name: str, raw: Any) -> dict[str, dict[str, int]]:
+    """``{"KEY": {"rpm": N, "tpm": N, "max_in_flight": N}, ...}`` from a JSON text or a table;
+    a field left out is 0 (no limit)."""
+    if isinstance(raw, str):
+        if not raw.strip():
+            return {}
+        try:
+            raw = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError(name, f"is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(name, 'must be an object like {"openai:gpt-4.1": {"rpm": 500}}')
+    limits: dict[str, dict[str, int]] = {}
+    for key, spec in raw.items():
+        problem = limit_key_problem(key)
+        if problem:
+            raise ConfigError(name, f"{str(key)[:60]!r}: {problem}")
+        if not isinstance(spec, dict):
+            raise ConfigError(name, f"{key!r}: expected an object of {', '.join(LIMIT_FIELDS)}")
+        unknown = sorted(str(k) for k in spec if k not in LIMIT_FIELDS)
+        if unknown:
+            raise ConfigError(
+                name, f"{key!r}: unknown field(s) {', '.join(unknown)} ({', '.join(LIMIT_FIELDS)})"
+            )
+        limits[key] = {f: limit_value(f"{name} {key} {f}", spec.get(f, 0)) for f in LIMIT_FIELDS}
+    return limits
+
+
+def _model_limits(name: str, raw: Any) -> str:
+    """Kept as normalized JSON text (the settings are plain values)."""
+    return json.dumps(parse_model_limits(name, raw), sort_keys=True) if raw else ""
+
+
 def _signing_key(name: str, raw: Any) -> str:
     value = str(raw).strip()
     if value and len(value.encode()) < 32:
@@ -669,6 +754,11 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "echo_fields": _echo_fields,
     "tenant_pattern": _tenant_pattern,
     "message_ttl_s": _float(0.0),
+    "model_limits": _model_limits,
+    "model_call_max_wait_ms": _int(0, 60_000),
+    "tenant_daily_tokens": _int(0),
+    "session_daily_tokens": _int(0),
+    "budget_reply": _text,
     "on_dead_letter": _choice("continue", "hold"),
     "shards": _int(1, 16384),
     # Below redis-py's 5 s socket timeout, or a blocked read times out (redis-py #2807).

@@ -39,6 +39,44 @@ class TransientError(DialogWorkerError):
         self.retry_after = _seconds_or_none(retry_after)
 
 
+class RateLimited(TransientError):
+    """The model provider refused a call for now (an HTTP 429): raise it from a step with
+    the limit key the call went through and the provider's ``Retry-After`` (seconds). The
+    key is then paused for every worker of the deployment until then, and the message goes
+    back to its session's turn without spending an attempt (docs/engine.md). Outside a
+    worker it is an ordinary `TransientError` with ``retry_after``."""
+
+    def __init__(self, key: str, retry_after_s: float | None = None, message: str = "") -> None:
+        super().__init__(
+            message or f"model provider rate limit on {key!r}", retry_after=retry_after_s
+        )
+        self.key = key
+        self.retry_after_s = self.retry_after
+
+
+class LimitWait(RateLimited):
+    """Raised by `model_call` (not by engines): the key's next free turn is further away than
+    a step waits, so the message goes back to its turn until then (no attempt spent, the key
+    not paused). ``retry_after_s`` is how long until the turn."""
+
+    def __init__(self, key: str, retry_after_s: float, why: str) -> None:
+        super().__init__(key, retry_after_s, f"{key!r} is busy ({why}) for {retry_after_s:.3f} s")
+        self.why = why
+
+
+class BudgetExceeded(DialogWorkerError):
+    """The tenant's (or the session's) daily token budget would be passed by this call: the
+    message ends ``budget_exceeded``, with no model call and no dead letter. Raised by
+    `model_call`; an engine that catches it should let it go on."""
+
+    def __init__(self, scope: str, name: str, budget: int, used: int) -> None:
+        super().__init__(f"{scope} {name!r} used {used} of its {budget} tokens today")
+        self.scope = scope
+        self.name = name
+        self.budget = budget
+        self.used = used
+
+
 class PermanentError(DialogWorkerError):
     """Dead-letter now: the same input will fail again (bad data, refused content)."""
 

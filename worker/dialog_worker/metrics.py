@@ -201,6 +201,31 @@ class Metrics:
             "changed (failover, or a restart that lost the end of its AOF)",
             registry=r,
         )
+        # Model calls (dialog_worker/daemon/model_gate.py): labelled by model or limit key,
+        # never by session or tenant.
+        self.llm_tokens = Counter(
+            "dialog_llm_tokens",
+            "Tokens model calls reported using (committed or not), by model and kind "
+            "(input, output)",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.llm_calls = Counter(
+            "dialog_llm_calls", "Model calls that went through a limit key", ["key"], registry=r
+        )
+        self.llm_rate_limited = Counter(
+            "dialog_llm_rate_limited",
+            "Provider 429s (RateLimited) by limit key: each paused its key for every worker",
+            ["key"],
+            registry=r,
+        )
+        self.llm_deferred = Counter(
+            "dialog_llm_deferred",
+            "Messages handed back to their turn to wait for a limit key (no attempt spent), by "
+            "key and why (rpm, tpm, paused, in_flight, reserved)",
+            ["key", "why"],
+            registry=r,
+        )
         for outcome in (
             "applied",
             "duplicate",
@@ -209,9 +234,10 @@ class Metrics:
             "rejected",
             "superseded",
             "expired",
+            "budget_exceeded",
         ):
             self.messages.labels(outcome)
-        for reason in ("contended", "out_of_order", "error"):
+        for reason in ("contended", "out_of_order", "error", "rate_limited"):
             self.retries.labels(reason)
 
     def queue_gauges(self) -> tuple[Gauge, ...]:

@@ -37,6 +37,7 @@ from dialog_worker.client.session_events import SessionEvent, follow_session, pa
 from dialog_worker.config import Settings, client_settings
 from dialog_worker.engine.timers import deliver_at_ms
 from dialog_worker.errors import ReplyTimeout, UncertainSendError, ValidationError
+from dialog_worker.store import tenants
 from dialog_worker.store.codec import (
     MAX_EXTRA_FIELDS,
     RESERVED_FIELDS,
@@ -75,8 +76,8 @@ class CancelResult:
     - ``cancelled``: the message is waiting or running; it ends ``cancelled`` (one reply event),
       a running step is stopped.
     - ``finished``: it had already ended; ``seq`` is its seq and ``outcome`` is
-      ``cancelled`` or ``superseded`` when its history turn says so, else None (applied or
-      dead-lettered: its reply event tells which).
+      ``cancelled``, ``superseded``, ``expired`` or ``budget_exceeded`` when its history turn
+      says so, else None (applied or dead-lettered: its reply event tells which).
     - ``pending``: no outstanding message with this msg_id was found (not arrived yet, or
       sent without a msg_id); the cancel is kept for DIALOG_DEDUPE_TTL_S and ends the
       message ``cancelled`` if it is outstanding or arrives meanwhile.
@@ -679,6 +680,46 @@ class DialogClient:
             doc = await self.redis.hget(self.keys_for(session_id).session(session_id).state, "d")
         return None if doc is None else json.loads(doc)
 
+    async def usage(self, session_id: str) -> dict[str, Any]:
+        """What the session's model calls used: the totals of its committed replies
+        (``input_tokens``, ``output_tokens``, ``cost``, ``calls``; all 0 for a session without
+        any) and, under ``wasted``, those of attempts that did not commit (failed, handed
+        back, fenced)."""
+        check_id("session_id", session_id)
+        with self._cluster_errors("usage"):
+            await self._ready()
+            state_key = self.keys_for(session_id).session(session_id).state
+            doc, wi, wo, wc, wn = await self.redis.hmget(state_key, "d", "wi", "wo", "wc", "wn")
+        committed: dict[str, Any] = {}
+        if doc is not None:
+            try:
+                parsed = json.loads(doc)
+                if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
+                    committed = parsed["usage"]
+            except ValueError:
+                pass
+        fields = {
+            "in": _count(committed.get("input_tokens")),
+            "out": _count(committed.get("output_tokens")),
+            "cost": round(_cost(committed.get("cost")) * tenants.COST_UNIT),
+            "calls": _count(committed.get("calls")),
+            "win": _count(wi),
+            "wout": _count(wo),
+            "wcost": _count(wc),
+            "wcalls": _count(wn),
+        }
+        return {"session_id": session_id, **tenants.usage_totals(fields)}
+
+    async def tenant_usage(self, tenant: str, day: str | None = None) -> dict[str, Any]:
+        """What a tenant's model calls used on one UTC day (``yyyymmdd``; default today),
+        summed over the shards: committed (counted with the replies, exactly once) and
+        ``wasted`` (attempts that did not commit)."""
+        with self._cluster_errors("tenant_usage"):
+            await self._ready()
+            return await tenants.tenant_usage(
+                self.raw, self.topology, tenant, day or tenants.today()
+            )
+
     @contextlib.contextmanager
     def _cluster_errors(self, operation: str) -> Iterator[None]:
         """During a failover redis-py's cluster client raises RedisClusterException (not a
@@ -778,3 +819,18 @@ def _is_stream_id(value: object) -> bool:
         return False
     ms, _, seq = value.partition("-")
     return ms.isascii() and ms.isdigit() and (not seq or (seq.isascii() and seq.isdigit()))
+
+
+def _count(value: Any) -> int:
+    """A whole number >= 0 from a state or a hash field, else 0 (never trusted)."""
+    if isinstance(value, bytes | str):
+        try:
+            value = int(value)
+        except ValueError:
+            return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _cost(value: Any) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+    return float(value) if ok else 0.0

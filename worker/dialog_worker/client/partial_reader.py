@@ -50,7 +50,7 @@ import structlog
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from dialog_worker.client.replies import Reply, entry_key
+from dialog_worker.client.replies import UNAPPLIED_MARKS, Reply, entry_key
 from dialog_worker.errors import ValidationError
 
 log = structlog.get_logger("dialog_worker.client.partial_reader")
@@ -274,7 +274,7 @@ def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> tuple
             and isinstance(turn.get("bot"), str)
         ):
             ended = next(
-                (o for o in ("cancelled", "superseded", "expired") if turn.get(o) is True),
+                (o for o in UNAPPLIED_MARKS if turn.get(o) is True),
                 "applied",
             )
             return ended, str(turn["bot"])

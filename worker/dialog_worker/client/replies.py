@@ -45,9 +45,12 @@ Outcome = Literal[
     "rejected",
     "superseded",
     "expired",
+    "budget_exceeded",
     "awaiting",
 ]
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
+# What a history turn of a message that ended without being applied is marked with (true).
+UNAPPLIED_MARKS = ("cancelled", "superseded", "expired", "budget_exceeded")
 # The fields every event carries; the others are a rich reply's (bubbles, no_reply) or
 # producer fields echoed by DIALOG_ECHO_FIELDS.
 EVENT_FIELDS = frozenset(
@@ -92,6 +95,8 @@ class Reply:
     docs/engine.md): each ``{"text": ..., "data": ...}``, ``text`` then being their texts
     joined by a blank line. ``no_reply`` is True when the engine chose not to answer (``text``
     is ""). ``echo`` holds the producer fields that DIALOG_ECHO_FIELDS copies onto events.
+    ``usage`` is what the model calls of the committed step used (``input_tokens``,
+    ``output_tokens``, ``cost``: None when unknown), None when it made none.
 
     ``awaiting`` is not an end: the step waits for a person (``dialog_worker.interrupt``);
     ``interrupt_id`` and ``payload`` (its JSON, decoded) say what for. Resume it with
@@ -114,13 +119,14 @@ class Reply:
     echo: dict[str, str] = dataclasses.field(default_factory=dict)
     # W3C trace context of the attempt that answered (tracing on in the worker), or "".
     traceparent: str = ""
+    usage: dict[str, Any] | None = None
     interrupt_id: str | None = None
     payload: Any = None
 
     def as_dict(self) -> dict[str, Any]:
-        """All fields; ``bubbles``, ``no_reply``, ``echo``, ``traceparent``, ``interrupt_id``
-        and ``payload`` only when the event has them, so a plain reply prints as it always
-        did (`dialog-worker ask`, `replies`)."""
+        """All fields; ``bubbles``, ``no_reply``, ``echo``, ``traceparent``, ``usage``,
+        ``interrupt_id`` and ``payload`` only when the event has them, so a plain reply prints
+        as it always did (`dialog-worker ask`, `replies`)."""
         shown = dataclasses.asdict(self)
         if self.interrupt_id is None:
             del shown["interrupt_id"], shown["payload"]
@@ -129,6 +135,7 @@ class Reply:
             ("no_reply", False),
             ("echo", {}),
             ("traceparent", ""),
+            ("usage", None),
         ):
             if shown[name] == empty:
                 del shown[name]
@@ -155,6 +162,7 @@ def reply_from_entry(
         no_reply=values.get(b"no_reply") == b"1",
         echo=_echoed(values),
         traceparent=_traceparent(values.get(b"traceparent")),
+        usage=_usage(values.get(b"usage")),
         interrupt_id=_text(values[b"interrupt_id"]) if b"interrupt_id" in values else None,
         payload=_payload(values.get(b"payload")),
     )
@@ -168,6 +176,26 @@ def _payload(value: bytes | None) -> Any:
         return json.loads(value)
     except (ValueError, RecursionError):
         return None
+
+
+def _usage(value: bytes | None) -> dict[str, Any] | None:
+    """The usage field: whole token counts and a cost (a number or None), or None when absent
+    or not that (never raises)."""
+    if value is None or len(value) > 1024:
+        return None
+    try:
+        parsed = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    tokens = [parsed.get("input_tokens"), parsed.get("output_tokens")]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        return None
+    cost = parsed.get("cost")
+    if cost is not None and (isinstance(cost, bool) or not isinstance(cost, int | float)):
+        return None
+    return {"input_tokens": tokens[0], "output_tokens": tokens[1], "cost": cost}
 
 
 def _bubbles(value: bytes | None) -> list[dict[str, Any]] | None:
@@ -188,7 +216,7 @@ def _echoed(values: RawFields) -> dict[str, str]:
     for name, value in values.items():
         if (
             name not in EVENT_FIELDS
-            and name not in (b"bubbles", b"no_reply", b"traceparent")
+            and name not in (b"bubbles", b"no_reply", b"traceparent", b"usage")
             and name not in INTERRUPT_FIELDS
         ):
             if len(echo) >= MAX_ECHOED:

@@ -42,6 +42,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from dialog_worker.client.replies import (
+    UNAPPLIED_MARKS,
     RawFields,
     ReplyRouter,
     entry_key,
@@ -240,7 +241,7 @@ def _history(doc: bytes | None) -> list[dict[str, Any]]:
             and not isinstance(t.get("seq"), bool)
         ):
             ended = next(
-                (o for o in ("cancelled", "superseded", "expired") if t.get(o) is True),
+                (o for o in UNAPPLIED_MARKS if t.get(o) is True),
                 "applied",
             )
             turns.append(

@@ -33,6 +33,7 @@ from dialog_worker.console import actions, reads
 from dialog_worker.console.audit import AuditLog
 from dialog_worker.console.auth import Authenticator, User
 from dialog_worker.errors import ValidationError
+from dialog_worker.ops import model_limits
 from dialog_worker.store.codec import check_id
 from dialog_worker.store.keys import audit_key
 from dialog_worker.version import __version__
@@ -461,7 +462,7 @@ async def _act(
         await c.audit.append(user, action, target, reason, "refused", {"error": str(exc)}, ref)
         raise HTTPException(400, str(exc)) from None
     await c.audit.append(user, action, target, reason, "done", outcome.as_dict(), ref)
-    if not back.startswith(("/letters", "/session?")):  # never another site ("//x", "/\\x")
+    if not back.startswith(("/letters", "/session?", "/limits")):  # never another site
         back = "/"
     return c.page(
         request,
@@ -474,6 +475,36 @@ async def _act(
         outcome=outcome,
         back=back,
         ref=ref,
+    )
+
+
+async def limits_page(c: Console, request: Request) -> Response:
+    """The model-provider limit keys (limits, calls holding a slot, pause, last minute's
+    rate) and the tenants' settings and usage of the day; operators may pause a key."""
+    user = c.user(request)
+    keys = await model_limits.list_limits(c.client.redis, c.settings)
+    tenants = await model_limits.list_tenants(c.client.redis, c.settings)
+    return c.page(request, user, "limits.html", keys=keys, tenants=tenants)
+
+
+async def limits_pause(c: Console, request: Request) -> Response:
+    """Pause a limit key for every worker (an operator's action, audited)."""
+    user = c.user(request)
+    fields = await c.form(request, user)
+    key = _one(fields, "key")
+    reason = _reason(fields)
+    for_s = _duration(_one(fields, "for"))
+    if for_s is None or not 0 < for_s <= 7 * 86400:
+        raise HTTPException(400, "for: a duration above 0 and at most 7 days (90s, 15m, 2h)")
+
+    async def run() -> actions.Outcome:
+        await model_limits.pause_key(
+            c.client.redis, c.settings, key, for_s, reason, user.name, str(user.role), record=False
+        )
+        return actions.Outcome(done=1)
+
+    return await _act(
+        c, request, user, "pause_limit_key", f"limit key {key}", reason, [], run, back="/limits"
     )
 
 
@@ -561,6 +592,8 @@ def create_app(settings: Settings, client: DialogClient | None = None) -> Starle
             Route("/letters", bind(letters_list)),
             Route("/letters/action", bind(letters_action), methods=["POST"]),
             Route("/audit", bind(audit_page)),
+            Route("/limits", bind(limits_page)),
+            Route("/limits/pause", bind(limits_pause), methods=["POST"]),
             Route("/healthz", lambda r: Response("ok\n", media_type="text/plain")),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
         ],

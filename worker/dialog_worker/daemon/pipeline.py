@@ -30,12 +30,19 @@ import structlog
 from redis.asyncio import Redis
 
 from dialog_worker import tracing
-from dialog_worker.config import Settings
+from dialog_worker.config import Settings, limit_key_problem
 from dialog_worker.daemon.failures import describe_failure, retry_after_of, retry_delay_ms
+from dialog_worker.daemon.model_gate import (
+    Attempt,
+    ModelGate,
+    event_usage,
+    merged_state_usage,
+    usage_arg,
+)
 from dialog_worker.daemon.partial_writer import PartialReplies, PartialWriter
 from dialog_worker.daemon.slots import TURN_AFTER_S, SlotGate
 from dialog_worker.daemon.step_journal import AttemptJournal, JournalFenced
-from dialog_worker.engine import cancellation, timers
+from dialog_worker.engine import cancellation, model_calls, timers
 from dialog_worker.engine import journal as step_journal
 from dialog_worker.engine.interrupts import Interrupted, awaiting_data, interrupt_id
 from dialog_worker.engine.protocol import (
@@ -46,7 +53,7 @@ from dialog_worker.engine.protocol import (
     reply_text,
     run_step,
 )
-from dialog_worker.errors import PermanentError
+from dialog_worker.errors import BudgetExceeded, LimitWait, PermanentError, RateLimited
 from dialog_worker.metrics import Metrics
 from dialog_worker.store.checks import ledger, oom
 from dialog_worker.store.codec import (
@@ -124,6 +131,9 @@ class Job:
     watched: bool = False
     # Its spans, while tracing is on (dialog_worker/tracing.py).
     trace: tracing.MessageTrace | None = None
+    # Its attempt's model calls and their usage (dialog_worker/daemon/model_gate.py), until
+    # they are committed with its reply or counted as wasted.
+    calls: Attempt | None = None
     # Its cancel mark's key, built once: the cancel watch asks for it every interval.
     _mark: str = ""
 
@@ -279,6 +289,8 @@ class Pipeline:
         self._cancels_seen: dict[int, object] = {}
         # Producer fields copied onto every reply event of their message (DIALOG_ECHO_FIELDS).
         self.echo_names = [n.encode() for n in settings.echo_fields.split(",") if n]
+        # Model calls: limit keys shared by the fleet, budgets, usage.
+        self.gate = ModelGate(settings, scripts, metrics)
 
     # ------------------------------------------------------------------------------------
     # Entry point
@@ -384,6 +396,11 @@ class Pipeline:
                 )
                 # This delivery is not an attempt: the step is not run again.
                 return await self._deadletter(job, msg, "exhausted", error, job.attempts - 1)
+            over = await self.gate.over_budget(msg.tenant, job.load_state())
+            if over is not None:
+                # Its tenant's (or session's) tokens of the day are spent: no step, no call.
+                log.info("budget_exceeded", scope=over.scope, budget=over.budget, used=over.used)
+                return await self._end(job, "budget_exceeded", msg, settings.budget_reply)
             if job.trace is not None:
                 job.trace.begin_step()
             try:
@@ -391,6 +408,7 @@ class Pipeline:
             except anyio.get_cancelled_exc_class():
                 # Shutdown grace is over: give the message back (not a failed attempt).
                 with anyio.CancelScope(shield=True):
+                    await self._wasted(job)
                     await self.hand_back(job)
                 log.info("handed_back", outcome="handed_back")
                 raise
@@ -402,10 +420,14 @@ class Pipeline:
                 return await self._end(job, "cancelled", msg, await self._shown(job))
             except Interrupted as asked:
                 # Waits for a person: the session is parked, no attempt spent, no dead letter.
+                # What its model calls used is spent against the budgets now (counted apart,
+                # as wasted: the run after the resume commits only its own usage).
+                await self._wasted(job)
                 return await self._interrupt(job, msg, asked)
             except (LeaseLost, JournalFenced):
                 self.metrics.fencing_rejections.inc()
                 log.warning("lease_lost", outcome="abandoned")
+                await self._wasted(job)
                 return None
             except Exception as exc:
                 if job.cancel_flag.is_set() and not job.lost:
@@ -414,6 +436,15 @@ class Pipeline:
                 if job.lost:
                     self.metrics.fencing_rejections.inc()
                     log.warning("lease_lost", outcome="abandoned")
+                    await self._wasted(job)
+                    return None
+                if isinstance(exc, BudgetExceeded):
+                    # model_call found the budget spent: the message ends without the call,
+                    # with what the attempt used before it committed alongside.
+                    log.info("budget_exceeded", scope=exc.scope, budget=exc.budget, used=exc.used)
+                    return await self._end(job, "budget_exceeded", msg, settings.budget_reply)
+                if isinstance(exc, RateLimited) and limit_key_problem(exc.key) is None:
+                    await self._rate_limited(job, exc)
                     return None
                 log.warning("step_failed", error=_describe(exc), exc_info=exc)
                 if job.attempts >= settings.max_attempts:
@@ -424,6 +455,7 @@ class Pipeline:
             if job.lost:
                 self.metrics.fencing_rejections.inc()
                 log.warning("lease_lost", outcome="abandoned")
+                await self._wasted(job)
                 return None
             return await self._commit(job, msg, new_state, reply, started)
         finally:
@@ -454,6 +486,10 @@ class Pipeline:
         flag = cancellation.bind(job.cancel_flag)
         job.timer_ops = timers.TimerOps()  # a new attempt starts with none
         timer_token = timers.bind(job.timer_ops)
+        job.calls = self.gate.attempt(
+            job.keys, job.session_id, job.seq, job.attempts, msg.tenant, job.load_state()
+        )
+        calls_token = model_calls.bind(job.calls)
         journal_token = step_journal.bind(job.journal)
         # One scope for the step timeout and for the two who stop a step from outside (one
         # scope less per message than fail_after inside a scope of its own).
@@ -475,6 +511,7 @@ class Pipeline:
         finally:
             job.scope = None
             step_journal.unbind(journal_token)
+            model_calls.unbind(calls_token)
             timers.unbind(timer_token)
             cancellation.unbind(flag)
         # Cancelled: a lost lease (the heartbeat), a cancel (watch_cancels), else the deadline.
@@ -557,10 +594,23 @@ class Pipeline:
             "applied_seq": job.seq,
             "version": job.version + 1,
         }
+        # The attempt's model usage goes with its reply: the session's totals in the state
+        # (worker-owned: what the engine returned there is replaced), the event's usage
+        # field, the tenant's counters of the day (written by the commit script).
+        calls = job.calls
+        totals = calls.totals() if calls is not None else None
+        if calls is not None and totals is not None:
+            new_state["usage"] = merged_state_usage(old.get("usage"), totals, calls.day)
+        elif "usage" in old:
+            new_state["usage"] = old["usage"]
+        else:
+            new_state.pop("usage", None)
         try:
             doc = json_bytes(new_state)
             reply_bytes = redis_text(reply_text(reply)).encode("utf-8")
             extras = self._reply_extras(job, reply)
+            if totals is not None:
+                extras += ["usage", event_usage(totals)]
             extras_json = json_bytes(extras) if extras else b""
         except (TypeError, ValueError) as exc:
             if dead_letter is not None or ending:
@@ -595,6 +645,7 @@ class Pipeline:
             # The step's timers go with its applied result only (a dead letter or an ending
             # without a step keeps none).
             job.timer_ops.encoded() if outcome == "applied" and job.timer_ops else "",
+            usage_arg(calls, totals) if calls is not None and totals is not None else "",
         ]
         if job.trace is not None:
             job.trace.begin_commit(outcome, dead_letter["error"] if dead_letter else "")
@@ -603,6 +654,9 @@ class Pipeline:
         code = Code(int(result[0]))
         if job.trace is not None:
             job.trace.end_commit(code.name.lower())
+        if code in (Code.COMMITTED, Code.HANDOFF) and calls is not None:
+            job.calls = None  # committed: counted once, with the reply
+            await calls.spend_unmetered()
         if code is Code.INVALID:
             # Refused by the script for this commit alone (the others of the call were
             # written): nothing was written for it. A normal result is dead-lettered; a dead
@@ -618,6 +672,7 @@ class Pipeline:
         if code in (Code.FENCED_TOKEN, Code.FENCED_VERSION):
             self.metrics.fencing_rejections.inc()
             log.warning("commit_fenced", outcome="fenced", reason=code.name.lower())
+            await self._wasted(job)
             return None
         if code is Code.CANCELLED:
             # Cancelled while it ran (the cancel reached Redis before this commit): nothing
@@ -727,6 +782,7 @@ class Pipeline:
 
     async def _retry(self, job: Job, error: str, retry_after_s: float | None) -> None:
         settings = self.settings
+        await self._wasted(job)
         delay = retry_delay_ms(
             job.attempts, settings.backoff_base_ms, settings.backoff_max_ms, retry_after_s
         )
@@ -739,6 +795,41 @@ class Pipeline:
         else:
             self.metrics.fencing_rejections.inc()
             log.warning("retry_fenced", outcome="fenced", error=error)
+
+    async def _rate_limited(self, job: Job, exc: RateLimited) -> None:
+        """The step waits for its limit key: a provider's 429 (the key is paused for every
+        worker until its Retry-After) or a turn further away than a step waits (`LimitWait`).
+        The message goes back to its session's turn until the key opens, its attempt given
+        back (kept only when the step had streamed text: the next attempt needs a new
+        number); the session's later messages wait behind it, so its order holds."""
+        if isinstance(exc, LimitWait):
+            delay_ms, why = round((exc.retry_after_s or 0) * 1000), exc.why
+        else:
+            why = "paused"
+            delay_ms = await _shielded(
+                self.gate.pause(exc.key, exc.retry_after_s, _describe(exc)[:500])
+            )
+            log.warning(
+                "rate_limited", key=exc.key, retry_after_s=exc.retry_after_s, opens_in_ms=delay_ms
+            )
+        await self._wasted(job)
+        shown = job.partial is not None and job.partial.used  # streamed: a new attempt number
+        mode = Release.HAND_BACK_STREAMED if shown else Release.HAND_BACK
+        error = f"waited for {exc.key} ({why})" if shown else ""
+        code = await self._release(job, max(1, delay_ms), error, mode)
+        if code is Code.RELEASED:
+            self.metrics.retries.labels("rate_limited").inc()
+            log.info("handed_back", outcome="handed_back", key=exc.key, why=why, delay_ms=delay_ms)
+        else:
+            self.metrics.fencing_rejections.inc()
+            log.warning("hand_back_fenced", outcome="fenced", key=exc.key)
+
+    async def _wasted(self, job: Job) -> None:
+        """The attempt's usage did not commit: counted apart (once)."""
+        calls, job.calls = job.calls, None
+        if calls is not None:
+            await calls.spend_unmetered()
+            await self.gate.waste(calls)
 
     async def hand_back(self, job: Job) -> None:
         """Shutdown: give a message we hold back at once, its attempt not counted, unless its

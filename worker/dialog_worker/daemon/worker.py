@@ -49,8 +49,9 @@ from dialog_worker.engine.protocol import Engine, shutdown_engine, startup_engin
 from dialog_worker.errors import ConfigError
 from dialog_worker.metrics import Metrics
 from dialog_worker.store import checks as redis_checks
+from dialog_worker.store import tenants
 from dialog_worker.store.connection import TOPOLOGY_LISTENERS, check_topology, connect, prepare
-from dialog_worker.store.keys import Topology
+from dialog_worker.store.keys import Keys, Topology
 from dialog_worker.store.scripts import Scripts
 
 log = structlog.get_logger("dialog_worker.daemon.worker")
@@ -270,6 +271,7 @@ class Worker:
                     self.redis, self.settings, self.metrics, self.scripts
                 )
                 await check_topology(self.redis, self.settings, record=True)
+                await self._copy_tenant_shares()
                 for warning in warnings:  # only once nothing refused the start
                     redis_checks.say(warning)
                 outage.recovered()
@@ -293,6 +295,20 @@ class Worker:
                 failures += 1
                 self._log_outage("prepare", exc, failures)
                 await anyio.sleep(min(OUTAGE_BACKOFF_MAX_S, 0.05 * 2**failures))
+
+    async def _copy_tenant_shares(self) -> None:
+        """Each shard's copy of the tenants' weights, minima and maxima (what its scripts
+        read) made to match the deployment's settings: after a reshard, or a copy lost.
+        A worker whose Redis user may not write them goes on with the copies as they are."""
+        try:
+            count = await tenants.sync_shards(
+                self.redis, self.topology, Keys.from_settings(self.settings)
+            )
+        except redis.exceptions.NoPermissionError as exc:
+            log.warning("tenant_settings_not_copied", error=str(exc))
+            return
+        if count:
+            log.info("tenant_settings_copied", tenants=count, shards=len(self.shards))
 
     async def _signals(self, side_scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -40,7 +40,7 @@ BUBBLE_KEYS = frozenset({"text", "data"})
 INITIAL_STEP = "ROOT"
 ENGINE_SETTING = "DIALOG_ENGINE"
 # Fields of the state the worker sets after every step; the engine's values are overwritten.
-WORKER_OWNED = ("session_id", "history", "applied_seq", "version")
+WORKER_OWNED = ("session_id", "history", "applied_seq", "version", "usage")
 
 
 log = structlog.get_logger("dialog_worker.engine.protocol")

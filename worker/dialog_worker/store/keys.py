@@ -286,9 +286,73 @@ class Keys:
         deleted when the reshard completes."""
         return f"{self.prefix}:{{{self.tag}}}:reshard"
 
+    def usage(self, day: str) -> str:
+        """A hash: the shard's committed and wasted model usage of one UTC day (``yyyymmdd``),
+        fields ``<tenant>:in|out|cost|calls`` (committed, written by lua/commit-5.lua with the
+        replies) and ``<tenant>:win|wout|wcost|wcalls`` (attempts that did not commit); kept
+        USAGE_KEEP_DAYS. Derived from the ready set's name in the commit script."""
+        return f"{self.ready}:usage:{day}"
+
+    @property
+    def tenants(self) -> str:
+        """A hash for the whole deployment (not per shard): tenant -> its settings as JSON
+        (dialog_worker/store/tenants.py)."""
+        return f"{self.prefix}:tenants"
+
+    def limit(self, key: str) -> LimitKeys:
+        """The keys of one model-provider limit key, for the whole deployment."""
+        return limit_keys(self.prefix, key)
+
+    def budget(self, tenant: str, day: str) -> BudgetKeys:
+        """A tenant's token budget meter of one UTC day, for the whole deployment."""
+        return budget_keys(self.prefix, tenant, day)
+
     def session(self, session_id: str) -> SessionKeys:
         base = f"{self.session_prefix}{{{escape_tag(session_id)}}}"
         return SessionKeys(state=f"{base}:state", lock=f"{base}:lock", dedupe_prefix=f"{base}:msg:")
+
+
+# How long the per-day usage counters are kept (days).
+USAGE_KEEP_DAYS = 40
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LimitKeys:
+    """A limit key's Redis keys, all under one hash tag (the escaped limit key), so its
+    scripts touch one Cluster slot: ``config`` (a hash: the limits set at runtime, the rate
+    state, the pause, reservations; lua/acquire-3.lua), ``in_flight`` (a sorted set: call id
+    -> when its slot is given back if never settled) and ``reserved`` (a sorted set: call id ->
+    the time its reserved turn starts)."""
+
+    config: str
+    in_flight: str
+    reserved: str
+
+
+def limit_keys(prefix: str, key: str) -> LimitKeys:
+    base = f"{prefix}:limit:{{{escape_tag(key)}}}"
+    return LimitKeys(config=base, in_flight=f"{base}:in_flight", reserved=f"{base}:reserved")
+
+
+def limits_index(prefix: str) -> str:
+    """A set of the limit keys set at runtime (`dialog-worker limits set` / pause): what
+    `dialog-worker limits` lists besides the settings' own."""
+    return f"{prefix}:limits"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BudgetKeys:
+    """A tenant's budget meter of one day (lua/reserve-2.lua, lua/spend-2.lua): ``meter`` (a
+    hash: ``spent`` tokens, ``reserved`` tokens of calls in flight, ``r:<call id>`` each one's
+    reservation) and ``leases`` (a sorted set: call id -> when its reservation lapses)."""
+
+    meter: str
+    leases: str
+
+
+def budget_keys(prefix: str, tenant: str, day: str) -> BudgetKeys:
+    base = f"{prefix}:budget:{{{escape_tag(tenant)}}}:{day}"
+    return BudgetKeys(meter=base, leases=f"{base}:leases")
 
 
 def stream_tag(stream: str) -> str:

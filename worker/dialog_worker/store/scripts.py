@@ -30,6 +30,14 @@ class Code(enum.IntEnum):
     JOURNAL_FULL = -5  # journal-1.lua: past DIALOG_JOURNAL_MAX_BYTES; nothing written
 
 
+class Turn(enum.IntEnum):
+    """What acquire-3.lua answers for a model call on a limited key."""
+
+    GRANTED = 1  # go after the wait (inside the step)
+    RESERVED = 2  # a turn is kept for this call id after the wait: hand the message back
+    BUSY = 3  # max_in_flight reached: nothing charged, try again after the wait
+
+
 class Release(enum.StrEnum):
     """How release-2.lua gives a held message back (its ARGV[6]; anything else is refused)."""
 
@@ -113,6 +121,12 @@ class Scripts:
     journal: Script
     interrupt: Script
     resolve: Script
+    # Model-provider limits and budgets (dialog_worker/store/limits.py, store/tenants.py).
+    acquire: Script
+    settle: Script
+    pause: Script
+    reserve: Script
+    spend: Script
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

@@ -1,0 +1,318 @@
+"""A fake model provider: a real HTTP server with an OpenAI-compatible chat completions API
+that enforces requests and tokens per minute, for the tests, the benchmark and the examples.
+
+    python -m dialog_worker.bench.fake_provider --port 8400 --rpm 60 --tpm 100000
+
+``POST /v1/chat/completions`` answers like OpenAI: with ``"stream": true`` server-sent events
+(the role, the text in pieces, a last chunk with ``usage`` when ``stream_options.include_usage``
+is set, then ``[DONE]``), else one JSON object with ``usage``. Its answer has ``max_tokens``
+tokens (default ``--output-tokens``), one word each; a prompt counts one token per 4 bytes of
+its messages' text (at least 1). Limits are per model, as providers meter them: a token bucket
+of ``--rpm`` requests and one of ``--tpm`` tokens (prompt plus ``max_tokens``, charged when the
+request arrives), each holding a minute's worth and refilling continuously. A request over
+either is answered 429 with ``Retry-After`` (whole seconds until it would pass) and counted.
+
+Operators of a test or a benchmark: ``GET /stats`` (counts per model and the log of every
+request: arrival time, model, status, tokens), ``POST /admin/throttle`` ``{"model": m,
+"for_s": N}`` (answer 429 with ``Retry-After`` for N s: an incident at the provider),
+``POST /admin/limits`` ``{"rpm": R, "tpm": T}`` and ``POST /admin/reset``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+# Most requests the log keeps (a benchmark of minutes stays far below).
+MAX_LOG = 200_000
+
+
+class Bucket:
+    """A token bucket holding up to ``per_minute`` that refills continuously (0: no limit)."""
+
+    def __init__(self, per_minute: int, now: float) -> None:
+        self.per_minute = per_minute
+        self.level = float(per_minute)
+        self.at = now
+
+    def _refill(self, now: float) -> None:
+        if self.per_minute:
+            rate = self.per_minute / 60.0
+            self.level = min(float(self.per_minute), self.level + (now - self.at) * rate)
+        self.at = now
+
+    def wait_s(self, amount: int, now: float) -> float:
+        """Seconds until ``amount`` fits (0: now)."""
+        self._refill(now)
+        if not self.per_minute:
+            return 0.0
+        needed = min(amount, self.per_minute) - self.level
+        return 0.0 if needed <= 0 else needed / (self.per_minute / 60.0)
+
+    def take(self, amount: int) -> None:
+        if self.per_minute:
+            self.level -= amount
+
+
+class Provider:
+    """The provider's state: limits per model, counts and the request log (thread-safe)."""
+
+    def __init__(
+        self,
+        rpm: int = 0,
+        tpm: int = 0,
+        output_tokens: int = 20,
+        latency_ms: int = 50,
+        chunks: int = 5,
+    ) -> None:
+        self.rpm, self.tpm = rpm, tpm
+        self.output_tokens = output_tokens
+        self.latency_ms = latency_ms
+        self.chunks = chunks
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.buckets: dict[str, tuple[Bucket, Bucket]] = {}
+            self.throttled_until: dict[str, float] = {}
+            self.log: list[dict[str, Any]] = []
+            self.counts: dict[str, dict[str, int]] = {}
+
+    def set_limits(self, rpm: int, tpm: int) -> None:
+        with self.lock:
+            self.rpm, self.tpm = rpm, tpm
+            self.buckets = {}
+
+    def throttle(self, model: str, for_s: float) -> None:
+        with self.lock:
+            self.throttled_until[model] = time.time() + for_s
+
+    def admit(self, model: str, tokens: int) -> float | None:
+        """None: admitted (and charged); else the Retry-After to answer (seconds)."""
+        now = time.time()
+        with self.lock:
+            counts = self.counts.setdefault(
+                model, {"calls": 0, "rate_limited": 0, "prompt_tokens": 0, "completion_tokens": 0}
+            )
+            entry = {"t": now, "model": model, "tokens": tokens}
+            if len(self.log) < MAX_LOG:
+                self.log.append(entry)
+            until = self.throttled_until.get(model, 0.0)
+            if until > now:
+                wait = until - now
+            else:
+                requests, token_bucket = self.buckets.setdefault(
+                    model, (Bucket(self.rpm, now), Bucket(self.tpm, now))
+                )
+                wait = max(requests.wait_s(1, now), token_bucket.wait_s(tokens, now))
+                if wait <= 0:
+                    requests.take(1)
+                    token_bucket.take(tokens)
+            if wait > 0:
+                counts["rate_limited"] += 1
+                entry["status"] = 429
+                return wait
+            counts["calls"] += 1
+            entry["status"] = 200
+            return None
+
+    def used(self, model: str, prompt: int, completion: int) -> None:
+        with self.lock:
+            counts = self.counts[model]
+            counts["prompt_tokens"] += prompt
+            counts["completion_tokens"] += completion
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "rpm": self.rpm,
+                "tpm": self.tpm,
+                "models": {m: dict(c) for m, c in self.counts.items()},
+                "log": list(self.log),
+            }
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    size = 0
+    for message in body.get("messages") or []:
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            size += len(message["content"].encode("utf-8"))
+    return max(1, math.ceil(size / 4))
+
+
+def answer_words(n: int, last: str) -> list[str]:
+    words = [f"w{i}" for i in range(max(1, n))]
+    words[0] = f"({last[:40]})" if last else words[0]
+    return words
+
+
+def serve(provider: Provider, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+    """A server for ``provider`` (call ``serve_forever`` on it, in a thread or not)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            if self.path == "/stats":
+                self._json(200, provider.stats())
+            else:
+                self._json(404, {"error": {"message": "not found"}})
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                body = json.loads(self.rfile.read(length) or b"{}")
+            except ValueError:
+                self._json(400, {"error": {"message": "body is not JSON"}})
+                return
+            if not isinstance(body, dict):
+                self._json(400, {"error": {"message": "body is not an object"}})
+            elif self.path == "/v1/chat/completions":
+                self._completion(body)
+            elif self.path == "/admin/throttle":
+                provider.throttle(str(body.get("model", "")), float(body.get("for_s", 1)))
+                self._json(200, {"ok": True})
+            elif self.path == "/admin/limits":
+                provider.set_limits(int(body.get("rpm", 0)), int(body.get("tpm", 0)))
+                self._json(200, {"ok": True})
+            elif self.path == "/admin/reset":
+                provider.reset()
+                self._json(200, {"ok": True})
+            else:
+                self._json(404, {"error": {"message": "not found"}})
+
+        def _completion(self, body: dict[str, Any]) -> None:
+            model = str(body.get("model") or "model")
+            prompt = prompt_tokens(body)
+            completion = body.get("max_tokens")
+            if not isinstance(completion, int) or completion < 1:
+                completion = provider.output_tokens
+            wait = provider.admit(model, prompt + completion)
+            if wait is not None:
+                self._json(
+                    429,
+                    {"error": {"message": "rate limit reached", "type": "rate_limit"}},
+                    {"Retry-After": str(max(1, math.ceil(wait)))},
+                )
+                return
+            messages = body.get("messages") or [{}]
+            last = messages[-1].get("content", "") if isinstance(messages[-1], dict) else ""
+            words = answer_words(completion, str(last))
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": len(words),
+                "total_tokens": prompt + len(words),
+            }
+            provider.used(model, prompt, len(words))
+            if body.get("stream"):
+                options = body.get("stream_options") or {}
+                self._stream(model, words, usage if options.get("include_usage") else None)
+                return
+            time.sleep(provider.latency_ms / 1000)
+            self._json(
+                200,
+                {
+                    "id": "fake",
+                    "object": "chat.completion",
+                    "model": model,
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": " ".join(words)}}
+                    ],
+                    "usage": usage,
+                },
+            )
+
+        def _stream(self, model: str, words: list[str], usage: dict[str, int] | None) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            pieces = list(_pieces(words, provider.chunks))
+            delay = provider.latency_ms / 1000 / max(1, len(pieces))
+
+            def send(chunk: dict[str, Any] | str) -> None:
+                data = chunk if isinstance(chunk, str) else json.dumps(chunk)
+                self.wfile.write(f"data: {data}\n\n".encode())
+                self.wfile.flush()
+
+            base = {"id": "fake", "object": "chat.completion.chunk", "model": model}
+            send({**base, "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+            for piece in pieces:
+                time.sleep(delay)
+                send({**base, "choices": [{"index": 0, "delta": {"content": piece}}]})
+            if usage is not None:
+                send({**base, "choices": [], "usage": usage})
+            send("[DONE]")
+
+        def _json(self, status: int, doc: Any, headers: dict[str, str] | None = None) -> None:
+            data = json.dumps(doc).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+def _pieces(words: list[str], n: int) -> Iterator[str]:
+    size = max(1, math.ceil(len(words) / max(1, n)))
+    for i in range(0, len(words), size):
+        yield ("" if i == 0 else " ") + " ".join(words[i : i + size])
+
+
+class Running:
+    """A provider served in a thread of this process: ``with Running(rpm=60) as p: p.url``."""
+
+    def __init__(self, **options: Any) -> None:
+        self.provider = Provider(**options)
+        self.server = serve(self.provider)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Running:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dialog_worker.bench.fake_provider")
+    p.add_argument("--host", default="127.0.0.1", help="address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8400, help="port (default 8400; 0: any)")
+    p.add_argument("--rpm", type=int, default=0, help="requests per minute per model (0: none)")
+    p.add_argument("--tpm", type=int, default=0, help="tokens per minute per model (0: none)")
+    p.add_argument("--output-tokens", type=int, default=20, help="answer length without max_tokens")
+    p.add_argument("--latency-ms", type=int, default=50, help="time to answer (ms)")
+    args = p.parse_args(argv)
+    provider = Provider(args.rpm, args.tpm, args.output_tokens, args.latency_ms)
+    server = serve(provider, args.host, args.port)
+    print(json.dumps({"url": f"http://{args.host}:{server.server_address[1]}"}), flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

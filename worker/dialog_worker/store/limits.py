@@ -1,0 +1,233 @@
+"""Model-provider limit keys in Redis: what acquire, settle and pause (lua/acquire-3.lua,
+lua/settle-2.lua, lua/pause-1.lua) are called with, the limits set at runtime, and what
+operators read.
+
+A limit key (``openai:gpt-4.1``) has ``rpm``, ``tpm`` and ``max_in_flight`` (0: none). Its
+values come, highest first, from `dialog-worker limits set` (the key's hash in Redis, for every
+worker at once), then the settings (``DIALOG_MODEL_LIMITS`` or the config file's
+``model_limits``), then none. Its keys are global, not per shard: every worker and shard of
+a deployment meets the same limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, cast
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from dialog_worker.config import Settings, limit_key_problem, parse_model_limits
+from dialog_worker.errors import ValidationError
+from dialog_worker.store.codec import text
+from dialog_worker.store.keys import LimitKeys, limit_keys, limits_index
+from dialog_worker.store.scripts import Scripts, Turn
+
+# The hash fields of the limits set at runtime (acquire-3.lua reads them).
+RUNTIME_FIELDS = {"rpm": "rpm", "tpm": "tpm", "max_in_flight": "mif"}
+MAX_PAUSE_S = 7 * 86400
+MAX_REASON_CHARS = 500
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LimitConfig:
+    rpm: int = 0
+    tpm: int = 0
+    max_in_flight: int = 0
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.rpm or self.tpm or self.max_in_flight)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"rpm": self.rpm, "tpm": self.tpm, "max_in_flight": self.max_in_flight}
+
+
+def configured(settings: Settings) -> dict[str, LimitConfig]:
+    """The limit keys of the settings (DIALOG_MODEL_LIMITS / the config file)."""
+    if not settings.model_limits:
+        return {}
+    parsed = parse_model_limits("DIALOG_MODEL_LIMITS", settings.model_limits)
+    return {key: LimitConfig(**spec) for key, spec in parsed.items()}
+
+
+def check_key(key: object) -> str:
+    problem = limit_key_problem(key)
+    if problem:
+        raise ValidationError(f"{problem}, got {str(key)[:60]!r}")
+    assert isinstance(key, str)
+    return key
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Answer:
+    """acquire-3.lua's answer."""
+
+    turn: Turn
+    wait_ms: int
+    why: str
+    tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Runtime:
+    """What a worker caches of a key: the limits set at runtime (None: not set) and the pause."""
+
+    rpm: int | None
+    tpm: int | None
+    max_in_flight: int | None
+    paused_until_ms: int
+
+    def effective(self, base: LimitConfig) -> LimitConfig:
+        return LimitConfig(
+            rpm=base.rpm if self.rpm is None else self.rpm,
+            tpm=base.tpm if self.tpm is None else self.tpm,
+            max_in_flight=base.max_in_flight if self.max_in_flight is None else self.max_in_flight,
+        )
+
+
+def _count(value: Any) -> int | None:
+    """A whole number >= 0 read from Redis, or None (absent or not one: never trusted)."""
+    if value is None:
+        return None
+    try:
+        number = int(float(text(value)))
+    except (ValueError, OverflowError):
+        return None
+    return number if number >= 0 else None
+
+
+class LimitStore:
+    """The Redis side of the limit keys for one deployment (a bytes client)."""
+
+    def __init__(self, redis: Redis, scripts: Scripts, settings: Settings) -> None:
+        self.redis = redis
+        self.scripts = scripts
+        self.settings = settings
+        self.prefix = settings.prefix
+        self.base = configured(settings)
+
+    def keys(self, key: str) -> LimitKeys:
+        return limit_keys(self.prefix, key)
+
+    async def acquire(
+        self, key: str, call_id: str, tokens: int, lease_ms: int, max_wait_ms: int
+    ) -> Answer:
+        base = self.base.get(key, LimitConfig())
+        k = self.keys(key)
+        raw = await self.scripts.acquire(
+            keys=[k.config, k.in_flight, k.reserved],
+            args=[
+                call_id,
+                tokens,
+                base.rpm,
+                base.tpm,
+                base.max_in_flight,
+                lease_ms,
+                max_wait_ms,
+            ],
+        )
+        return Answer(Turn(int(raw[0])), int(raw[1]), text(raw[2]), int(raw[3]))
+
+    async def settle(self, key: str, call_id: str, charged: int, used: int | None) -> bool:
+        k = self.keys(key)
+        base = self.base.get(key, LimitConfig())
+        raw = await self.scripts.settle(
+            keys=[k.config, k.in_flight],
+            args=[call_id, charged, -1 if used is None else used, base.tpm],
+        )
+        return bool(int(raw))
+
+    async def pause(self, key: str, for_s: float, reason: str) -> int:
+        """Close the key for every worker for ``for_s`` seconds (never shortening a pause in
+        force); the ms until it opens again."""
+        if not 0 <= for_s <= MAX_PAUSE_S:
+            raise ValidationError(f"a pause lasts 0 to {MAX_PAUSE_S} seconds, got {for_s!r}")
+        raw = await self.scripts.pause(
+            keys=[self.keys(key).config],
+            args=[int(for_s * 1000), _clip(reason)],
+        )
+        return int(raw)
+
+    async def runtime(self, key: str) -> Runtime:
+        rpm, tpm, mif, pu = await self.redis.hmget(self.keys(key).config, "rpm", "tpm", "mif", "pu")
+        return Runtime(_count(rpm), _count(tpm), _count(mif), _count(pu) or 0)
+
+    async def set(
+        self,
+        key: str,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        max_in_flight: int | None = None,
+    ) -> LimitConfig:
+        """Set some of the key's limits for every worker (a partial update); the limits in
+        force after it."""
+        check_key(key)
+        changes = {"rpm": rpm, "tpm": tpm, "max_in_flight": max_in_flight}
+        fields: dict[str, int] = {}
+        for name, value in changes.items():
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValidationError(f"{name} is a whole number >= 0, got {value!r}")
+            fields[RUNTIME_FIELDS[name]] = value
+        if not fields:
+            raise ValidationError("give at least one of --rpm, --tpm, --max-in-flight")
+        await self.redis.hset(
+            self.keys(key).config, mapping=cast(Any, fields)
+        )  # redis-py's Mapping is invariant
+        await self.redis.sadd(limits_index(self.prefix), key)
+        return (await self.runtime(key)).effective(self.base.get(key, LimitConfig()))
+
+    async def known(self) -> list[str]:
+        """The settings' keys and those set or paused at runtime, sorted."""
+        try:
+            listed = await self.redis.smembers(limits_index(self.prefix))
+        except ResponseError:  # a reader without SMEMBERS (the operator ACL user)
+            listed = set()
+        names = set(self.base) | {text(n) for n in listed}
+        return sorted(n for n in names if limit_key_problem(n) is None)
+
+    async def view(self, key: str) -> dict[str, Any]:
+        """One key as `dialog-worker limits` shows it."""
+        k = self.keys(key)
+        fields = ("rpm", "tpm", "mif", "pu", "pr", "mb", "mc", "mt", "pc", "pt")
+        values = dict(zip(fields, await self.redis.hmget(k.config, *fields), strict=True))
+        now_ms = int(time.time() * 1000)
+        in_flight = await self.redis.zcard(k.in_flight)  # a crashed caller's until its lease ends
+        runtime = Runtime(_count(values["rpm"]), _count(values["tpm"]), _count(values["mif"]), 0)
+        limits = runtime.effective(self.base.get(key, LimitConfig()))
+        paused_until = _count(values["pu"]) or 0
+        minute = now_ms // 60_000
+        mb = _count(values["mb"])
+        if mb == minute:
+            last = (_count(values["pc"]) or 0, _count(values["pt"]) or 0)
+        elif mb == minute - 1:
+            last = (_count(values["mc"]) or 0, _count(values["mt"]) or 0)
+        else:
+            last = (0, 0)
+        return {
+            "key": key,
+            **limits.as_dict(),
+            "in_flight": int(in_flight),
+            "paused_until": paused_until / 1000 if paused_until > now_ms else None,
+            "pause_reason": text(values["pr"]) if paused_until > now_ms and values["pr"] else "",
+            "calls_last_minute": last[0],
+            "tokens_last_minute": last[1],
+            "source": _source(runtime, key in self.base),
+        }
+
+
+def _source(runtime: Runtime, in_settings: bool) -> str:
+    """Where the key's limits come from: set at runtime, the settings, or nowhere."""
+    if (runtime.rpm, runtime.tpm, runtime.max_in_flight) != (None, None, None):
+        return "runtime"
+    return "settings" if in_settings else "none"
+
+
+def _clip(reason: str) -> str:
+    data = reason.encode("utf-8", "replace")
+    if len(data) <= MAX_REASON_CHARS:
+        return data.decode("utf-8")
+    return data[: MAX_REASON_CHARS - 3].decode("utf-8", "ignore") + "…"
