@@ -590,10 +590,11 @@ end
 -- next message missing: those are left to the ready set).
 local function take(ctx, sid, t)
   local state = session_key(ctx.sprefix, sid, 'state')
-  local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs', 'h')
+  local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs', 'h', 'w')
   if h['err'] then return nil end
   local applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
-  if last <= applied or h[10] then return nil end
+  -- held, or waiting for a person (w: interrupt-3.lua; once resumed, resume-3.lua takes it up)
+  if last <= applied or h[10] or h[11] then return nil end
   local seq = applied + 1
   local id, fields = load_message(ctx.stream, rcall('HGET', state, 'q' .. seq))
   if not id then
@@ -672,4 +673,73 @@ local function should_yield(ctx, t, slow)
   end
   serve(ctx, t, rcall('ZSCORE', active_key(ctx.ready), t) ~= false)
   return yield
+end
+
+-- The step journal and interrupts (journal-1.lua, interrupt-3.lua, resolve-2.lua).
+-- A message's journal is a hash of its session, named by its msg_id (journal:<msg_id>),
+-- written by the lease holder only:
+--   o:<name>  the JSON result once(name, ...) recorded        b  bytes of those (names + values)
+--   w         how many of its attempts ended awaiting (they are not counted as attempts)
+-- Its commit deletes it (commit-5.lua), and so do reset and delete (erase-2.lua).
+-- A message waiting for a person parks its session: the state hash's w holds its msg_id (a
+-- marker the worker's scripts read with what they read anyway) and the session's await key
+-- the interrupt (JSON: id, n, msg_id, seq, entry_id, payload as JSON text, at, timeout_at in
+-- ms, 0 for none). Nothing hands a parked message out (resume-3.lua) until a resume (which
+-- deletes the await key: resolve-2.lua, run by the application), its timeout (a member of
+-- the shard's timer set, <session id>\n AWAIT_TIMER: fire-3.lua puts the session in the ready
+-- set when due), or its cancel ends the wait. A parked session leaves the ready set and the
+-- ages: it waits for a person, not for a worker.
+-- How each interrupt ended is kept a day in a hash of the session (interrupts: id -> JSON
+-- {"value": ...} | {"timeout": true} | {"ended": "cancelled"...}): the run after a resume
+-- reads its answer there, and a second resume is told it came too late.
+local AWAIT_TIMER = '\1await'
+local INTERRUPTS_KEPT_S = 86400
+local INTERRUPTS_KEPT = 256
+
+local function journal_key(sprefix, sid, msg_id)
+  return session_key(sprefix, sid, 'journal:' .. msg_id)
+end
+
+local function await_key(sprefix, sid)
+  return session_key(sprefix, sid, 'await')
+end
+
+-- The resumers of idle workers block on this list (BLPOP) while the ready set is empty
+-- (worker/dialog_worker/daemon/upkeep.py): an element wakes one of them, so a resumed
+-- session is taken up at once rather than at their next look. At most one element waits.
+-- pcall: a key of another type (written by hand) costs that speed only, never the caller's
+-- call after its first writes.
+local function kick(ready)
+  redis.pcall('LPUSH', ready .. ':kick', 1)
+  redis.pcall('LTRIM', ready .. ':kick', 0, 0)
+end
+
+-- The parked interrupt (the await key's JSON) as a table ({} when it cannot be read).
+local function interrupt_record(value)
+  local ok, rec = pcall(cjson.decode, value or '')
+  if ok and type(rec) == 'table' then return rec end
+  return {}
+end
+
+-- Record how an interrupt ended (a JSON text) for the run after it and for later resumes.
+local function interrupt_ended(sprefix, sid, id, how)
+  if type(id) ~= 'string' or id == '' then return end
+  local key = session_key(sprefix, sid, 'interrupts')
+  local n = redis.pcall('HLEN', key)
+  if type(n) ~= 'number' then return end  -- a key of another type (written by hand)
+  if n >= INTERRUPTS_KEPT then rcall('DEL', key) end  -- bounded: the oldest are forgotten
+  rcall('HSET', key, id, how)
+  rcall('EXPIRE', key, INTERRUPTS_KEPT_S)
+end
+
+-- The wait of a parked session is over without a resume (timed out, its message cancelled or
+-- superseded): it is no longer parked, its timeout timer goes, and it is outstanding work
+-- again (the ages). pcall: a shared key of another type (written by hand) must not fail the
+-- caller's call after its first writes.
+local function unpark(ready, sprefix, sid, rec, how)
+  rcall('DEL', await_key(sprefix, sid))
+  rcall('HDEL', session_key(sprefix, sid, 'state'), 'w')
+  redis.pcall('ZREM', timers_key(ready), sid .. '\n' .. AWAIT_TIMER)
+  redis.pcall('ZADD', ages_key(ready), entry_ms(tostring(rec['entry_id'] or '')), sid)
+  interrupt_ended(sprefix, sid, rec['id'], how)
 end

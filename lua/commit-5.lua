@@ -63,6 +63,9 @@
   a commit of a held session writes as usual but hands nothing on and leaves the ready set;
   its waiting messages stay until an operator releases or redrives it.
 
+  The message's step journal (journal:<msg_id>, journal-1.lua) is deleted with its commit,
+  whatever its outcome.
+
   A commit that already ran (same token and seq, recorded in the state's c field) is answered
   as it was the first time and writes nothing: a client that lost the reply may send it again.
 
@@ -250,7 +253,7 @@ local function read(c)
   c.lock = session_key(sprefix, c.sid, 'lock')
   c.holder = redis.pcall('GET', c.lock)
   c.h = redis.pcall('HMGET', c.state, 'v', 'a', 's', 'q' .. ((c.seq or 0) + 1),
-                    'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0), 'xc', 'xs', 'h', 'T')
+                    'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0), 'xc', 'xs', 'h', 'T', 'w')
 end
 
 -- The reply of a commit that writes nothing, or nil when it is to be written. Reads only.
@@ -390,6 +393,15 @@ for ci, c in ipairs(commits) do
       end
     end
     rcall('HDEL', state, 'q' .. c.seq, 'u' .. c.seq, 'f', 'e', 'g', unpack(forget))
+    if c.msg_id ~= '' then
+      -- The message's step journal (journal-1.lua) ends with it; so does a wait of it that
+      -- something ended without a resume (interrupt-3.lua).
+      rcall('DEL', journal_key(sprefix, c.sid, c.msg_id))
+      if h[12] == c.msg_id then
+        rcall('HDEL', state, 'w')
+        rcall('DEL', await_key(sprefix, c.sid))
+      end
+    end
 
     local held = h[10] or (hold_on_letter and c.outcome == 'dead_lettered')
     if held and not h[10] then

@@ -30,10 +30,13 @@
 
   KEYS: 2 per batch: the session's lock, the message's partial stream (so the name says 2)
   ARGV[1] MAXLEN   ARGV[2] ttl (s)   ARGV[3] number of batches N, then N groups of 9:
-    kind ("d": text, fenced by the lock; "e": the end, not fenced: only a worker whose commit
-    succeeded sends it; refused when the session's state is gone: deleted), lock token ("d" only), attempt, pos, seq,
-    text (the batch, or the committed reply), whole text so far ("" for none: a snapshot for
-    readers that fell behind a trim), outcome ("e" only), refresh ("1": set the expiry)
+    kind ("d": text, fenced by the lock; "v": a typed event (dialog_worker.emit_event), fenced
+    and placed as text is; "e": the end, not fenced: only a worker whose commit
+    succeeded sends it; refused when the session's state is gone: deleted), lock token ("d"
+    and "v" only), attempt, pos, seq,
+    text (the batch, the event's data as JSON, or the committed reply), whole text so far
+    ("" for none: a snapshot for readers that fell behind a trim), outcome ("e") or the
+    event's kind ("v", written as field n), refresh ("1": set the expiry)
 
   Returns one code per batch: 1 appended, 0 already there (nothing written), -1 FENCED_TOKEN
   (the lock is not the caller's), -3 STALE (the stream already holds a newer attempt), -4 BAD
@@ -61,7 +64,8 @@ for i = 0, n - 1 do
   local e = {kind = ARGV[b + 1], token = ARGV[b + 2], attempt = tonumber(ARGV[b + 3]),
              pos = tonumber(ARGV[b + 4]), seq = tonumber(ARGV[b + 5]),
              refresh = ARGV[b + 9] == '1', lock = KEYS[2 * i + 1], partial = KEYS[2 * i + 2]}
-  if (e.kind ~= 'd' and e.kind ~= 'e') or not (whole(e.attempt) and whole(e.pos) and e.seq)
+  if (e.kind ~= 'd' and e.kind ~= 'e' and e.kind ~= 'v')
+      or not (whole(e.attempt) and whole(e.pos) and e.seq)
       or e.seq < 0 then
     return redis.error_reply('ERR emit: bad arguments for batch ' .. (i + 1))
   end
@@ -72,6 +76,9 @@ for i = 0, n - 1 do
   end
   if e.kind == 'e' then
     e.fields[#e.fields + 1] = 'o'
+    e.fields[#e.fields + 1] = ARGV[b + 8]
+  elseif e.kind == 'v' then
+    e.fields[#e.fields + 1] = 'n'  -- the event's kind
     e.fields[#e.fields + 1] = ARGV[b + 8]
   end
   batches[#batches + 1] = e
@@ -108,7 +115,7 @@ local function refused(e)
       return 1
     end
     if lk == 'e' then return 0 end
-    if e.kind == 'd' and la and lp then
+    if e.kind ~= 'e' and la and lp then
       if e.attempt < la then return -3 end
       if e.attempt == la and e.pos <= lp then return 0 end
     end
@@ -121,7 +128,7 @@ local function refused(e)
 end
 
 local function append(e)
-  if e.kind == 'd' and redis.pcall('GET', e.lock) ~= e.token then
+  if e.kind ~= 'e' and redis.pcall('GET', e.lock) ~= e.token then
     return -1
   end
   -- An end after the session was deleted (DialogClient.delete ran between the commit and
@@ -130,7 +137,7 @@ local function append(e)
     return -1
   end
   local id = END_ID
-  if e.kind == 'd' then id = string.format('%d-%d', e.attempt + 1, e.pos) end
+  if e.kind ~= 'e' then id = string.format('%d-%d', e.attempt + 1, e.pos) end
   local expire = e.kind == 'e' or e.refresh or e.pos % EXPIRE_EVERY == 0
   local got = xadd(e, id, expire)
   if got == false then  -- no stream (expired, deleted): this entry creates it, with its expiry

@@ -6,11 +6,14 @@
   reset   the state document becomes ARGV[3] (the initial state: history cleared), the
           version moves on (a commit that read the old one is refused too); the messages
           waiting in the session are kept and processed in order from there (the one that
-          was running runs again, on the new state); timers, dedupe keys and cancel marks are
-          kept.
-  delete  every key of the session: its state hash (with the waiting messages), lock,
-          timers (and their places in the shard's timer set), and every key named by a
-          msg_id of its index (dedupe keys, cancel marks, partial-reply streams: see
+          was running, or waiting for a person, runs again, on the new state, with nothing
+          journaled: its steps' journals and its parked interrupt are deleted); timers,
+          dedupe keys and cancel marks are kept.
+  delete  every key of the session: its state hash (with the waiting messages and a parked
+          interrupt), lock, timers (and their places in the shard's timer set, an
+          interrupt's timeout too), the ended interrupts' ids, and every key named by a
+          msg_id of its index (dedupe keys, cancel marks, partial-reply streams, step
+          journals: see
           index_msg_id in _common.lua), then the index; it leaves the ready set and the ages.
           A later message starts a new session (seq 1). Cost: one DEL per indexed msg_id
           (about the messages of one dedupe window), no scan. The session's dead letters
@@ -36,18 +39,35 @@ end
 local state, lock = session_key(sprefix, sid, 'state'), session_key(sprefix, sid, 'lock')
 local tkey, ikey = session_key(sprefix, sid, 'timers'), session_key(sprefix, sid, 'ids')
 for _, check in ipairs({{ready, 'zset'}, {state, 'hash'}, {tkey, 'hash'}, {ikey, 'zset'},
+                        {await_key(sprefix, sid), 'string'},
                         {timers_key(ready), 'zset'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end
 
-local h = rcall('HMGET', state, 'a', 's', 'v', 'T')
+local h = rcall('HMGET', state, 'a', 's', 'v', 'T', 'w')
 local applied, last = tonumber(h[1]) or 0, tonumber(h[2]) or 0
 local running = rcall('EXISTS', lock)
 local found = (h[3] or running == 1) and 1 or 0
 local waiting = math.max(0, last - applied)
 local now = now_ms()
+local ids = rcall('ZRANGE', ikey, 0, -1)
 rcall('DEL', lock)
+-- Step journals and a parked interrupt go with either: the journal of the parked message is
+-- named by the state (its msg_id may have left the index: a wait can outlast it).
+local journals = 0
+for _, msg_id in ipairs(ids) do
+  journals = journals + rcall('DEL', journal_key(sprefix, sid, msg_id))
+end
+local parked = rcall('GET', await_key(sprefix, sid))
+local parked_on = h[5] or (parked and interrupt_record(parked)['msg_id'])
+if type(parked_on) == 'string' then
+  journals = journals + rcall('DEL', journal_key(sprefix, sid, parked_on))
+end
+if parked or h[5] then
+  rcall('DEL', await_key(sprefix, sid))
+  rcall('ZREM', timers_key(ready), sid .. '\n' .. AWAIT_TIMER)
+end
 busy_leave(ready, sid, h[4])  -- its step (if one ran) no longer counts in flight
 
 if mode == 'reset' then
@@ -55,7 +75,11 @@ if mode == 'reset' then
     if h[4] then rcall('HDEL', state, 'T') end
     rcall('HSET', state, 'd', ARGV[3])
     rcall('HINCRBY', state, 'v', 1)
-    rcall('HDEL', state, 'c')  -- no commit is answered as already written any more
+    rcall('HDEL', state, 'c', 'w')  -- no commit is answered as already written any more
+    if parked then  -- it was parked: its message runs again, as outstanding work (the ages)
+      local rec = interrupt_record(parked)
+      redis.pcall('ZADD', ages_key(ready), entry_ms(tostring(rec['entry_id'] or '')), sid)
+    end
     if last > applied then rcall('ZADD', ready, now, sid) end  -- the waiting ones go on now
   end
   return {found, 0, waiting, 0, running}
@@ -69,7 +93,6 @@ for i = 1, #all, 2 do
     timers = timers + 1
   end
 end
-local ids = rcall('ZRANGE', ikey, 0, -1)
 for _, msg_id in ipairs(ids) do
   deleted = deleted + rcall('DEL', session_key(sprefix, sid, 'msg:' .. msg_id),
                             cancel_key(sprefix, sid, msg_id),
@@ -80,7 +103,7 @@ for _, msg_id in ipairs(ids) do
   if redis.pcall('GET', found_by) == sid then deleted = deleted + rcall('DEL', found_by) end
 end
 deleted = deleted + rcall('DEL', state, tkey, ikey, session_key(sprefix, sid, 'letters'))
-  + running
+  + running + journals + rcall('DEL', session_key(sprefix, sid, 'interrupts'))
 local bucket_ms = (tonumber(ARGV[4]) or 0) * 1000
 if bucket_ms > 0 then
   local current = math.floor(now / bucket_ms)

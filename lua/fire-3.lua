@@ -10,6 +10,9 @@
   producer's msg_id for a message sent with deliver_at), a field timer (its name), and its
   meta fields.
 
+  A parked interrupt's timeout is a member of the same set (<session id>\n AWAIT_TIMER, see
+  _common.lua) without a payload: when due, its session is put in the ready set, due now.
+
   KEYS[1] inbound stream   KEYS[2] ready set (the timers are <ready>:timers)
   KEYS[3] session key prefix
 
@@ -23,7 +26,8 @@ if not count or count < 1 or count > 1000 then
   return redis.error_reply('ERR fire: bad arguments')
 end
 local zkey = timers_key(ready)
-for _, check in ipairs({{stream, 'stream'}, {zkey, 'zset'}}) do
+for _, check in ipairs({{stream, 'stream'}, {zkey, 'zset'}, {ready, 'zset'},
+                        {ready .. ':kick', 'list'}}) do
   local err = expect_type(check[1], check[2])
   if err then return err end
 end
@@ -33,7 +37,12 @@ local fired = 0
 for _, member in ipairs(rcall('ZRANGEBYSCORE', zkey, '-inf', now, 'LIMIT', 0, count)) do
   local cut = string.find(member, '\n', 1, true)
   local payload
-  if cut then
+  if cut and string.sub(member, cut + 1) == AWAIT_TIMER then
+    -- A parked interrupt's timeout (interrupt-3.lua): its session is looked at now, and
+    -- resume-3.lua ends the wait.
+    rcall('ZADD', ready, now, string.sub(member, 1, cut - 1))
+    kick(ready)
+  elseif cut then
     payload = drop_timer(ready, sprefix, string.sub(member, 1, cut - 1), string.sub(member, cut + 1))
   end
   rcall('ZREM', zkey, member)  -- also a member whose payload is gone (removed by hand)

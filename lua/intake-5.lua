@@ -29,7 +29,8 @@
   not see the event, mark_rejected below; its msg_id stays free), interrupt (sequenced; every message
   outstanding before it ends cancelled in its turn: xc = its seq, and the running one gets a
   cancel mark so its worker stops the step), coalesce (sequenced; every message before it
-  that is not running yet ends superseded in its turn: xs = its seq). A multitask value
+  that is not running yet ends superseded in its turn: xs = its seq). Either ends the wait of
+  a message parked on an interrupt (interrupt-3.lua) at once: the session is due now. A multitask value
   other than these four makes the entry malformed.
   Timers: an entry with a deliver_at field (unix seconds) in the future is not
   sequenced now: it becomes a timer of its session (see defer below and fire-3.lua). A
@@ -390,14 +391,14 @@ local function session(sid)
     -- One read for the common case (the session's next message, lock free): the state
     -- document and attempts come along.
     local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'xc', 'xs', 'h',
-                          'tc', 'ie')
+                          'tc', 'ie', 'w')
     if h['err'] then
       return nil, 'session state ' .. state .. ': ' .. h['err']
     end
     s = {state = state, lock = session_key(sprefix, sid, 'lock'), a = tonumber(h[1]) or 0,
          last = tonumber(h[2]) or 0, writes = {}, indexed = {}, token = nil, h = h,
          xc = tonumber(h[8]) or 0, xs = tonumber(h[9]) or 0, held = h[10],
-         no_message_timers = h[11] == '0', index_expires = tonumber(h[12])}
+         no_message_timers = h[11] == '0', index_expires = tonumber(h[12]), parked = h[13]}
     s.last_read, s.msg_ids, s.ids = s.last, {}, {}
     sessions[sid] = s
     order[#order + 1] = sid
@@ -450,6 +451,13 @@ end
 -- (the next to apply, when the lock is held) gets a cancel mark, which its worker watches
 -- for; coalesce: those not running yet end superseded in their turn (xs).
 local function interrupt_or_coalesce(s, sid, seq, policy)
+  if s.parked then
+    -- Its next message waits for a person (interrupt-3.lua): resume-3.lua looks now and ends
+    -- that wait (the message ends cancelled or superseded, below), not a lease from now.
+    rcall('ZADD', ready, now, sid)
+    kick(ready)
+    s.ensured = true
+  end
   if policy == 'coalesce' then
     s.xs = seq
     s.writes[#s.writes + 1] = 'xs'

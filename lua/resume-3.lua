@@ -5,6 +5,12 @@
     lock held           look again when its lease ends (the holder renews it while alive)
     nothing outstanding leave the ready set
     held                leave the ready set (an operator's release or redrive puts it back)
+    parked              its next message waits for a person (interrupt-3.lua): leave the
+                        ready set, unless the wait is over: the message was cancelled or
+                        superseded meanwhile (it is unparked and ends without a step), or
+                        the interrupt's timeout is due (recorded as the interrupt's end;
+                        unparked, the message is handed out). A session whose await key
+                        is gone was resumed: its state's marker goes, and it is handed out
     next message there  take the lock, count the attempt, return the job with the message
                         (from the session's keys, where intake put it: custody), and
                         whether it ends without a step (cancelled or superseded: see
@@ -74,7 +80,7 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
     -- pcall: a state key of another type (written by hand) must not fail the call after it
     -- took earlier sessions' locks; that session is looked at again in a minute, alone.
     local h = redis.pcall('HMGET', state, 'a', 's', 'd', 'v', 'n', 'f', 'e', 'g', 'xc', 'xs', 'h',
-                          'T')
+                          'T', 'w')
     local applied, last = 0, 0
     if h['err'] then
       rcall('ZADD', ready, now + 60000, sid)
@@ -95,7 +101,30 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
         id = stored  -- an entry id from before custody: the gap event names it
       end
       local kind, gap_since = 'm', tonumber(h[8])
-      if not fields then
+      local rec = h[13] and interrupt_record(redis.pcall('GET', await_key(sprefix, sid)))
+      if rec and rec['msg_id'] == nil then
+        -- Resumed (resolve-2.lua took the await key): it goes on, and its journal gets an
+        -- expiry again (a safety net only: its commit deletes it).
+        rcall('HDEL', state, 'w')
+        redis.pcall('EXPIRE', journal_key(sprefix, sid, h[13]), INTERRUPTS_KEPT_S)
+      elseif rec and fields and msg_id_of(id, fields) == rec['msg_id'] then
+        -- Parked: its message waits for a person (interrupt-3.lua). The wait ends here when
+        -- the message ends without a step (cancelled, superseded) or its timeout is due
+        -- (recorded as the interrupt's end: the re-run's interrupt() raises InterruptTimeout).
+        local ending = ending_of(sprefix, sid, seq, rec['msg_id'], h[9], h[10])
+        local timeout_at = tonumber(rec['timeout_at']) or 0
+        if ending ~= '' then
+          unpark(ready, sprefix, sid, rec, '{"ended":"' .. ending .. '"}')
+        elseif timeout_at > 0 and now >= timeout_at then
+          unpark(ready, sprefix, sid, rec, '{"timeout":true}')
+        else
+          kind = 'p'
+          rcall('ZREM', ready, sid)  -- a resume, its timeout or a cancel brings it back
+        end
+      end
+      if kind == 'p' then
+        -- parked
+      elseif not fields then
         kind = 'g'
         if not gap_since then
           rcall('HSET', state, 'g', now)

@@ -560,3 +560,47 @@ async def test_session_events_resync_a_reader_whose_cursor_fell_behind_the_reply
             http, "/sessions/ev-g/events", lambda e: len(e) == 1, {"Last-Event-ID": back[0].id}
         )
     assert [(e.kind, e.data["seq"]) for e in after] == [("turn", 4)]
+
+
+async def test_a_page_finds_the_pending_prompt_after_a_reload_and_approves_it_once(
+    gateway: GatewayProc, workers: WorkerPool, tmp_path: Path
+):
+    """The approval flow over HTTP: the stream shows the prompt (an ``awaiting`` event), a
+    reloaded page finds it with GET /pending, a double click resumes it once, and the same
+    stream, reconnected, gets the answer."""
+    workers.start(
+        1, DIALOG_ENGINE="journal_engines:Agent", JOURNAL_CALLS=str(tmp_path / "calls.txt")
+    )
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        posted = await http.post(
+            "/sessions/web-9/messages", json={"text": "refund 12", "msg_id": "m1"}, headers=AUTH
+        )
+        assert posted.status_code == 202, posted.text
+        stream = posted.json()["stream"]
+        _, sse = await read_sse(http, stream, stop_after=1)
+        [prompt] = sse.events
+        assert (prompt.kind, prompt.data["event_kind"]) == ("event", "awaiting")
+        assert prompt.data["data"]["payload"] == {"approve": "refund 12", "quote": {"i": 0}}
+        # The page is reloaded: the prompt is still there.
+        pending = await http.get("/sessions/web-9/pending", headers=AUTH)
+        assert pending.status_code == 200
+        [waiting] = pending.json()["pending"]
+        assert (waiting["interrupt_id"], waiting["msg_id"], waiting["seq"]) == ("m1:1:1", "m1", 1)
+        resume = f"/sessions/web-9/interrupts/{waiting['interrupt_id']}/resume"
+        bad = await http.post(resume, json={"approved": True}, headers=AUTH)
+        assert bad.status_code == 400  # the body is {"value": ...}
+        first = await http.post(resume, json={"value": True}, headers=AUTH)
+        again = await http.post(resume, json={"value": False}, headers=AUTH)
+        assert (first.status_code, first.json()["status"]) == (200, "resumed")
+        assert (again.status_code, again.json()["status"]) == (200, "already_resumed")
+        wrong = await http.post(
+            "/sessions/web-9/interrupts/m1:1:7/resume", json={"value": True}, headers=AUTH
+        )
+        assert (wrong.status_code, wrong.json()["status"]) == (404, "unknown")
+        _, rest = await read_sse(http, stream, headers={"Last-Event-ID": prompt.id or ""})
+    assert [e.kind for e in rest.events][-1] == "end"
+    assert rest.events[-1].data["text"] == "refunded"
+    assert (tmp_path / "calls.txt").read_text().splitlines() == ["m1 0", "m1 99"]
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        after = await http.get("/sessions/web-9/pending", headers=AUTH)
+    assert after.json() == {"session_id": "web-9", "pending": []}

@@ -63,6 +63,10 @@ COMMANDS: dict[str, str] = {
     "ZSCORE": "ZSCORE {k} m",
     "SADD": "SADD {k} m",
     "SISMEMBER": "SISMEMBER {k} m",
+    # lists (the kick list)
+    "LPUSH": "LPUSH {k} 1",
+    "LTRIM": "LTRIM {k} 0 0",
+    "BLPOP": "BLPOP {k} 1",
     # hashes
     "HGET": "HGET {k} f",
     "HMGET": "HMGET {k} f",
@@ -131,6 +135,9 @@ def families() -> dict[str, list[str]]:
         "lock": [x.lock for x in s],
         "cnl": [x.cancel_mark("m1") for x in s],
         "part": [x.partial("m1") for x in s],
+        "jrn": [x.journal("m1") for x in s],
+        "awt": [x.awaiting for x in s],
+        "intr": [x.interrupts for x in s],
         "stm": [x.timers for x in s],
         "ids": [x.ids for x in s],
         "let": [x.letters for x in s],
@@ -143,6 +150,7 @@ def families() -> dict[str, list[str]]:
         "lsn": [k.letters_since for k in both],
         "rcp": [f"{k.ready}:receipt:t1" for k in both],
         "wait": [k.waiter for k in both] + [k.wake for k in both],
+        "kick": [k.kick for k in both],
         "rep": [k.replies for k in both],
         "dlq": [k.dlq for k in both],
         "aud": [audit_key(Settings())],

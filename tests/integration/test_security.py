@@ -482,6 +482,35 @@ def test_operator_can_reset_and_delete_a_session_with_nothing_denied(acl: AclRed
     assert acl.acl_log() == [], "the operator was denied a command reset or delete needs"
 
 
+def test_app_lists_resumes_and_cancels_a_parked_session_with_nothing_denied(
+    acl: AclRedis,
+) -> None:
+    """DialogClient.pending, resume (twice) and cancel of a message waiting for a person, as
+    `app`: the resume is applied once, nothing is denied (ACL LOG empty), and the app wrote
+    neither the state hash nor the message's journal."""
+    acl.admin.flushall()
+    acl.admin.execute_command("ACL", "LOG", "RESET")
+    sk = Keys.from_settings(Settings()).session("p1")
+    acl.admin.hset(sk.state, mapping={"a": "0", "s": "1", "v": "1", "d": "{}", "w": "m1"})
+    record = {"id": "m1:1:1", "n": 1, "msg_id": "m1", "seq": 1, "entry_id": "1-1",
+              "payload": '{"ok": "?"}', "at": 1, "timeout_at": 0}  # fmt: skip
+    acl.admin.set(sk.awaiting, json.dumps(record))
+    acl.admin.hset(sk.journal("m1"), mapping={"o:tool": "1", "b": "7"})
+
+    async def use() -> tuple[list[Any], list[str]]:
+        async with DialogClient(settings=settings_for(acl.url("app"))) as c:
+            waiting = [p.payload for p in await c.pending("p1")]
+            first = await c.resume("p1", "m1:1:1", {"yes": True})
+            second = await c.resume("p1", "m1:1:1", False)
+            await c.cancel("p1", "m9")
+            return waiting, [first.status, second.status]
+
+    assert asyncio.run(use()) == ([{"ok": "?"}], ["resumed", "already_resumed"])
+    assert acl.acl_log() == [], "the app was denied a command pending, resume or cancel needs"
+    assert acl.admin.hget(sk.state, "w") == "m1"  # the state is the workers' to change
+    assert acl.admin.hgetall(sk.journal("m1")) == {"o:tool": "1", "b": "7"}
+
+
 def test_operator_reads_a_sessions_letters_and_timers_for_the_console_with_nothing_denied(
     acl: AclRedis,
 ) -> None:
@@ -735,7 +764,19 @@ MATRIX: dict[str, list[tuple[str, bool]]] = {
         (f"EVALSHA {SHA} 1 dialog", False),
         (f"EVALSHA {SHA} 3 dialog {READY} {PREFIX}", False),
         (f"EVALSHA {SHA} 2 {S}:lock {S}:partial:m1", False),  # emit-2.lua: the worker's
-        (f"ZADD {READY} 1 x", False),
+        # resume / pending: lua/resolve-2.lua (declared: the ready set and the session key
+        # prefix) and what it calls on the await key, the interrupts, the ready set, the ages
+        # and the kick stream; never the state hash nor a step journal.
+        (f"EVALSHA {SHA} 2 {READY} {PREFIX}", True),
+        (f"GET {S}:await", True),
+        (f"DEL {S}:await", True),
+        (f"HSET {S}:interrupts m1:1:1 x", True),
+        (f"ZADD {READY} 1 x", True),  # asks the workers to look at a session, nothing more
+        (f"LPUSH {READY}:kick 1", True),
+        (f"XADD {READY}:kick * k 1", False),
+        (f"HSET {S}:journal:m1 o:tool x", False),
+        (f"HDEL {S}:state w", False),
+        (f"ZREM {READY} x", False),
         (f"ZRANGE {READY} 0 -1", False),
     ],
     "keda": [

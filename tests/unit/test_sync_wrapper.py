@@ -21,7 +21,18 @@ from dialog_worker.config import Settings
 
 # Every call the wrapper makes on a DialogClient (its public methods but `close` and
 # `session_token`, which checked below, needs no client).
-WRAPPED = ("send", "ask", "state", "reset", "delete", "stream", "ask_stream", "cancel")
+WRAPPED = (
+    "send",
+    "ask",
+    "state",
+    "reset",
+    "delete",
+    "stream",
+    "ask_stream",
+    "cancel",
+    "pending",
+    "resume",
+)
 
 
 class Recording:

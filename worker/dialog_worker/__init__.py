@@ -6,21 +6,29 @@ the `Engine` protocol, `TransientError` and `PermanentError`, `emit` to stream a
 is written, `cancelled()` for a plain step to notice that its message was cancelled, and
 `schedule` / `cancel_timer` for messages to the step's own session later, `model_call` and
 `usage` for calls to a model (shared rate limits, usage metering, budgets), `RateLimited` for a
-provider's 429 and `BudgetExceeded` (docs/engine.md).
+provider's 429 and `BudgetExceeded`; for agents, `once` (a step journal: a tool or model call
+is made once per message, whatever re-runs the step), `interrupt` (wait for a person, then go
+on: `DialogClient.pending` / `resume`) and `emit_event` (typed events beside the streamed
+text) (docs/engine.md).
 """
 
 from dialog_worker.client.dialog_client import CancelResult, DialogClient, SendResult
+from dialog_worker.client.interrupts import PendingInterrupt, ResumeResult
 from dialog_worker.client.partial_reader import StreamEvent
 from dialog_worker.client.replies import Reply
 from dialog_worker.client.session_events import SessionEvent
 from dialog_worker.client.sync import SyncDialogClient
 from dialog_worker.engine.cancellation import cancelled
-from dialog_worker.engine.emit import emit
+from dialog_worker.engine.emit import emit, emit_event
+from dialog_worker.engine.interrupts import Interrupted, interrupt
+from dialog_worker.engine.journal import once
 from dialog_worker.engine.model_calls import model_call, usage
 from dialog_worker.engine.protocol import Engine
 from dialog_worker.engine.timers import cancel_timer, schedule
 from dialog_worker.errors import (
     BudgetExceeded,
+    InterruptTimeout,
+    JournalFull,
     PermanentError,
     RateLimited,
     ReplyStreamError,
@@ -35,11 +43,16 @@ __all__ = [
     "CancelResult",
     "DialogClient",
     "Engine",
+    "InterruptTimeout",
+    "Interrupted",
+    "JournalFull",
+    "PendingInterrupt",
     "PermanentError",
     "RateLimited",
     "Reply",
     "ReplyStreamError",
     "ReplyTimeout",
+    "ResumeResult",
     "SendResult",
     "SessionEvent",
     "StreamEvent",
@@ -50,7 +63,10 @@ __all__ = [
     "cancel_timer",
     "cancelled",
     "emit",
+    "emit_event",
+    "interrupt",
     "model_call",
+    "once",
     "schedule",
     "usage",
 ]

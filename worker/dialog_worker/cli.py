@@ -102,6 +102,15 @@ def _session_id(raw: str) -> str:
     return raw
 
 
+def _json_value(raw: str) -> object:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise argparse.ArgumentTypeError(
+            f"not JSON (a string needs its quotes: '\"yes\"'): {raw!r}"
+        ) from None
+
+
 _STREAM_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 
 
@@ -214,6 +223,24 @@ def _parser() -> argparse.ArgumentParser:
     cancel.add_argument("session", type=_session_id, help="session id")
     cancel.add_argument("msg_id", help="the message's msg_id")
 
+    pending = sub.add_parser(
+        "pending",
+        help="print the interrupts a session waits on (a step asked a person: "
+        "dialog_worker.interrupt), one JSON line each",
+    )
+    pending.add_argument("session", type=_session_id, help="session id")
+
+    resume = sub.add_parser(
+        "resume",
+        help="answer a session's interrupt with a JSON value (applied once) and print the "
+        "status: resumed, already_resumed, timed_out, cancelled or unknown",
+    )
+    resume.add_argument("session", type=_session_id, help="session id")
+    resume.add_argument("interrupt_id", help="the interrupt's id (see pending)")
+    resume.add_argument(
+        "value", type=_json_value, help='the answer, as JSON: true, "yes", {"approved": true}'
+    )
+
     state = sub.add_parser("state", help="print a session's dialog state (or null)")
     state.add_argument("session", type=_session_id, help="session id")
 
@@ -229,7 +256,7 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument(
         "--actions",
         default=None,
-        help="comma-separated, some of send,stream,cancel,events (default: all)",
+        help="comma-separated, some of send,stream,cancel,events,pending,resume (default: all)",
     )
 
     session = sub.add_parser(
@@ -548,6 +575,8 @@ async def _ask_stream(settings: Settings, args: argparse.Namespace) -> int:
             ):
                 _emit({"session_id": args.session, **event.as_dict()})
                 outcome = event.outcome or ""
+                if event.kind == "event" and event.event_kind == "awaiting":
+                    break  # it waits for a person: `dialog-worker resume` answers
         except (ReplyTimeout, ReplyStreamError) as exc:
             print(f"dialog-worker: {exc}", file=sys.stderr)
             return EXIT_FAILURE
@@ -599,6 +628,20 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
     async with DialogClient(settings=settings) as c:
         _emit((await c.cancel(args.session, args.msg_id)).as_dict())
     return EXIT_OK
+
+
+async def _pending(settings: Settings, args: argparse.Namespace) -> int:
+    async with DialogClient(settings=settings) as c:
+        for found in await c.pending(args.session):
+            _emit(found.as_dict())
+    return EXIT_OK
+
+
+async def _resume(settings: Settings, args: argparse.Namespace) -> int:
+    async with DialogClient(settings=settings) as c:
+        result = await c.resume(args.session, args.interrupt_id, args.value)
+    _emit(result.as_dict())
+    return EXIT_OK if result.status in ("resumed", "already_resumed") else EXIT_FAILURE
 
 
 async def _token(settings: Settings, args: argparse.Namespace) -> int:
@@ -867,6 +910,8 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] =
     "serve": _serve,
     "replies": _replies,
     "cancel": _cancel,
+    "pending": _pending,
+    "resume": _resume,
     "state": _state,
     "token": _token,
     "session": _session,

@@ -61,6 +61,8 @@ class Settings:
     dedupe_ttl_s: int = 86400
     max_message_bytes: int = 65536
     max_state_bytes: int = 1_048_576
+    # Most bytes of results one message's step journal keeps (dialog_worker.once; journal-1.lua).
+    journal_max_bytes: int = 1_048_576
     step_timeout_s: float = 60.0
     gap_timeout_s: float = 30.0
     reply_maxlen: int = 1_000_000
@@ -734,6 +736,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "dedupe_ttl_s": _int(1),
     "max_message_bytes": _int(1, 512 * 1024 * 1024),
     "max_state_bytes": _int(1024, 512 * 1024 * 1024),
+    "journal_max_bytes": _int(1024, 512 * 1024 * 1024),
     "step_timeout_s": _float(0.001),
     "gap_timeout_s": _float(0.0),
     "reply_maxlen": _int(0),

@@ -81,6 +81,21 @@ class PermanentError(DialogWorkerError):
     """Dead-letter now: the same input will fail again (bad data, refused content)."""
 
 
+class JournalFull(PermanentError):
+    """`dialog_worker.once` could not record a result: the message's journal would pass
+    DIALOG_JOURNAL_MAX_BYTES. Permanent: the same step would pass it again."""
+
+
+class InterruptTimeout(PermanentError):
+    """Raised by `dialog_worker.interrupt` in the run after its wait timed out
+    (``timeout_s`` passed without a resume). Catch it to answer otherwise; uncaught, the
+    message is dead-lettered (permanent)."""
+
+    def __init__(self, interrupt_id: str) -> None:
+        super().__init__(f"interrupt {interrupt_id} timed out without a resume")
+        self.interrupt_id = interrupt_id
+
+
 class EngineHookError(DialogWorkerError):
     """An engine's ``startup()`` failed: the worker cannot serve messages with it."""
 

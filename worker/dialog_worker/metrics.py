@@ -68,6 +68,18 @@ class Metrics:
         self.lease_renewals = Counter(
             "dialog_lease_renewals", "Lock lease extensions of long steps", registry=r
         )
+        self.interrupts = Counter(
+            "dialog_interrupts",
+            "Attempts that ended waiting for a person (dialog_worker.interrupt)",
+            registry=r,
+        )
+        self.journal_calls = Counter(
+            "dialog_journal_calls",
+            "once() calls: recorded = the function ran and its result was recorded, "
+            "replayed = answered from the message's journal without calling it",
+            ["result"],
+            registry=r,
+        )
         self.handoffs = Counter(
             "dialog_handoffs",
             "Messages handed straight to the lock holder by its previous commit",

@@ -22,8 +22,9 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dialog_worker import tracing
-from dialog_worker.client import session_tokens
+from dialog_worker.client import interrupts, session_tokens
 from dialog_worker.client.erasure import Eraser, EraseResult, erase
+from dialog_worker.client.interrupts import PendingInterrupt, ResumeResult
 from dialog_worker.client.partial_reader import (
     Cursor,
     MessageKeys,
@@ -140,6 +141,7 @@ class DialogClient:
         self._read_by_group: dict[str, bool] = {}
         self._cancel_script = Script(self.redis, source("cancel"))
         self._erase_script = Script(self.redis, source("erase"))
+        self._resolve_script = Script(self.redis, source("resolve"))
         # (session_id, msg_id) -> (when, entry id) of its last send (SENT_KEPT), oldest first.
         self._sent_entries: dict[tuple[str, str], tuple[float, str]] = {}
 
@@ -617,6 +619,11 @@ class DialogClient:
             )
         status = status.decode() if isinstance(status, bytes) else str(status)
         outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        if status == "cancelled":
+            # Waiting for a person (dialog_worker.interrupt): it ends now, not when the wait
+            # would have.
+            with self._cluster_errors("cancel"):
+                await interrupts.wake_if_parked(self._resolve_script, keys, session_id, msg_id)
         return CancelResult(
             session_id,
             msg_id,
@@ -624,6 +631,33 @@ class DialogClient:
             int(seq) if int(seq) > 0 else None,
             outcome or None,
         )
+
+    async def pending(self, session_id: str) -> list[PendingInterrupt]:
+        """The interrupts the session waits on (a step called ``dialog_worker.interrupt``):
+        at most one, since the session's later messages wait behind it. Read from Redis: it
+        survives a page reload and a worker restart. See `PendingInterrupt`."""
+        check_id("session_id", session_id)
+        with self._cluster_errors("pending"):
+            await self._ready()
+            return await interrupts.pending(self.redis, self.keys_for(session_id), session_id)
+
+    async def resume(self, session_id: str, interrupt_id: str, value: Any) -> ResumeResult:
+        """Answer the interrupt ``interrupt_id`` of the session with ``value`` (any JSON, at
+        most 64 KiB): the step runs again, what it did through ``once`` is answered by its
+        journal, and its ``interrupt()`` returns ``value``. Applied once: a second resume of
+        the same interrupt (a double click, a retry after a timeout) changes nothing and is
+        answered ``already_resumed``; a wrong id ``unknown``. See `ResumeResult`."""
+        check_id("session_id", session_id)
+        interrupts.check_interrupt_id(interrupt_id)
+        with self._cluster_errors("resume"):
+            await self._ready()
+            return await interrupts.resume(
+                self._resolve_script,
+                self.keys_for(session_id),
+                session_id,
+                interrupt_id,
+                value,
+            )
 
     async def reset(self, session_id: str, *, who: str = "client", reason: str = "") -> EraseResult:
         """Start the session over: its state becomes the initial one (history cleared); the

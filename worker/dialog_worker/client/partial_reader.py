@@ -21,6 +21,13 @@ Readers see `StreamEvent`s:
   with ``text`` (the whole answer so far).
 - ``end``: the message is finished; ``outcome`` and ``text``, the committed reply, which
   replaces whatever was shown. Always the last event.
+- ``event``: a typed event the step emitted beside its text (``dialog_worker.emit_event``):
+  ``event_kind`` and ``data`` (any JSON), in order with the deltas, under the same cursor
+  rules (a new attempt's ``reset`` drops it with the text). ``event_kind`` ``awaiting`` is the
+  worker's: the step waits for a person (``data``: ``interrupt_id`` and ``payload``); the
+  stream goes on once the interrupt is resumed (a ``reset``, then the new attempt's answer).
+  A reader that fell behind the stream's trimmed start resyncs the text; the events it
+  missed are not replayed.
 
 A reader resumes from the ``cursor`` of the last event it handled
 (``<msg_id>:<attempt>:<pos>``, never a Redis entry id): it gets every later piece once.
@@ -50,7 +57,10 @@ from dialog_worker.errors import ValidationError
 
 log = structlog.get_logger("dialog_worker.client.partial_reader")
 
-EVENT_KINDS = ("delta", "reset", "resync", "end")
+EVENT_KINDS = ("delta", "reset", "resync", "end", "event")
+# Largest event data a reader decodes (a worker writes at most 16 KiB; anyone with XADD can
+# write anything).
+MAX_EVENT_DATA_CHARS = 65_536
 _MAX_NUMBER_DIGITS = 18
 
 
@@ -84,7 +94,8 @@ def _digits(value: str) -> bool:
 @dataclasses.dataclass(frozen=True, slots=True)
 class StreamEvent:
     """One event of a streamed answer. ``cursor`` is None for ``reset`` (resume from the
-    previous event's cursor: you get the reset again). ``outcome`` only on ``end``."""
+    previous event's cursor: you get the reset again). ``outcome`` only on ``end``;
+    ``event_kind`` and ``data`` only on ``event``."""
 
     kind: str
     msg_id: str
@@ -93,9 +104,14 @@ class StreamEvent:
     cursor: str | None
     pos: int | None = None
     outcome: str | None = None
+    event_kind: str | None = None
+    data: Any = None
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        shown = dataclasses.asdict(self)
+        if self.kind != "event":
+            del shown["event_kind"], shown["data"]
+        return shown
 
 
 # An entry's fields: a mapping, or a flat list of names and values as Redis sent them.
@@ -103,12 +119,12 @@ Fields = Mapping[bytes, bytes] | list[bytes]
 
 
 def _values(fields: Fields) -> tuple[bytes | None, ...]:
-    """The raw ``a``, ``p``, ``s``, ``k``, ``t``, ``f``, ``o`` and ``i`` of an entry. A text
-    entry as lua/emit-2.lua writes it (its first five names, in that order) is read by
-    position: no dict per entry; any other list (an end, a snapshot, anything forged) goes
-    through a dict (the last of repeated names wins, as in a mapping)."""
+    """The raw ``a``, ``p``, ``s``, ``k``, ``t``, ``f``, ``o``, ``i`` and ``n`` of an entry. A
+    text entry as lua/emit-2.lua writes it (its first five names, in that order) is read by
+    position: no dict per entry; any other list (an end, an event, a snapshot, anything forged)
+    goes through a dict (the last of repeated names wins, as in a mapping)."""
     if not fields:
-        return (None,) * 8
+        return (None,) * 9
     if type(fields) is list:
         if (
             len(fields) == 10
@@ -118,7 +134,7 @@ def _values(fields: Fields) -> tuple[bytes | None, ...]:
             and fields[6] == b"k"
             and fields[8] == b"t"
         ):
-            return fields[1], fields[3], fields[5], fields[7], fields[9], None, None, None
+            return fields[1], fields[3], fields[5], fields[7], fields[9], None, None, None, None
         fields = _pairs(fields)
     get = cast(Mapping[bytes, bytes], fields).get
     return (
@@ -130,6 +146,7 @@ def _values(fields: Fields) -> tuple[bytes | None, ...]:
         get(b"f"),
         get(b"o"),
         get(b"i"),
+        get(b"n"),
     )
 
 
@@ -182,9 +199,9 @@ class Tracker:
         self.behind, self.top, self.after = False, (0, -1), None
 
     def feed(self, fields: Fields) -> Iterator[StreamEvent]:
-        a, p, s, kind, t, f, o, _ = _values(fields)
+        a, p, s, kind, t, f, o, _, n = _values(fields)
         attempt, pos, seq = _int(a), _int(p), _int(s)
-        if attempt is None or pos is None or (kind != b"d" and kind != b"e"):
+        if attempt is None or pos is None or (kind != b"d" and kind != b"e" and kind != b"v"):
             return  # not ours (anyone with XADD can write anything): skipped
         lowest = max(self.min_seq, self.floor)
         if lowest and (seq is None or seq < lowest):
@@ -195,7 +212,7 @@ class Tracker:
             return
         if seq is not None and seq > 0:
             self.seq = seq
-        if kind == b"d":
+        if kind != b"e":
             self.top = max(self.top, (attempt, pos))
         else:
             self.end_seq = seq
@@ -211,16 +228,20 @@ class Tracker:
         if pos <= self.pos:
             return
         text = _text(t) or ""
-        if pos == self.pos + 1:
+        if pos != self.pos + 1:
+            full = _text(f)
+            if full is None:
+                self.behind = True  # trimmed past our place: wait for the next snapshot
+                return
             self.pos, self.behind = pos, False
-            yield StreamEvent("delta", self.msg_id, attempt, text, self._cursor(), pos)
-            return
-        full = _text(f)
-        if full is None:
-            self.behind = True  # trimmed past our place: wait for the next snapshot
-            return
+            yield StreamEvent("resync", self.msg_id, attempt, full, self._cursor(), pos)
+            if kind == b"d":
+                return
         self.pos, self.behind = pos, False
-        yield StreamEvent("resync", self.msg_id, attempt, full, self._cursor(), pos)
+        if kind == b"v":
+            yield _event(self.msg_id, attempt, self._cursor(), pos, _text(n) or "", text)
+            return
+        yield StreamEvent("delta", self.msg_id, attempt, text, self._cursor(), pos)
 
     def _cursor(self) -> str:
         return f"{self.msg_id}:{self.attempt or 0}:{self.pos}"  # str(Cursor(...)), per delta
@@ -239,6 +260,15 @@ class Tracker:
     def resumed_at_end(self) -> bool:
         """The reader's cursor is the end cursor: it has everything already."""
         return self.after is not None and self.after == self.end_cursor()
+
+
+def _event(msg_id: str, attempt: int, cursor: str, pos: int, kind: str, data: str) -> StreamEvent:
+    """An ``event`` entry's StreamEvent; its data decoded (None when it is not JSON)."""
+    try:
+        value = json.loads(data) if len(data) <= MAX_EVENT_DATA_CHARS else None
+    except (ValueError, RecursionError):
+        value = None
+    return StreamEvent("event", msg_id, attempt, "", cursor, pos, event_kind=kind, data=value)
 
 
 def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> tuple[str, str] | None:
@@ -437,6 +467,11 @@ async def follow(
             # Nothing new: is the message finished?
             if reply.done() and (reply.cancelled() or reply.exception() is not None):
                 # The reply reader failed: the state checks below still end the wait.
+                reply = loop.create_future()
+            if ended is None and reply.done() and reply.result().outcome == "awaiting":
+                # Not an end: the step waits for a person (its "awaiting" event is in the
+                # stream); the answer follows a resume, and its end entry (or the state) ends
+                # this reader.
                 reply = loop.create_future()
             if ended is None and reply.done():
                 got = reply.result()
@@ -858,7 +893,7 @@ async def _finished_sent(
         return None  # sequenced between the two reads: the next look follows it
     ends = cast(list[Entry], await redis.xrange(keys.partial, min=END_ID, max="+", count=1))
     if ends:
-        _, _, s, kind, _, _, outcome, entry = _values(ends[0][1])
+        _, _, s, kind, _, _, outcome, entry, _ = _values(ends[0][1])
         if s == b"0" and kind == b"e" and outcome == b"rejected" and entry is not None:
             if entry_key(entry) >= entry_key(sent_entry):
                 return "rejected", ""  # rejected again (its end came after our last read)

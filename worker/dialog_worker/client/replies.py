@@ -46,6 +46,7 @@ Outcome = Literal[
     "superseded",
     "expired",
     "budget_exceeded",
+    "awaiting",
 ]
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 # What a history turn of a message that ended without being applied is marked with (true).
@@ -55,6 +56,8 @@ UNAPPLIED_MARKS = ("cancelled", "superseded", "expired", "budget_exceeded")
 EVENT_FIELDS = frozenset(
     {b"session_id", b"msg_id", b"seq", b"outcome", b"reply", b"produced_at", b"entry_id"}
 )
+# An ``awaiting`` event's fields (dialog_worker.interrupt, lua/interrupt-3.lua).
+INTERRUPT_FIELDS = frozenset({b"interrupt_id", b"payload"})
 # Bounds on what a reader parses from one event (anyone with XADD can write the stream).
 MAX_BUBBLES_FIELD_BYTES = 65536
 MAX_ECHOED = 64
@@ -93,7 +96,11 @@ class Reply:
     joined by a blank line. ``no_reply`` is True when the engine chose not to answer (``text``
     is ""). ``echo`` holds the producer fields that DIALOG_ECHO_FIELDS copies onto events.
     ``usage`` is what the model calls of the committed step used (``input_tokens``,
-    ``output_tokens``, ``cost``: None when unknown), None when it made none."""
+    ``output_tokens``, ``cost``: None when unknown), None when it made none.
+
+    ``awaiting`` is not an end: the step waits for a person (``dialog_worker.interrupt``);
+    ``interrupt_id`` and ``payload`` (its JSON, decoded) say what for. Resume it with
+    `DialogClient.resume`; the message's final event comes after."""
 
     session_id: str
     msg_id: str
@@ -113,12 +120,16 @@ class Reply:
     # W3C trace context of the attempt that answered (tracing on in the worker), or "".
     traceparent: str = ""
     usage: dict[str, Any] | None = None
+    interrupt_id: str | None = None
+    payload: Any = None
 
     def as_dict(self) -> dict[str, Any]:
-        """All fields; ``bubbles``, ``no_reply``, ``echo``, ``traceparent`` and ``usage`` only
-        when the event has them, so a plain reply prints as it always did (`dialog-worker ask`,
-        `replies`)."""
+        """All fields; ``bubbles``, ``no_reply``, ``echo``, ``traceparent``, ``usage``,
+        ``interrupt_id`` and ``payload`` only when the event has them, so a plain reply prints
+        as it always did (`dialog-worker ask`, `replies`)."""
         shown = dataclasses.asdict(self)
+        if self.interrupt_id is None:
+            del shown["interrupt_id"], shown["payload"]
         for name, empty in (
             ("bubbles", None),
             ("no_reply", False),
@@ -152,7 +163,19 @@ def reply_from_entry(
         echo=_echoed(values),
         traceparent=_traceparent(values.get(b"traceparent")),
         usage=_usage(values.get(b"usage")),
+        interrupt_id=_text(values[b"interrupt_id"]) if b"interrupt_id" in values else None,
+        payload=_payload(values.get(b"payload")),
     )
+
+
+def _payload(value: bytes | None) -> Any:
+    """An ``awaiting`` event's payload, decoded (None when absent or not JSON; never raises)."""
+    if value is None or len(value) > MAX_BUBBLES_FIELD_BYTES:
+        return None
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _usage(value: bytes | None) -> dict[str, Any] | None:
@@ -191,11 +214,10 @@ def _bubbles(value: bytes | None) -> list[dict[str, Any]] | None:
 def _echoed(values: RawFields) -> dict[str, str]:
     echo: dict[str, str] = {}
     for name, value in values.items():
-        if name not in EVENT_FIELDS and name not in (
-            b"bubbles",
-            b"no_reply",
-            b"traceparent",
-            b"usage",
+        if (
+            name not in EVENT_FIELDS
+            and name not in (b"bubbles", b"no_reply", b"traceparent", b"usage")
+            and name not in INTERRUPT_FIELDS
         ):
             if len(echo) >= MAX_ECHOED:
                 break

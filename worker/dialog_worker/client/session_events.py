@@ -10,6 +10,9 @@ Events (`SessionEvent`):
 
 - ``turn``: one message's end: ``seq``, ``msg_id``, ``outcome``, ``bot`` (the reply), ``user``
   (the message's text while the session's history keeps its turn, else None).
+- ``awaiting``: a message's step waits for a person (``dialog_worker.interrupt``): ``seq``,
+  ``msg_id``, ``interrupt_id``, ``payload``. Not a turn: the message's turn comes after the
+  resume. After a reload, ``DialogClient.pending`` says what is still waited on.
 - ``resync``: replace everything you show with ``turns`` (the history the session keeps now,
   oldest first; empty after a restart, the new turns follow). ``reason`` ``gap``: the reader's
   cursor is older than what the reply stream still holds (events after it were trimmed or
@@ -51,6 +54,8 @@ from dialog_worker.errors import ValidationError
 PAGE = 500
 # How long a reader waits for news before it gives the caller a chance to send a keep-alive.
 IDLE_WAKE_S = 5.0
+# Largest awaiting payload a reader decodes (a worker writes at most 16 KiB).
+MAX_PAYLOAD_BYTES = 65_536
 _MAX_DIGITS = 18
 
 
@@ -170,6 +175,10 @@ async def _turn_events(
     for event_id, fields in entries:
         turn = _turn(fields)
         cursor.event_id = max(cursor.event_id, entry_key(event_id))
+        if turn["outcome"] == "awaiting":
+            # Not a turn: the message waits for a person; its turn comes after the resume.
+            events.append(SessionEvent("awaiting", str(cursor), _awaiting(turn, fields)))
+            continue
         sequenced = turn["seq"] > 0 and turn["outcome"] != "duplicate"
         if sequenced and turn["seq"] <= cursor.seq:
             # A seq already shown: the session was deleted or reset and started over.
@@ -245,6 +254,20 @@ def _history(doc: bytes | None) -> list[dict[str, Any]]:
                 }
             )
     return turns
+
+
+def _awaiting(turn: dict[str, Any], fields: Mapping[bytes, bytes]) -> dict[str, Any]:
+    raw = fields.get(b"payload", b"null")
+    try:
+        payload = json.loads(raw) if len(raw) <= MAX_PAYLOAD_BYTES else None
+    except (ValueError, RecursionError):
+        payload = None
+    return {
+        "seq": turn["seq"],
+        "msg_id": turn["msg_id"],
+        "interrupt_id": fields.get(b"interrupt_id", b"").decode("utf-8", "replace"),
+        "payload": payload,
+    }
 
 
 def _turn(fields: Mapping[bytes, bytes]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dialog_worker.errors import ValidationError
 
 # What a token may allow, one per gateway route.
-ACTIONS = ("send", "stream", "cancel", "events")
+ACTIONS = ("send", "stream", "cancel", "events", "pending", "resume")
 VERSION = "v1"
 MAX_TTL_S = 7 * 86400
 MAX_TOKEN_CHARS = 4096

@@ -37,6 +37,7 @@ from dialog_worker import tracing
 from dialog_worker.client import session_tokens
 from dialog_worker.client.dialog_client import CancelResult, DialogClient, SendResult
 from dialog_worker.client.erasure import EraseResult
+from dialog_worker.client.interrupts import PendingInterrupt, ResumeResult
 from dialog_worker.client.partial_reader import StreamEvent
 from dialog_worker.client.replies import Reply
 from dialog_worker.config import Settings, client_settings
@@ -187,6 +188,14 @@ class SyncDialogClient:
     def cancel(self, session_id: str, msg_id: str) -> CancelResult:
         """Stop one message, waiting or running (`DialogClient.cancel`)."""
         return self._call(lambda c: c.cancel(session_id, msg_id))
+
+    def pending(self, session_id: str) -> list[PendingInterrupt]:
+        """The interrupts the session waits on (`DialogClient.pending`)."""
+        return self._call(lambda c: c.pending(session_id))
+
+    def resume(self, session_id: str, interrupt_id: str, value: Any) -> ResumeResult:
+        """Answer an interrupt with ``value``, applied once (`DialogClient.resume`)."""
+        return self._call(lambda c: c.resume(session_id, interrupt_id, value))
 
     def session_token(
         self, session_id: str, ttl_s: float = 3600, actions: Iterable[str] | None = None

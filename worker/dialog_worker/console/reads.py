@@ -180,6 +180,11 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
         letters.append(redact.fields(row) | {"handle": handle(keys, entry_id), "id": entry_id})
     letters.sort(key=original_order)
     timers, timers_complete = await session_timers(client, keys, session_id, redact, now)
+    # A step that waits for a person (dialog_worker.interrupt): one GET of the await key.
+    awaiting = [
+        {**p.as_dict(), "payload": redact.value(p.payload)}
+        for p in await client.pending(session_id)
+    ]
     found = bool(
         state is not None or view.get("last_seq") or view.get("waiting") or letters or timers
     )
@@ -199,6 +204,7 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
         "letters_indexed": indexed,
         "timers": timers,
         "timers_complete": timers_complete,
+        "awaiting": awaiting,
         "history": redact.value(history) if isinstance(history, list) else [],
         "state_json": (
             None

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import json
 import threading
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -31,6 +32,7 @@ from redis.asyncio import Redis
 
 from dialog_worker.config import Settings
 from dialog_worker.engine import emit as emit_context
+from dialog_worker.engine.interrupts import Interrupted
 from dialog_worker.store.keys import Keys
 from dialog_worker.store.scripts import Script, source
 
@@ -69,6 +71,21 @@ REFRESH_SHARE = 1 / 8
 _background: set[asyncio.Task[None]] = set()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    """A typed event a step emitted (dialog_worker.emit_event): its kind and its data (JSON
+    text). One entry of its own in the partial stream, in order with the text."""
+
+    kind: str
+    data: str
+
+
+# What the writer gathers: runs of text, and events between them.
+Item = str | Event
+# Most events a history turn keeps (emit_event(..., keep=True)).
+MAX_KEPT_EVENTS = 32
+
+
 class PartialWriter:
     """The partial stream of one attempt of one message: gathers what the step emits (on the
     loop or in the step's thread). `PartialReplies` writes it, with every other live answer of
@@ -85,14 +102,16 @@ class PartialWriter:
         self.attempt = attempt
         self.pos = 0  # position of the next entry
         self._lock = threading.Lock()
-        self._pending: list[str] = []
+        self._pending: list[Item] = []
         self._pending_chars = 0
         self._sent: list[str] = []  # the text written so far, for snapshots
-        # Entries (pos, piece, snapshot) of a call whose answer was lost (the connection broke):
-        # it may have run on the server, so they go again exactly as they were, before any
-        # text emitted since (merged with it, a piece would reuse a position the stream may
-        # have, be answered "already there", and the new text in it never reach a reader).
-        self.unsure: list[tuple[int, str, str]] = []
+        # Entries (pos, piece or event, snapshot) of a call whose answer was lost (the
+        # connection broke): it may have run on the server, so they go again exactly as they
+        # were, before anything emitted since (merged with it, a piece would reuse a position
+        # the stream may have, be answered "already there", and the new text in it never
+        # reach a reader).
+        self.unsure: list[tuple[int, Item, str]] = []
+        self.kept: list[dict[str, object]] = []  # events the step asked to keep in its turn
         self.closed = False
         self.used = False  # anything emitted at all (most steps emit nothing)
         self.fenced = False
@@ -124,34 +143,70 @@ class PartialWriter:
         if first or urgent:
             self.replies.wake(self, urgent)
 
-    def take(self) -> str:
+    def add_event(self, kind: str, data: str, keep: bool = False) -> None:
+        """A typed event (``data``: JSON text), written in order with the text."""
+        self.used = True
+        with self._lock:
+            if self.closed or self.fenced:
+                return
+            self._pending.append(Event(kind, data))
+            first = len(self._pending) == 1
+            if keep and len(self.kept) < MAX_KEPT_EVENTS:
+                self.kept.append({"kind": kind, "data": json.loads(data)})
+        if first:
+            self.replies.wake(self, False)
+
+    def take(self) -> list[Item]:
+        """What was gathered since the last take: runs of text joined, events between them."""
         with self._lock:
             parts, self._pending, self._pending_chars = self._pending, [], 0
-        return "".join(parts)
+        items: list[Item] = []
+        run: list[str] = []
+        for part in parts:
+            if isinstance(part, str):
+                run.append(part)
+                continue
+            if run:
+                items.append("".join(run))
+                run = []
+            items.append(part)
+        if run:
+            items.append("".join(run))
+        return items
 
-    def entries(self, text: str) -> list[tuple[int, str, str]]:
+    def entries(self, items: list[Item]) -> list[tuple[int, Item, str]]:
         """What the next call sends for this answer: the entries of a call whose answer was
-        lost, as they were, then those of ``text``."""
-        return self.unsure + self.batches(text)
+        lost, as they were, then those of ``items``."""
+        return self.unsure + self.batches(items)
 
-    def batches(self, text: str) -> list[tuple[int, str, str]]:
-        """(pos, piece, snapshot) for the entries of ``text``, after those written and those
-        in doubt: a huge emit is split, and every `partial_maxlen // 2` entries carries the
-        whole text so far."""
+    def batches(self, items: list[Item] | str) -> list[tuple[int, Item, str]]:
+        """(pos, piece or event, snapshot) for the entries of ``items``, after those written
+        and those in doubt: a huge emit is split, and every `partial_maxlen // 2` entries
+        carries the whole text so far."""
+        if isinstance(items, str):
+            items = [items]
         every = max(1, self.replies.settings.partial_maxlen // 2)
-        out = []
-        first = self.pos + len(self.unsure)
-        for i, start in enumerate(range(0, len(text), MAX_ENTRY_CHARS)):
-            piece = text[start : start + MAX_ENTRY_CHARS]
-            pos = first + i
-            full = ""
-            if pos and pos % every == 0:
-                before = "".join(self._sent) + "".join(p for _, p, _ in self.unsure)
-                full = before + text[: start + len(piece)]
-            out.append((pos, piece, full))
+        out: list[tuple[int, Item, str]] = []
+        pos = self.pos + len(self.unsure)
+        # The text of the entries before the next one: those in doubt, then this batch's.
+        done = "".join(p for _, p, _ in self.unsure if isinstance(p, str))
+        for item in items:
+            pieces: list[Item] = (
+                [item]
+                if isinstance(item, Event)
+                else [item[s : s + MAX_ENTRY_CHARS] for s in range(0, len(item), MAX_ENTRY_CHARS)]
+            )
+            for piece in pieces:
+                if isinstance(piece, str):
+                    done += piece
+                full = ""
+                if pos and pos % every == 0:
+                    full = "".join(self._sent) + done
+                out.append((pos, piece, full))
+                pos += 1
         return out
 
-    def written(self, pieces: list[str], codes: list[int]) -> None:
+    def written(self, pieces: list[Item], codes: list[int]) -> None:
         """The answer to a call that carried ``pieces`` (the unsure ones first, if any)."""
         self.unsure = []
         for piece, code in zip(pieces, codes, strict=True):
@@ -160,7 +215,8 @@ class PartialWriter:
                 # is unusable: this answer streams no more; its end still comes from the commit.
                 self.fenced = True
                 return
-            self._sent.append(piece)
+            if isinstance(piece, str):
+                self._sent.append(piece)
             self.pos += 1
 
     def idle(self) -> bool:
@@ -283,7 +339,7 @@ class PartialReplies:
                 log.exception("partial_flush_failed")
 
     async def _flush(self, writers: list[PartialWriter]) -> None:
-        by_shard: dict[int, list[tuple[PartialWriter, str]]] = {}
+        by_shard: dict[int, list[tuple[PartialWriter, list[Item]]]] = {}
         for writer in writers:
             text = writer.take()
             if (text or writer.unsure) and not writer.fenced:
@@ -296,26 +352,30 @@ class PartialReplies:
             for i in range(0, len(batch), FLUSH_BATCH):
                 await self._send(batch[i : i + FLUSH_BATCH])
 
-    async def _send(self, batch: list[tuple[PartialWriter, str]]) -> None:
+    async def _send(self, batch: list[tuple[PartialWriter, list[Item]]]) -> None:
         keys: list[str] = []
         args: list[str | int] = []
-        plan: list[tuple[PartialWriter, list[tuple[int, str, str]], list[str], bool]] = []
+        plan: list[tuple[PartialWriter, list[tuple[int, Item, str]], list[Item], bool]] = []
         now = asyncio.get_running_loop().time()
         for writer, text in batch:
-            pieces: list[str] = []
+            pieces: list[Item] = []
             refresh = now >= writer.refresh_at  # asked by the answer's first entry of the call
             entries = writer.entries(text)
             for pos, piece, full in entries:
                 keys += writer.keys
-                args += ["d", writer.token, writer.attempt, pos, writer.seq, piece, full, ""]
+                if isinstance(piece, Event):  # "v": an event, its kind where an end's outcome is
+                    args += ["v", writer.token, writer.attempt, pos, writer.seq, piece.data, full]
+                    args.append(piece.kind)
+                else:
+                    args += ["d", writer.token, writer.attempt, pos, writer.seq, piece, full, ""]
                 args.append("1" if refresh and not pieces else "")
                 pieces.append(piece)
             plan.append((writer, entries, pieces, refresh))
         try:
             codes = await self.call(keys, args)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-            # The call may have run on the server: its entries go again as they were.
             log.warning("partial_write_failed", error=str(exc), note="retried at the next flush")
+            # The call may have run on the server: its entries go again as they were.
             for writer, entries, _, _ in plan:
                 writer.inflight -= 1
                 if not writer.fenced:
@@ -362,6 +422,12 @@ class PartialReplies:
         token = emit_context.bind(writer)
         try:
             result = await step
+        except Interrupted:
+            # The step waits for a person: what it streamed is written first; the prompt (an
+            # event "awaiting" at the writer's next position) goes in with the park itself
+            # (lua/interrupt-3.lua), so a reader never sees a prompt it cannot answer yet.
+            await writer.finish()
+            raise
         except BaseException:
             writer.abandon()
             raise

@@ -41,7 +41,10 @@ from dialog_worker.daemon.model_gate import (
 )
 from dialog_worker.daemon.partial_writer import PartialReplies, PartialWriter
 from dialog_worker.daemon.slots import TURN_AFTER_S, SlotGate
+from dialog_worker.daemon.step_journal import AttemptJournal, JournalFenced
 from dialog_worker.engine import cancellation, model_calls, timers
+from dialog_worker.engine import journal as step_journal
+from dialog_worker.engine.interrupts import Interrupted, awaiting_data, interrupt_id
 from dialog_worker.engine.protocol import (
     CheckedReply,
     Engine,
@@ -119,6 +122,8 @@ class Job:
     partial: PartialWriter | None = None
     # What the step asked for with dialog_worker.schedule / cancel_timer (its last attempt).
     timer_ops: timers.TimerOps | None = None
+    # The message's step journal for this attempt (dialog_worker.once / interrupt).
+    journal: AttemptJournal | None = None
     # Handed out by a commit for a slot it freed (another session's message), not handed on
     # by its own session's commit: it starts without a turn being taken first.
     fresh: bool = False
@@ -372,7 +377,19 @@ class Pipeline:
             if self._expired(msg):
                 # Its turn came too late (expires_at, or DIALOG_MESSAGE_TTL_S): no step.
                 return await self._end(job, "expired", msg)
+            job.journal = AttemptJournal(
+                self.scripts.journal.redis,
+                self.scripts.journal,
+                job,
+                settings.journal_max_bytes,
+                settings.state_ttl_s,
+                self.metrics,
+            )
+            exhausted = False
             if job.attempts > settings.max_attempts:
+                # Runs that ended waiting for a person (dialog_worker.interrupt) do not count.
+                exhausted = await self._spent(job) > settings.max_attempts
+            if exhausted:
                 error = job.last_error or (
                     f"delivered {job.attempts - 1} times without finishing "
                     "(worker killed or lease lost during the step)"
@@ -401,7 +418,13 @@ class Pipeline:
             except StepCancelled:
                 log.info("step_cancelled")
                 return await self._end(job, "cancelled", msg, await self._shown(job))
-            except LeaseLost:
+            except Interrupted as asked:
+                # Waits for a person: the session is parked, no attempt spent, no dead letter.
+                # What its model calls used is spent against the budgets now (counted apart,
+                # as wasted: the run after the resume commits only its own usage).
+                await self._wasted(job)
+                return await self._interrupt(job, msg, asked)
+            except (LeaseLost, JournalFenced):
                 self.metrics.fencing_rejections.inc()
                 log.warning("lease_lost", outcome="abandoned")
                 await self._wasted(job)
@@ -425,7 +448,8 @@ class Pipeline:
                     return None
                 log.warning("step_failed", error=_describe(exc), exc_info=exc)
                 if job.attempts >= settings.max_attempts:
-                    return await self._deadletter(job, msg, "exhausted", describe_failure(exc))
+                    if await self._spent(job) >= settings.max_attempts:
+                        return await self._deadletter(job, msg, "exhausted", describe_failure(exc))
                 await self._retry(job, describe_failure(exc), retry_after_of(exc))
                 return None
             if job.lost:
@@ -466,17 +490,27 @@ class Pipeline:
             job.keys, job.session_id, job.seq, job.attempts, msg.tenant, job.load_state()
         )
         calls_token = model_calls.bind(job.calls)
+        journal_token = step_journal.bind(job.journal)
         # One scope for the step timeout and for the two who stop a step from outside (one
         # scope less per message than fail_after inside a scope of its own).
         deadline = anyio.current_time() + self.settings.step_timeout_s
         try:
             with anyio.CancelScope(deadline=deadline) as scope:
                 job.scope = scope
-                return await run_step(
+                result = await run_step(
                     self.engine, job.load_state(), msg.as_engine_input(), limiter=self.step_limiter
                 )
+                if job.journal is not None and job.journal.asked != job.journal.answered:
+                    # An interrupt() whose wait was never awaited: going on without the
+                    # person's answer is what interrupt() is there to prevent.
+                    raise PermanentError(
+                        "the step called dialog_worker.interrupt() without awaiting it "
+                        "(await it in an async def step) and returned"
+                    )
+                return result
         finally:
             job.scope = None
+            step_journal.unbind(journal_token)
             model_calls.unbind(calls_token)
             timers.unbind(timer_token)
             cancellation.unbind(flag)
@@ -545,6 +579,8 @@ class Pipeline:
         }
         if isinstance(reply, RichReply):
             turn.update(reply.history_fields())  # "bubbles": [...] / "no_reply": true
+        if not ending and dead_letter is None and job.partial is not None and job.partial.kept:
+            turn["events"] = list(job.partial.kept)  # emit_event(..., keep=True)
         if ending:
             turn[ending] = True  # "cancelled" / "superseded" / "expired": true
         old = job.load_state()
@@ -686,6 +722,60 @@ class Pipeline:
             held=held,
             ending=next_ending,
         )
+
+    # ------------------------------------------------------------------------------------
+    # waiting for a person
+
+    async def _interrupt(self, job: Job, msg: Message, asked: Interrupted) -> Job | None:
+        """The step called dialog_worker.interrupt(): park the session on its message, with
+        a durable ``awaiting`` reply event (lua/interrupt-3.lua). The attempt is not spent;
+        the message runs again when the interrupt is resumed (or times out, or is
+        cancelled)."""
+        keys, settings = job.keys, self.settings
+        iid = interrupt_id(msg.msg_id, job.seq, asked.n)
+        extras = self._reply_extras(job, "")
+        raw = await _shielded(
+            oom.call(  # out of memory: wait for room, lease kept
+                "interrupt",
+                lambda: self.scripts.interrupt(
+                    keys=[keys.ready, keys.session_prefix, keys.replies],
+                    args=[
+                        job.token,
+                        job.session_id,
+                        job.seq,
+                        redis_text(msg.msg_id),
+                        job.entry_id,
+                        iid,
+                        asked.n,
+                        asked.payload,
+                        asked.timeout_ms,
+                        settings.reply_maxlen,
+                        json_bytes(extras) if extras else "",
+                        settings.state_ttl_s,
+                        awaiting_data(iid, asked.payload),
+                        job.attempts,
+                        job.partial.pos if job.partial is not None else 0,
+                        settings.partial_maxlen,
+                        settings.partial_ttl_s,
+                    ],
+                ),
+            )
+        )
+        code = Code(int(raw[0]))
+        if code is not Code.PARKED:
+            self.metrics.fencing_rejections.inc()
+            log.warning("interrupt_fenced", outcome="fenced", reason=code.name.lower())
+            return None
+        self.metrics.interrupts.inc()
+        log.info("awaiting", outcome="awaiting", interrupt_id=iid)
+        return None
+
+    async def _spent(self, job: Job) -> int:
+        """Attempts the message has spent: its deliveries less those that ended waiting for a
+        person (asked only when the count matters: at DIALOG_MAX_ATTEMPTS)."""
+        if job.journal is None:
+            return job.attempts
+        return job.attempts - await job.journal.awaited_attempts()
 
     # ------------------------------------------------------------------------------------
     # failure paths

@@ -70,7 +70,11 @@ class Upkeep:
         k, s = shard.keys, self.settings
         head = await self.raw.zrange(k.ready, 0, 0, withscores=True)
         if not head:
-            return RESUME_IDLE_S  # one cheap look instead of a script call while idle
+            # One cheap look instead of a script call while idle, then a wait on the kick
+            # list, where a resume of a parked session (lua/resolve-2.lua) or an interrupt's
+            # timeout (lua/fire-3.lua) wakes an idle resumer at once.
+            await self.wait_for_kick(shard)
+            return 0
         ahead_ms = float(head[0][1]) - time.time() * 1000
         if ahead_ms <= DUE_SLACK_MS:
             await shard.slots.acquire(priority=True)
@@ -111,6 +115,12 @@ class Upkeep:
         if int(wait_ms) < 0:
             return RESUME_IDLE_S
         return min(s.promote_interval_ms, max(int(wait_ms), 5)) / 1000
+
+    async def wait_for_kick(self, shard: Shard) -> None:
+        """Block on the shard's kick list for at most `RESUME_IDLE_S`: an element pushed since
+        this resumer's look at the ready set is still there (a kick keeps one), so none is
+        missed; one idle resumer takes it, and the others look at their next round."""
+        await self.raw.blpop([shard.keys.kick], timeout=RESUME_IDLE_S)
 
     async def fire_once(self, shard: Shard) -> float:
         """Append the shard's due timers to its inbound stream (lua/fire-3.lua: each timer

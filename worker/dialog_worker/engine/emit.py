@@ -1,4 +1,5 @@
-"""Streaming, the engine's side: `emit(text)` adds to the answer a running step streams.
+"""Streaming, the engine's side: `emit(text)` adds to the answer a running step streams,
+`emit_event(kind, data)` a typed event beside it.
 
 The worker runs each step with a writer bound in a context variable (`bind`): an ``async def``
 step sees it directly, a plain ``def`` step in its worker thread too
@@ -10,13 +11,18 @@ partial_writer.py); this module only knows that it has an ``add(text)``.
 from __future__ import annotations
 
 import contextvars
-from typing import Protocol
+import json
+from typing import Any, Protocol
+
+from dialog_worker.errors import ValidationError
 
 
 class Writer(Protocol):
-    """Where a step's emitted text goes (the worker's partial writer)."""
+    """Where a step's emitted text and events go (the worker's partial writer)."""
 
     def add(self, text: str) -> None: ...
+
+    def add_event(self, kind: str, data: str, keep: bool) -> None: ...
 
 
 _current: contextvars.ContextVar[Writer | None] = contextvars.ContextVar(
@@ -34,6 +40,44 @@ def emit(text: str) -> None:
     writer = _current.get()
     if writer is not None and text:
         writer.add(text)
+
+
+# Limits of a typed event (emit_event): its kind, and its data as JSON in UTF-8.
+MAX_EVENT_KIND_CHARS = 64
+MAX_EVENT_BYTES = 8192
+# Kinds the worker writes itself: a step may not forge them.
+RESERVED_EVENT_KINDS = frozenset({"awaiting"})
+
+
+def emit_event(kind: str, data: Any = None, *, keep: bool = False) -> None:
+    """Stream a typed event beside the text (tool progress, a status, a card): readers get an
+    ``event`` with ``event_kind`` = ``kind`` and ``data`` (any JSON, at most 8 KiB), in order
+    with the text, under the same cursor rules (a resumed reader gets it once; a new attempt
+    starts over with ``reset``). Not kept once the message is committed, unless ``keep``:
+    then the committed attempt's kept events go into the message's history turn
+    (``"events": [{"kind", "data"}...]``, at most 32). ``kind`` is 1 to 64 letters, digits,
+    ``_ . : -``; ``awaiting`` is the worker's (`interrupt`). A plain function, like `emit`:
+    call it from a step, ``async def`` or plain ``def``; outside a step it does nothing."""
+    if (
+        not isinstance(kind, str)
+        or not 0 < len(kind) <= MAX_EVENT_KIND_CHARS
+        or not all(ch.isascii() and (ch.isalnum() or ch in "_.:-") for ch in kind)
+    ):
+        raise ValidationError(
+            f"an event kind is 1 to {MAX_EVENT_KIND_CHARS} letters, digits, '_', '.', ':' "
+            f"or '-', got {kind!r}"
+        )
+    if kind in RESERVED_EVENT_KINDS:
+        raise ValidationError(f"the event kind {kind!r} is the worker's own")
+    try:
+        text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"an event's data is not JSON: {exc}") from None
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_EVENT_BYTES:
+        raise ValidationError(f"an event's data is at most {MAX_EVENT_BYTES} bytes of JSON")
+    writer = _current.get()
+    if writer is not None:
+        writer.add_event(kind, text, bool(keep))
 
 
 def bind(writer: Writer | None) -> contextvars.Token[Writer | None]:

@@ -4,6 +4,8 @@
     GET  /sessions/{session_id}/messages/{msg_id}/stream     the answer as server-sent events
     POST /sessions/{session_id}/messages/{msg_id}/cancel     stop the answer (idempotent)
     GET  /sessions/{session_id}/events                       the session's turns, as they land
+    GET  /sessions/{session_id}/pending                      what the session waits on (a person)
+    POST /sessions/{session_id}/interrupts/{interrupt_id}/resume  answer it ({"value": ...}), once
 
 Every request carries a token (``Authorization: Bearer <token>``, or ``?access_token=`` for
 ``EventSource``, which cannot set headers) unless the app was built without auth: the server
@@ -122,6 +124,12 @@ def create_app(
         Route("/sessions/{session_id}/messages/{msg_id}/stream", stream_answer, methods=["GET"]),
         Route("/sessions/{session_id}/messages/{msg_id}/cancel", cancel_message, methods=["POST"]),
         Route("/sessions/{session_id}/events", session_events, methods=["GET"]),
+        Route("/sessions/{session_id}/pending", pending_interrupts, methods=["GET"]),
+        Route(
+            "/sessions/{session_id}/interrupts/{interrupt_id}/resume",
+            resume_interrupt,
+            methods=["POST"],
+        ),
         Route("/healthz", healthz, methods=["GET"]),
         *(extra_routes or []),
     ]
@@ -283,6 +291,54 @@ async def cancel_message(request: Request) -> Response:
     except (redis.exceptions.RedisError, OSError):
         return _error(503, "the chat service is unavailable; cancel again", msg_id=msg_id)
     return JSONResponse(result.as_dict())
+
+
+async def pending_interrupts(request: Request) -> Response:
+    """What the session waits on (`DialogClient.pending`): 200 with ``{"session_id",
+    "pending": [{"interrupt_id", "msg_id", "seq", "payload", "created_at", "timeout_at"}]}``
+    (at most one; empty when nothing waits). A page shows it again after a reload."""
+    refused = await _refused(request, "pending")
+    if refused is not None:
+        return refused
+    client: DialogClient = request.app.state.client
+    session_id = request.path_params["session_id"]
+    try:
+        found = await client.pending(session_id)
+    except ValidationError as exc:
+        return _error(400, str(exc))
+    except (redis.exceptions.RedisError, OSError):
+        return _error(503, "the chat service is unavailable")
+    return JSONResponse({"session_id": session_id, "pending": [p.as_dict() for p in found]})
+
+
+# How a resume's status answers over HTTP: applied now or before (a double click) is a 200;
+# ended otherwise (timed out, cancelled) a 409; no such interrupt a 404.
+RESUME_STATUS = {"resumed": 200, "already_resumed": 200, "unknown": 404}
+
+
+async def resume_interrupt(request: Request) -> Response:
+    """Answer an interrupt (`DialogClient.resume`): body ``{"value": <any JSON>}``; ``{
+    "session_id", "interrupt_id", "status"}`` with 200 (``resumed``, or ``already_resumed``:
+    applied once however often it is posted), 409 (``timed_out``, ``cancelled``,
+    ``superseded``: it ended without this answer) or 404 (``unknown``)."""
+    refused = await _refused(request, "resume")
+    if refused is not None:
+        return refused
+    client: DialogClient = request.app.state.client
+    body = await _read_json(request)
+    if isinstance(body, Response):
+        return body
+    if "value" not in body:
+        return _error(400, 'the body must be {"value": ...}')
+    session_id = request.path_params["session_id"]
+    interrupt_id = request.path_params["interrupt_id"]
+    try:
+        result = await client.resume(session_id, interrupt_id, body["value"])
+    except ValidationError as exc:
+        return _error(400, str(exc))
+    except (redis.exceptions.RedisError, OSError):
+        return _error(503, "the chat service is unavailable; resume again (applied once)")
+    return JSONResponse(result.as_dict(), status_code=RESUME_STATUS.get(result.status, 409))
 
 
 async def _read_json(request: Request) -> dict[str, Any] | Response:

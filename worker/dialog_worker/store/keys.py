@@ -24,8 +24,11 @@ attempts of the next message, ``g`` when a gap was first seen), ``lock`` (holder
 lease), ``msg:<msg_id>`` (dedupe: the seq given to an explicit msg_id),
 ``partial:<msg_id>`` (a streamed reply's partial text, dialog_worker/daemon/partial_writer.py) and
 ``cancel:<msg_id>`` (a cancel mark, kept DIALOG_DEDUPE_TTL_S), ``timers`` (the session's timers)
-and ``ids`` (the msg_ids the keys above are named by). The state hash also holds
-``xc``/``xs``: messages below that seq end cancelled / superseded in their turn.
+and ``ids`` (the msg_ids the keys above are named by), ``journal:<msg_id>`` (a message's step
+journal), ``await`` (the interrupt the session is parked on) and ``interrupts`` (how each
+ended). The state hash also holds ``xc``/``xs``: messages below that seq end cancelled /
+superseded in their turn, and ``w`` (the parked message's msg_id) while it waits for a
+person.
 """
 
 from __future__ import annotations
@@ -115,6 +118,25 @@ class SessionKeys:
     def partial(self, msg_id: str) -> str:
         """The stream of a message's partial reply (dialog_worker/daemon/partial_writer.py)."""
         return self.state.removesuffix(":state") + ":partial:" + msg_id
+
+    def journal(self, msg_id: str) -> str:
+        """A hash: the step journal of one message (``o:<name>`` results of ``once``, ``b``
+        bytes used, ``w`` attempts that ended awaiting; journal_key in lua/_common.lua),
+        deleted by its commit."""
+        return self.state.removesuffix(":state") + ":journal:" + msg_id
+
+    @property
+    def interrupts(self) -> str:
+        """A hash: the ids of the session's interrupts that ended -> how, as JSON (``{"value":
+        ...}`` resumed, ``{"timeout": true}``, ``{"ended": "cancelled"}``), kept a day
+        (interrupt_ended in lua/_common.lua); the run after a resume reads its value there."""
+        return self.state.removesuffix(":state") + ":interrupts"
+
+    @property
+    def awaiting(self) -> str:
+        """A string: the interrupt the session is parked on (JSON: id, n, msg_id, seq, entry_id,
+        payload, at, timeout_at), while it waits for a person (await_key in lua/_common.lua)."""
+        return self.state.removesuffix(":state") + ":await"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -250,6 +272,13 @@ class Keys:
         """A stream of at most one entry: the waiter appends one when it hands its role on,
         and exactly one of the other readers, blocked on it in a consumer group, wakes."""
         return f"{self.ready}:wake"
+
+    @property
+    def kick(self) -> str:
+        """A list of at most one element: a resume of a parked session (lua/resolve-2.lua) or an
+        interrupt's timeout pushes one, and an idle worker's resumer, blocked on it (BLPOP)
+        while the ready set is empty, looks at the ready set at once."""
+        return f"{self.ready}:kick"
 
     @property
     def reshard_moved(self) -> str:

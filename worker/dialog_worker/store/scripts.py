@@ -24,6 +24,10 @@ class Code(enum.IntEnum):
     FENCED_VERSION = -2
     INVALID = -3  # commit-5.lua: this commit's arguments cannot be written (the others are)
     CANCELLED = -4  # commit-5.lua: the message was cancelled meanwhile; commit it as cancelled
+    JOURNALED = 8  # journal-1.lua: the result is recorded
+    JOURNAL_HAD = 9  # journal-1.lua: the name had a result already (it is answered)
+    PARKED = 10  # interrupt-3.lua: the session waits for a person
+    JOURNAL_FULL = -5  # journal-1.lua: past DIALOG_JOURNAL_MAX_BYTES; nothing written
 
 
 class Turn(enum.IntEnum):
@@ -114,6 +118,9 @@ class Scripts:
     cancel: Script
     fire: Script
     erase: Script
+    journal: Script
+    interrupt: Script
+    resolve: Script
     # Model-provider limits and budgets (dialog_worker/store/limits.py, store/tenants.py).
     acquire: Script
     settle: Script
