@@ -231,7 +231,7 @@ async def test_sigterm_leaves_the_queued_sessions_to_another_worker_untouched(cl
     its step in hand finishes within the grace period, but the slot that step frees is not
     filled from the queue: the queued sessions stay for another worker, untouched (no lock,
     no attempt counted), neither taken up and handed back nor held through the grace period."""
-    await client.redis.hset(client.keys.tenant_settings, "default", "1 0 0")  # read ahead
+    await client.redis.hset(client.keys.tenants, "default", '{"max": 0, "min": 0, "weight": 1.0}')
     [w] = workers.start(
         1, DIALOG_CONCURRENCY="1", DIALOG_ENGINE="fault_engine:make", DIALOG_SHUTDOWN_GRACE_S="30"
     )

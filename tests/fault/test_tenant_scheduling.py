@@ -10,11 +10,9 @@ from collections import Counter
 import pytest
 import redis
 from redis_server import wait_until
-from tenant_engines import most_at_once, steps
+from tenant_engines import most_at_once, share, steps
 
 pytestmark = pytest.mark.fault
-
-SETTINGS = "dialog:{dialog}:ready:tset"
 
 
 def flood(r: redis.Redis, tenant: str, sessions: int, messages: int, sleep: str = "0.05") -> None:
@@ -59,7 +57,7 @@ def test_a_tenant_behind_a_flood_is_served_within_a_round_of_slots(
 def test_weights_give_tenants_shares_of_the_slots(workers, env, tmp_path):
     r = redis.Redis.from_url(env["REDIS_URL"])
     log = tmp_path / "steps.jsonl"
-    r.hset(SETTINGS, "a", "3 0 0")  # weight 3, no minimum, no maximum
+    share(r, "a", weight=3)
     flood(r, "a", 30, 120)
     flood(r, "b", 30, 120)
     workers.start(
@@ -73,7 +71,7 @@ def test_weights_give_tenants_shares_of_the_slots(workers, env, tmp_path):
 def test_a_tenants_maximum_holds_across_the_pool(workers, env, tmp_path):
     r = redis.Redis.from_url(env["REDIS_URL"])
     log = tmp_path / "steps.jsonl"
-    r.hset(SETTINGS, "a", "1 0 2")  # at most 2 of a's sessions in flight, fleet-wide
+    share(r, "a", most=2)  # at most 2 of a's sessions in flight, fleet-wide
     flood(r, "a", 20, 60, sleep="0.1")
     flood(r, "b", 20, 60, sleep="0.1")
     workers.start(

@@ -11,6 +11,7 @@ import anyio
 import pytest
 import redis
 from redis_server import wait_until, wait_until_async
+from tenant_engines import share
 
 from dialog_worker.client.dialog_client import DialogClient
 
@@ -271,7 +272,7 @@ def test_a_worker_short_of_slots_reads_the_backlog_into_the_queue_and_its_commit
     once. (Tenants in use: some tenant has settings; without, the backlog waits in the stream
     for a slot, test_a_worker_without_tenants_leaves_the_backlog_in_the_stream.)"""
     r = redis.Redis.from_url(env["REDIS_URL"])
-    r.hset("dialog:{dialog}:ready:tset", "default", "1 0 0")
+    share(r, "default")  # tenants in use: the worker reads ahead
     steps = tmp_path / "steps.jsonl"
     workers.start(
         1,
@@ -324,7 +325,7 @@ async def test_a_queued_session_whose_message_is_cancelled_ends_without_a_step(
     """A session read while every slot is busy waits in its tenant's queue: a queued message
     to its user. Cancelled meanwhile, it ends cancelled in its turn and its step never runs."""
     r = redis.Redis.from_url(env["REDIS_URL"])
-    r.hset("dialog:{dialog}:ready:tset", "default", "1 0 0")  # tenants in use: read ahead
+    share(r, "default")  # tenants in use: the worker reads ahead
     steps = tmp_path / "steps.jsonl"
     workers.start(
         1, DIALOG_CONCURRENCY="1", DIALOG_ENGINE="timer_engines:Timers", TIMER_ENGINE_LOG=str(steps)

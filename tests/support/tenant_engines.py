@@ -46,3 +46,14 @@ def most_at_once(runs: list[dict[str, Any]]) -> int:
         now += change
         most = max(most, now)
     return most
+
+
+def share(r: Any, tenant: str, weight: float = 1, least: int = 0, most: int = 0) -> None:
+    """A tenant's settings as `dialog-worker tenants set` leaves them (one shard, the default
+    names): the deployment's hash, and the shard's copy the scripts read (a worker makes the
+    copy match the hash when it starts)."""
+    doc = {"weight": float(weight), "min": least, "max": most}
+    r.hset("dialog:tenants", tenant, json.dumps(doc, sort_keys=True))
+    r.hset("dialog:{dialog}:ready:tset", tenant, f"{float(weight)!r} {least} {most}")
+    if least:
+        r.zadd("dialog:{dialog}:ready:tmin", {tenant: least})
