@@ -47,6 +47,8 @@ def _browser() -> Any:
 # the first, and the tokens it uses must be signed with the second.
 SERVER_TOKEN = "server-token-for-servers-only-0123456789"
 SIGNING_KEY = "k" * 40
+# Everything the page does with its session, and nothing of another session.
+PAGE_ACTIONS = ("send", "stream", "cancel", "events", "pending", "resume")
 
 
 @pytest.fixture
@@ -102,7 +104,7 @@ def test_the_page_streams_an_answer_across_a_dropped_connection_exactly_once(
         def bubble_text() -> str:
             return str(
                 browser.execute_script(
-                    "const b = document.querySelector('.bot'); return b ? b.textContent : '';"
+                    "const b = document.querySelector('.bot .text'); return b ? b.textContent : '';"
                 )
             )
 
@@ -148,18 +150,19 @@ def test_the_stop_button_ends_the_answer_cancelled_keeping_what_was_shown(
         assert not stop.is_enabled(), "nothing to stop before a message is sent"
         browser.find_element("id", "text").send_keys("300 40")  # about 12 s of answer
         browser.find_element("id", "send").click()
-        wait_until(lambda: len(bot("b ? b.textContent : ''")) > 0, 20, what="the answer starts")
+        answer = "b ? b.querySelector('.text').textContent : ''"
+        wait_until(lambda: len(bot(answer)) > 0, 20, what="the answer starts")
         assert stop.is_enabled()
         stop.click()
         wait_until(lambda: bot("b.dataset.state") == "done", 10, what="the answer ends")
         outcome, cancel, text = (
             bot("b.dataset.outcome"),
             bot("b.dataset.cancel"),
-            bot("b.textContent"),
+            bot("b.querySelector('.text').textContent"),
         )
         shown_before_end: list[str] = bot("b.shown.slice(0, -1)")
         stop_enabled = stop.is_enabled()
-        marker = bot("getComputedStyle(b, '::after').content")
+        marker = bot("getComputedStyle(b.querySelector('.text'), '::after').content")
     finally:
         browser.quit()
     assert (outcome, cancel) == ("cancelled", "cancelled")
@@ -234,7 +237,8 @@ async def test_the_five_minute_demo_engine_types_its_answer_word_by_word(
 
 TURNS_JS = """return [...document.querySelectorAll('.turn')].map((t) => {
   const u = t.querySelector('.user'), b = t.querySelector('.bot');
-  return {user: u ? u.textContent : null, bot: b.textContent, state: b.dataset.state,
+  return {user: u ? u.textContent : null, bot: b.querySelector('.text').textContent,
+          state: b.dataset.state,
           outcome: b.dataset.outcome || null, msg_id: b.dataset.msgId,
           cancel: b.dataset.cancel || null, shown: b.shown, visible: b.offsetParent !== null};
 });"""
@@ -266,7 +270,7 @@ async def test_the_page_gets_a_token_for_its_own_session_only_never_the_server_t
     chat_page: TcpProxy,
 ):
     """What the example's server hands a browser opens that browser's session, for the page's
-    four actions, and nothing else; the gateway refuses everything without a token."""
+    actions, and nothing else; the gateway refuses everything without a token."""
     import httpx
 
     from dialog_worker.client import session_tokens
@@ -289,7 +293,7 @@ async def test_the_page_gets_a_token_for_its_own_session_only_never_the_server_t
             assert SERVER_TOKEN not in json.dumps(given)
             checked = session_tokens.verify(SIGNING_KEY, given["token"])
             assert checked.session_id == given["session_id"]
-            assert set(checked.actions) == {"send", "stream", "cancel", "events"}
+            assert set(checked.actions) == set(PAGE_ACTIONS)
 
         def auth(token: str) -> dict[str, str]:
             return {"Authorization": f"Bearer {token}"}
@@ -337,7 +341,7 @@ def test_stop_after_a_double_text_stops_the_answer_being_written_not_the_queued_
         assert queued["state"] == "waiting" and not queued["visible"], "no second typing mark"
         typing = browser.execute_script(
             "return [document.getElementById('status').textContent,"
-            " getComputedStyle(document.querySelector('.bot'), '::after').content]"
+            " getComputedStyle(document.querySelector('.bot .text'), '::after').content]"
         )
         stop = browser.find_element("id", "stop")
         assert stop.is_enabled()
