@@ -218,10 +218,11 @@ def test_chromium_is_driven_headless_in_time():
 async def test_the_five_minute_demo_engine_types_its_answer_word_by_word(
     chat_page: TcpProxy, workers: WorkerPool, env: dict[str, str]
 ):
-    """docs/http.md's first steps, as written: the Typist engine behind the example page."""
+    """docs/http.md's first steps, as written: the Assistant engine behind the example page
+    answers any text but a refund as Typist does, word by word."""
     import httpx
 
-    workers.start(1, **with_examples(env), DIALOG_ENGINE="web_chat_stream:Typist")
+    workers.start(1, **with_examples(env), DIALOG_ENGINE="web_chat_stream:Assistant")
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{chat_page.port}", timeout=30) as http:
         page = await http.get("/")
         assert page.status_code == 200 and "EventSource" in page.text
