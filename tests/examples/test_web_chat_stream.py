@@ -19,9 +19,11 @@ from typing import Any
 
 import pytest
 from examples_path import with_examples
-from redis_server import free_port, wait_until
+from redis_server import free_port, wait_for, wait_until
 from tcp_proxy import TcpProxy
 from worker_procs import WorkerPool, run_cli
+
+from dialog_worker import DialogClient
 
 pytestmark = pytest.mark.integration
 
@@ -607,6 +609,35 @@ def test_an_approval_prompt_survives_reloads_and_its_answer_completes_once(
     assert trace.count(f"end {msg_id} applied") == 1
     assert trace.count(f"resume {prompt['id']} true") == 1
     assert _replies(env, msg_id) == ["awaiting", "applied"]
+
+
+async def test_the_assistant_sends_no_refund_when_the_person_declines(
+    workers: WorkerPool, client: DialogClient, env: dict[str, str], tmp_path: Path
+):
+    import redis
+
+    ledger = tmp_path / "refunds.jsonl"
+    workers.start(
+        1,
+        **with_examples(env),
+        DIALOG_ENGINE="web_chat_stream:Assistant",
+        WEB_CHAT_REFUNDS_FILE=str(ledger),
+    )
+    asked = await client.ask("declines", "refund 7", timeout=20)
+    assert (asked.outcome, asked.payload) == ("awaiting", {"question": "Send a refund of 7?"})
+    assert asked.interrupt_id is not None
+    assert (await client.resume("declines", asked.interrupt_id, False)).status == "resumed"
+    r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
+
+    def applied() -> list[str]:
+        return [
+            f["reply"]
+            for _, f in r.xrange("dialog-replies")
+            if f.get("msg_id") == asked.msg_id and f.get("outcome") == "applied"
+        ]
+
+    assert await wait_for(applied, 20) == ["Okay, no refund was sent."]
+    assert not ledger.exists(), "no refund without an approval"
 
 
 def _requests(browser: Any, method: str, path: str) -> list[dict[str, Any]]:
