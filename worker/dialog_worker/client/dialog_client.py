@@ -456,7 +456,8 @@ class DialogClient:
         self, session_id: str, ttl_s: float = 3600, actions: Iterable[str] | None = None
     ) -> str:
         """A token for a browser that allows ``actions`` (some of ``send``, ``stream``,
-        ``cancel``, ``events``; all when None) on this session only, for ``ttl_s`` seconds,
+        ``cancel``, ``events``, ``pending``, ``resume``; all when None) on this session only,
+        for ``ttl_s`` seconds,
         signed with ``DIALOG_HTTP_SIGNING_KEY`` (the gateway checks it with the same key).
         Mint it in your server for the user you know, hand it to their page; rotate the key to
         revoke every token. See docs/http.md."""
