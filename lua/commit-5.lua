@@ -430,6 +430,8 @@ for ci, c in ipairs(commits) do
   else
     local version, last = c.version + 1, tonumber(h[3]) or 0
     local id, fields, legacy = load_message(stream, h[7])
+    -- A merged step's earlier parts first: their events and letters in the parts' order.
+    if c.first < c.seq then write_earlier_parts(c, now) end
     if c.extra then
       local letter = fields and letter_fields(fields) or {'session_id', c.sid}
       for _, v in ipairs(c.extra) do letter[#letter + 1] = v end
@@ -474,7 +476,6 @@ for ci, c in ipairs(commits) do
       end
     end
     rcall('HDEL', state, 'q' .. c.seq, 'u' .. c.seq, 'f', 'e', 'g', unpack(forget))
-    if c.first < c.seq then write_earlier_parts(c, now) end
     if c.msg_id ~= '' then
       -- The message's step journal (journal-1.lua) ends with it; so does a wait of it that
       -- something ended without a resume (interrupt-3.lua).
