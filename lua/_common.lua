@@ -389,6 +389,51 @@ local function valid_utf8(s)
 end
 
 --[[
+  Merged bursts (multitask=merge): a session's next message whose policy is merge (its
+  multitask field, else DIALOG_MULTITASK) is not handed out until its window closes: the
+  arrival of the last of the consecutive merge messages from it plus the window, at most
+  the first one's arrival plus the longest wait (arrival: the entry id's time). Then one step
+  gets all of them that have not ended otherwise (cancelled, superseded), at most MAX_PARTS: the
+  job row carries the parts after the first. A session waiting for its window is in the ready
+  set until it closes (resume hands it out then).
+  `merge`: {policy = the default policy, window = ms, max = ms}, from a script's argument
+  "policy,window_ms,max_ms" (merge_spec).
+]]
+local MAX_PARTS = 32
+
+local function merge_spec(arg)
+  local policy, window, longest = string.match(arg or '', '^(%a+),(%d+),(%d+)$')
+  return {policy = policy or 'enqueue', window = tonumber(window) or 0,
+          max = tonumber(longest) or 0}
+end
+
+local function is_merge_part(fields, merge)
+  for i = 1, #fields - 1, 2 do
+    if fields[i] == 'multitask' then return fields[i + 1] == 'merge' end
+  end
+  return merge.policy == 'merge'
+end
+
+-- The merge parts after a first one (seq, entry id, fields, of a merge message): {{seq, id,
+-- fields}...}, and when the window closes (ms; 0 once MAX_PARTS are there).
+local function merge_parts(stream, sprefix, sid, state, seq, id, last, xc, xs, merge)
+  local first_ms = entry_ms(id)
+  local latest = first_ms
+  local parts = {}
+  for k = seq + 1, math.min(last, seq + MAX_PARTS - 1) do
+    local pid, fields = load_message(stream, redis.pcall('HGET', state, 'q' .. k))
+    if not pid or not is_merge_part(fields, merge) or entry_ms(pid) > first_ms + merge.max
+        or ending_of(sprefix, sid, k, msg_id_of(pid, fields), xc, xs) ~= '' then
+      break
+    end
+    parts[#parts + 1] = {k, pid, fields}
+    latest = math.max(latest, entry_ms(pid))
+  end
+  if #parts >= MAX_PARTS - 1 then return parts, 0 end
+  return parts, math.min(latest + merge.window, first_ms + merge.max)
+end
+
+--[[
   Tenants: the message slots of a shard are shared between tenants by weighted fair queueing
   (start-time fair queueing over slot grants), work-conserving, with a guaranteed minimum and
   a maximum of sessions in flight per tenant. A message's tenant is its tenant field, else the
@@ -614,8 +659,12 @@ local function take(ctx, sid, t)
   busy_add(ctx, t, sid)
   local ending = ending_of(ctx.sprefix, sid, seq, msg_id_of(id, fields), h[8], h[9])
   ctx.receipt[#ctx.receipt + 1] = {'m', sid, token, seq, id, ending}
+  local parts = {}
+  if ending == '' and ctx.merge and ctx.merge.window > 0 and is_merge_part(fields, ctx.merge) then
+    parts = merge_parts(ctx.stream, ctx.sprefix, sid, state, seq, id, last, h[8], h[9], ctx.merge)
+  end
   return {sid, token, seq, id, fields, h[3] or '', h[4] or '0', attempts, h[6] or '',
-          h[7] or '', ending}
+          h[7] or '', ending, parts}
 end
 
 -- Up to n job rows from the shard's queues, in fair order. A tenant alone in the queues is
@@ -743,3 +792,4 @@ local function unpark(ready, sprefix, sid, rec, how)
   redis.pcall('ZADD', ages_key(ready), entry_ms(tostring(rec['entry_id'] or '')), sid)
   interrupt_ended(sprefix, sid, rec['id'], how)
 end
+

@@ -84,9 +84,10 @@
 local stream, ready, sprefix, replies, dlq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lock_ttl, state_ttl, maxlen, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
   tonumber(ARGV[4])
-local WIDTH = 14
+local WIDTH = 15
 if not (lock_ttl and state_ttl and maxlen and n) or n < 1
-    or (#ARGV ~= 4 + n * WIDTH and #ARGV ~= 5 + n * WIDTH and #ARGV ~= 9 + n * WIDTH) then
+    or (#ARGV ~= 4 + n * WIDTH and #ARGV ~= 5 + n * WIDTH and #ARGV ~= 9 + n * WIDTH
+        and #ARGV ~= 10 + n * WIDTH) then
   return redis.error_reply('ERR commit: bad arguments')
 end
 local tail = 4 + n * WIDTH  -- ARGV[tail + 1 ...]: the optional values after the groups
@@ -95,10 +96,14 @@ local hold_on_letter = #ARGV > tail and ARGV[tail + 1] == 'hold'
 -- not owed to another (should_yield), and each that frees its slot fills it from the shard's
 -- queues when may_dispatch (dispatch in _common.lua).
 local sched, may_dispatch, slow = nil, false, ''
-if #ARGV == tail + 5 then
+if #ARGV >= tail + 5 then
   sched = scheduler(ready, sprefix, stream, 0, lock_ttl, ARGV[tail + 3], ARGV[tail + 4])
   may_dispatch, slow = ARGV[tail + 2] == '1', ARGV[tail + 5]
 end
+-- Merged bursts (merge_parts in _common.lua): a hand-off to the first of a burst to merge
+-- waits for its window, and hands its parts on with it.
+local merge = merge_spec(ARGV[tail + 6])
+if sched then sched.merge = merge end
 local inbound, ages = inbound_key(ready), ages_key(ready)
 
 local OUTCOMES = {applied = true, dead_lettered = true, cancelled = true, superseded = true,
@@ -228,6 +233,14 @@ for i = 0, n - 1 do
              reply = ARGV[b + 7], outcome = ARGV[b + 8], entry_id = ARGV[b + 9],
              known_next = ARGV[b + 11]}
   c.problem = invalid(c, ARGV[b + 10], ARGV[b + 12], ARGV[b + 14])
+  if not c.problem and ARGV[b + 15] ~= '' then
+    -- A merged step: its parts are seqs first..seq (seq: the last, whose message answers).
+    c.first = tonumber(ARGV[b + 15])
+    if not (c.first and c.first >= 1 and c.first < c.seq and c.seq - c.first < MAX_PARTS) then
+      c.problem = 'bad first part of a merged step'
+    end
+  end
+  c.first = c.first or c.seq
   if not c.problem and ARGV[b + 13] ~= '' then
     c.timers, c.problem = timer_ops(ARGV[b + 13])
   end
@@ -256,6 +269,30 @@ local function read(c)
                     'u' .. (c.seq or 0), 'c', 'q' .. (c.seq or 0), 'xc', 'xs', 'h', 'T', 'w')
 end
 
+-- The earlier parts of a merged step: {seq, entry id, fields, msg_id} each (custody), read
+-- once.
+local function earlier_parts(c)
+  if not c.parts then
+    c.parts = {}
+    for k = c.first, c.seq - 1 do
+      local id, fields = load_message(stream, redis.pcall('HGET', c.state, 'q' .. k))
+      c.parts[#c.parts + 1] = {k, id or '', fields or {}, id and msg_id_of(id, fields) or ''}
+    end
+  end
+  return c.parts
+end
+
+-- Whether an earlier part of a merged step was cancelled meanwhile (the whole step then
+-- ends cancelled, as for its last part).
+local function part_cancelled(c, xc)
+  for _, part in ipairs(earlier_parts(c)) do
+    if part[4] ~= '' and ending_of(sprefix, c.sid, part[1], part[4], xc) == 'cancelled' then
+      return true
+    end
+  end
+  return false
+end
+
 -- The reply of a commit that writes nothing, or nil when it is to be written. Reads only.
 local function decide(c)
   local holder, h = c.holder, c.h
@@ -268,21 +305,65 @@ local function decide(c)
     local nxt = holder == c.token and (tonumber(h[3]) or 0) > c.seq
       and next_message(c, h[4], h[8], h[9])
     if nxt then
-      return {2, c.version + 1, nxt[1], nxt[2], nxt[3], nxt[4]}
+      return {2, c.version + 1, nxt[1], nxt[2], nxt[3], nxt[4], {}}
     end
     return {6, c.version + 1}
   elseif holder ~= c.token then
     return {-1}
   elseif type(h) ~= 'table' or h['err'] or (tonumber(h[1]) or 0) ~= c.version
-      or (tonumber(h[2]) or 0) ~= c.seq - 1 then
+      or (tonumber(h[2]) or 0) ~= c.first - 1 or (tonumber(h[3]) or 0) < c.seq then
     return {-2}
   elseif (c.outcome == 'applied' or c.outcome == 'dead_lettered') and h[7] and c.msg_id ~= ''
-      and ending_of(sprefix, c.sid, c.seq, c.msg_id, h[8]) == 'cancelled' then
+      and (ending_of(sprefix, c.sid, c.seq, c.msg_id, h[8]) == 'cancelled'
+           or part_cancelled(c, h[8])) then
     return {-4}
   elseif c.timers and too_many_timers(c) then
     return {-3, 'the session would have more than ' .. MAX_TIMERS .. ' timers'}
   end
   return nil
+end
+
+-- The writes for the earlier parts of a merged step (c.first .. c.seq - 1), each as its own
+-- message: applied with the last part, a part's reply event says `merged` and which msg_id
+-- answered it (`answered_by`), with the same reply; ended otherwise, it ends the same way
+-- (a dead letter of its own, its msg_id freed as for any message that ended unapplied).
+-- Its copies are answered, and its custody goes. The history has one turn, the last part's.
+local UNAPPLIED = {expired = true, budget_exceeded = true, cancelled = true, superseded = true}
+
+local function write_earlier_parts(c, now)
+  local outcome = c.outcome == 'applied' and 'merged' or c.outcome
+  local extra = {}
+  for _, v in ipairs(c.event or {}) do extra[#extra + 1] = v end
+  if outcome == 'merged' then
+    extra[#extra + 1] = 'answered_by'
+    extra[#extra + 1] = c.msg_id
+  end
+  for _, part in ipairs(earlier_parts(c)) do
+    local k, pid, fields, mid = part[1], part[2], part[3], part[4]
+    if c.extra then
+      local letter = letter_fields(fields)
+      for _, v in ipairs(c.extra) do letter[#letter + 1] = v end
+      for _, v in ipairs({'seq', k, 'source_stream', stream, 'source_entry_id', pid}) do
+        letter[#letter + 1] = v
+      end
+      rcall('XADD', dlq, '*', unpack(letter))
+      index_letter(ready, sprefix, c.sid, rcall('XREVRANGE', dlq, '+', '-', 'COUNT', 1)[1][1])
+    end
+    if mid ~= '' and UNAPPLIED[outcome] then
+      local dkey = session_key(sprefix, c.sid, 'msg:' .. mid)
+      if redis.pcall('GET', dkey) == tostring(k) then rcall('DEL', dkey) end
+      rcall('DEL', cancel_key(sprefix, c.sid, mid))
+    end
+    reply_event(replies, maxlen, c.sid, mid, k, outcome, c.reply, now, pid, extra)
+    local copies = redis.pcall('HGET', c.state, 'u' .. k)
+    if type(copies) == 'string' then
+      for copy in string.gmatch(copies, '[^,]+') do
+        reply_event(replies, maxlen, c.sid, mid, k, 'duplicate', c.reply, now, copy, extra)
+      end
+    end
+    if mid ~= '' then rcall('DEL', journal_key(sprefix, c.sid, mid)) end
+    rcall('HDEL', c.state, 'q' .. k, 'u' .. k)
+  end
 end
 
 -- Plan before the first write: every commit's reads and what it does, then the shared keys
@@ -393,6 +474,7 @@ for ci, c in ipairs(commits) do
       end
     end
     rcall('HDEL', state, 'q' .. c.seq, 'u' .. c.seq, 'f', 'e', 'g', unpack(forget))
+    if c.first < c.seq then write_earlier_parts(c, now) end
     if c.msg_id ~= '' then
       -- The message's step journal (journal-1.lua) ends with it; so does a wait of it that
       -- something ended without a resume (interrupt-3.lua).
@@ -409,6 +491,16 @@ for ci, c in ipairs(commits) do
     end
     local nxt = last > c.seq and next_message(c, h[4], h[8], h[9])
     if held then nxt = nil end  -- held: nothing is handed on
+    local window_closes
+    if nxt and nxt[4] == '' and merge.window > 0 and is_merge_part(nxt[5], merge) then
+      local parts, close = merge_parts(stream, sprefix, c.sid, state, nxt[1], nxt[2], last,
+                                       h[8], h[9], merge)
+      if close > now then
+        nxt, window_closes = nil, close  -- its window is open: resume hands it out then
+      else
+        nxt[6] = parts
+      end
+    end
     local tenant, queued = h[11], false
     if nxt and sched then
       -- The next message's tenant counts it in flight from now (the same one, but for a
@@ -431,7 +523,7 @@ for ci, c in ipairs(commits) do
       rcall('PEXPIRE', lock, lock_ttl)
       rcall('ZADD', ready, now + lock_ttl, c.sid)
       rcall('ZADD', ages, entry_ms(nxt[2]), c.sid)
-      results[#results + 1] = {2, version, nxt[1], nxt[2], nxt[3], nxt[4]}
+      results[#results + 1] = {2, version, nxt[1], nxt[2], nxt[3], nxt[4], nxt[6] or {}}
     else
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 0, 'c', c.token .. ':' .. c.seq)
       rcall('DEL', lock)
@@ -442,6 +534,8 @@ for ci, c in ipairs(commits) do
         enqueue(sched, c.sid, queued[5], now)
       elseif last > c.seq and held then
         rcall('ZREM', ready, c.sid)  -- held: waits for a release or redrive (hold-3.lua)
+      elseif window_closes then
+        rcall('ZADD', ready, window_closes, c.sid)  -- a burst to merge: taken up when it closes
       elseif last > c.seq then
         rcall('ZADD', ready, now, c.sid)  -- the next message is missing: resume decides (gap)
       else

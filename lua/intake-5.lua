@@ -98,13 +98,15 @@ local count, lock_ttl, dedupe_ttl = tonumber(ARGV[3]), tonumber(ARGV[5]), tonumb
 local max_bytes, max_extra = tonumber(ARGV[7]), tonumber(ARGV[8])
 local maxlen, claim_idle = tonumber(ARGV[9]), tonumber(ARGV[11])
 local shard, shards = tonumber(ARGV[13] or '0'), tonumber(ARGV[14] or '1')
-local POLICIES = {enqueue = true, reject = true, interrupt = true, coalesce = true}
+local POLICIES = {enqueue = true, reject = true, interrupt = true, coalesce = true,
+                  merge = true}
 local default_policy = ARGV[15] or 'enqueue'
 local ECHO = {}
 for name in string.gmatch(ARGV[16] or '', '[^,]+') do ECHO[name] = true end
 local free_slots = tonumber(ARGV[17] or ARGV[3])
 local tenant_pattern = ARGV[18] or ''
 local partial_ttl = tonumber(ARGV[19] or '0')
+local merge = merge_spec(ARGV[20] or ((ARGV[15] or 'enqueue') .. ',0,0'))
 
 if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen and claim_idle
         and shard and shards and partial_ttl) or count < 1 or count > 1000 or shards < 1
@@ -210,7 +212,7 @@ local function inspect(f)
   if text == nil then return 'text is missing', sid, msg_id end
   if not string.find(text, '%S') then return 'text is empty', sid, msg_id end
   if policy ~= nil and not POLICIES[policy] then
-    return 'multitask is not one of enqueue, reject, interrupt, coalesce', sid, msg_id
+    return 'multitask is not one of enqueue, reject, interrupt, coalesce, merge', sid, msg_id
   end
   if deliver_at ~= nil then
     -- Unix seconds, a fraction allowed (like expires_at); a value in ms is refused below
@@ -446,6 +448,19 @@ local function mark_rejected(s, sid, mid, id)
   s.rejected[#s.rejected + 1] = mid
 end
 
+-- When the session's next message is the first of a burst waiting to merge (its lock free):
+-- that message's arrival (ms), kept in s.merge_first; else false.
+local function merge_first_of(s, sid)
+  if s.merge_first == nil then
+    s.merge_first = false
+    if rcall('EXISTS', s.lock) == 0 then
+      local id, f = load_message(stream, rcall('HGET', s.state, 'q' .. (s.a + 1)))
+      if id and is_merge_part(f, merge) then s.merge_first = entry_ms(id) end
+    end
+  end
+  return s.merge_first
+end
+
 -- An interrupting or coalescing message (seq) arrived while the session has messages
 -- outstanding. interrupt: all of them end cancelled in their turn (xc), and the running one
 -- (the next to apply, when the lock is held) gets a cancel mark, which its worker watches
@@ -602,6 +617,11 @@ for _, e in ipairs(entries) do
           -- A lock with nothing outstanding: look again when its lease ends.
           contended = contended + 1
           rcall('ZADD', ready, now + math.max(rcall('PTTL', s.lock), 0), sid)
+        elseif policy == 'merge' and merge.window > 0 then
+          -- The first of a burst to merge: handed out when its window closes (resume-3.lua);
+          -- later parts move that on (below), up to the longest wait.
+          s.merge_first = entry_ms(id)
+          rcall('ZADD', ready, s.merge_first + math.min(merge.window, merge.max), sid)
         else
           -- It may start: it takes a slot or joins its tenant's queue after the loop.
           -- Its ending as it is handed out (a later coalescing entry of this call does not
@@ -611,6 +631,12 @@ for _, e in ipairs(entries) do
         end
       elseif s.runnable then
         later[#later + 1] = {sid, seq, id, f}  -- handed on by its commit, if it takes a slot now
+      elseif policy == 'merge' and merge.window > 0 and not s.held
+          and (s.merge_first or merge_first_of(s, sid)) then
+        -- A later part of a burst waiting to merge: its window closes later, up to the
+        -- longest wait from the first part (GT: never earlier than it was).
+        local close = math.min(entry_ms(id) + merge.window, s.merge_first + merge.max)
+        rcall('ZADD', ready, 'GT', close, sid)
       else
         contended = contended + 1
         if not s.ensured and not s.held then

@@ -26,6 +26,9 @@
   ARGV[1] most sessions to take (1..1000)   ARGV[2] token base (unique per call)
   ARGV[3] lock ttl (ms)   ARGV[4] gap timeout (ms)
   ARGV[5] DIALOG_TENANT_PATTERN as a Lua pattern (optional)
+  ARGV[6] merged bursts: "default policy,window ms,longest wait ms" (optional; see merge_parts
+          in _common.lua): a session whose next message opens a burst to merge waits for its
+          window to close, then its job carries the burst's later parts
 
   Sessions whose next message may start go through the tenants' queues as at intake (taken at
   once while the queues are empty and the call has room for them all, else queued, and the
@@ -65,7 +68,8 @@ if replayed then
 end
 
 local now = now_ms()
-local jobs, tokens, receipt, runnable = {}, 0, {}, {}
+local jobs, tokens, receipt, runnable, parts_of = {}, 0, {}, {}, {}
+local merge = merge_spec(ARGV[6])
 
 for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, count)) do
   local state, lock = session_key(sprefix, sid, 'state'), session_key(sprefix, sid, 'lock')
@@ -135,6 +139,18 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
           kind = 'G'
         end
       end
+      if kind == 'm' and merge.window > 0 and is_merge_part(fields, merge)
+          and ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[9], h[10]) == '' then
+        -- The first of a burst to merge: handed out once its window closed, with its parts.
+        local parts, close = merge_parts(stream, sprefix, sid, state, seq, id, last, h[9], h[10],
+                                         merge)
+        if close > now then
+          kind = 'w'
+          rcall('ZADD', ready, close, sid)
+        else
+          parts_of[sid] = parts
+        end
+      end
       if kind == 'm' then
         runnable[#runnable + 1] = {sid, seq, id, fields, h, state}
       elseif kind == 'G' then
@@ -156,6 +172,7 @@ end
 -- takes its lock now while no session waits in the shard's queues and the call has room for
 -- all; otherwise they join their tenants' queues and the call's room goes out in fair order.
 local sched = scheduler(ready, sprefix, stream, now, lock_ttl, ARGV[2], ARGV[5] or '')
+sched.merge = merge
 local room = count - #jobs
 local wanted = {}
 for _, r in ipairs(runnable) do
@@ -176,7 +193,7 @@ if #runnable <= room and all_fit(sched, wanted) then
     rcall('ZADD', ready, now + lock_ttl, sid)
     local ending = ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[9], h[10])
     jobs[#jobs + 1] = {'m', sid, token, seq, id, fields, h[3] or '', h[4] or '0', attempts,
-                       h[6] or '', h[7] or '', ending}
+                       h[6] or '', h[7] or '', ending, parts_of[sid] or {}}
     receipt[#receipt + 1] = {'m', sid, token, seq, id, ending}
   end
 else

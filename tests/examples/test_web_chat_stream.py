@@ -5,8 +5,10 @@ reply, no piece twice."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,9 +19,11 @@ from typing import Any
 
 import pytest
 from examples_path import with_examples
-from redis_server import free_port, wait_until
+from redis_server import free_port, wait_for, wait_until
 from tcp_proxy import TcpProxy
 from worker_procs import WorkerPool, run_cli
+
+from dialog_worker import DialogClient
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +32,9 @@ CHROMEDRIVER = os.environ.get("CHROMEDRIVER_PATH", "/usr/bin/chromedriver")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "web_chat_stream.py"
 
 
-def _browser() -> Any:
+def _browser(network_log: bool = False) -> Any:
+    """Headless Chromium; with ``network_log`` it records the requests it sends (their headers
+    included: `_requests`)."""
     if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
         pytest.skip("Chromium missing: apt-get install chromium chromium-driver")
     try:
@@ -40,6 +46,8 @@ def _browser() -> Any:
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
         options.add_argument(flag)
+    if network_log:
+        options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
     return webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
 
 
@@ -47,11 +55,19 @@ def _browser() -> Any:
 # the first, and the tokens it uses must be signed with the second.
 SERVER_TOKEN = "server-token-for-servers-only-0123456789"
 SIGNING_KEY = "k" * 40
+# Everything the page does with its session, and nothing of another session.
+PAGE_ACTIONS = ("send", "stream", "cancel", "events", "pending", "resume")
 
 
 @pytest.fixture
 def chat_page(env: dict[str, str], tmp_path: Path) -> Iterator[TcpProxy]:
     """The example on its own port, reached through a proxy the test can cut."""
+    with _serve_example(env, tmp_path) as proxy:
+        yield proxy
+
+
+@contextlib.contextmanager
+def _serve_example(env: dict[str, str], tmp_path: Path, **extra_env: str) -> Iterator[TcpProxy]:
     port = free_port()
     log = (tmp_path / "web_chat.log").open("ab")
     proc = subprocess.Popen(
@@ -61,6 +77,7 @@ def chat_page(env: dict[str, str], tmp_path: Path) -> Iterator[TcpProxy]:
             "WEB_CHAT_PORT": str(port),
             "DIALOG_HTTP_TOKEN": SERVER_TOKEN,
             "DIALOG_HTTP_SIGNING_KEY": SIGNING_KEY,
+            **extra_env,
         },
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -102,7 +119,7 @@ def test_the_page_streams_an_answer_across_a_dropped_connection_exactly_once(
         def bubble_text() -> str:
             return str(
                 browser.execute_script(
-                    "const b = document.querySelector('.bot'); return b ? b.textContent : '';"
+                    "const b = document.querySelector('.bot .text'); return b ? b.textContent : '';"
                 )
             )
 
@@ -148,18 +165,19 @@ def test_the_stop_button_ends_the_answer_cancelled_keeping_what_was_shown(
         assert not stop.is_enabled(), "nothing to stop before a message is sent"
         browser.find_element("id", "text").send_keys("300 40")  # about 12 s of answer
         browser.find_element("id", "send").click()
-        wait_until(lambda: len(bot("b ? b.textContent : ''")) > 0, 20, what="the answer starts")
+        answer = "b ? b.querySelector('.text').textContent : ''"
+        wait_until(lambda: len(bot(answer)) > 0, 20, what="the answer starts")
         assert stop.is_enabled()
         stop.click()
         wait_until(lambda: bot("b.dataset.state") == "done", 10, what="the answer ends")
         outcome, cancel, text = (
             bot("b.dataset.outcome"),
             bot("b.dataset.cancel"),
-            bot("b.textContent"),
+            bot("b.querySelector('.text').textContent"),
         )
         shown_before_end: list[str] = bot("b.shown.slice(0, -1)")
         stop_enabled = stop.is_enabled()
-        marker = bot("getComputedStyle(b, '::after').content")
+        marker = bot("getComputedStyle(b.querySelector('.text'), '::after').content")
     finally:
         browser.quit()
     assert (outcome, cancel) == ("cancelled", "cancelled")
@@ -202,10 +220,11 @@ def test_chromium_is_driven_headless_in_time():
 async def test_the_five_minute_demo_engine_types_its_answer_word_by_word(
     chat_page: TcpProxy, workers: WorkerPool, env: dict[str, str]
 ):
-    """docs/http.md's first steps, as written: the Typist engine behind the example page."""
+    """docs/http.md's first steps, as written: the Assistant engine behind the example page
+    answers any text but a refund as Typist does, word by word."""
     import httpx
 
-    workers.start(1, **with_examples(env), DIALOG_ENGINE="web_chat_stream:Typist")
+    workers.start(1, **with_examples(env), DIALOG_ENGINE="web_chat_stream:Assistant")
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{chat_page.port}", timeout=30) as http:
         page = await http.get("/")
         assert page.status_code == 200 and "EventSource" in page.text
@@ -234,7 +253,8 @@ async def test_the_five_minute_demo_engine_types_its_answer_word_by_word(
 
 TURNS_JS = """return [...document.querySelectorAll('.turn')].map((t) => {
   const u = t.querySelector('.user'), b = t.querySelector('.bot');
-  return {user: u ? u.textContent : null, bot: b.textContent, state: b.dataset.state,
+  return {user: u ? u.textContent : null, bot: b.querySelector('.text').textContent,
+          state: b.dataset.state,
           outcome: b.dataset.outcome || null, msg_id: b.dataset.msgId,
           cancel: b.dataset.cancel || null, shown: b.shown, visible: b.offsetParent !== null};
 });"""
@@ -266,7 +286,7 @@ async def test_the_page_gets_a_token_for_its_own_session_only_never_the_server_t
     chat_page: TcpProxy,
 ):
     """What the example's server hands a browser opens that browser's session, for the page's
-    four actions, and nothing else; the gateway refuses everything without a token."""
+    actions, and nothing else; the gateway refuses everything without a token."""
     import httpx
 
     from dialog_worker.client import session_tokens
@@ -289,7 +309,7 @@ async def test_the_page_gets_a_token_for_its_own_session_only_never_the_server_t
             assert SERVER_TOKEN not in json.dumps(given)
             checked = session_tokens.verify(SIGNING_KEY, given["token"])
             assert checked.session_id == given["session_id"]
-            assert set(checked.actions) == {"send", "stream", "cancel", "events"}
+            assert set(checked.actions) == set(PAGE_ACTIONS)
 
         def auth(token: str) -> dict[str, str]:
             return {"Authorization": f"Bearer {token}"}
@@ -337,7 +357,7 @@ def test_stop_after_a_double_text_stops_the_answer_being_written_not_the_queued_
         assert queued["state"] == "waiting" and not queued["visible"], "no second typing mark"
         typing = browser.execute_script(
             "return [document.getElementById('status').textContent,"
-            " getComputedStyle(document.querySelector('.bot'), '::after').content]"
+            " getComputedStyle(document.querySelector('.bot .text'), '::after').content]"
         )
         stop = browser.find_element("id", "stop")
         assert stop.is_enabled()
@@ -485,3 +505,211 @@ def test_the_page_fits_a_narrow_phone_screen(chat_page: TcpProxy, workers: Worke
         assert 0 <= box["left"] and box["right"] <= width and box["bottom"] <= layout["height"]
     assert layout["text"]["width"] > width / 3, "the input keeps most of the row"
     assert layout["bubbles"] and max(layout["bubbles"]) <= width
+
+
+# ---------------------------------------------------------------------------------------------
+# An agent's answer: tool progress, a question with Approve / Reject, the trace of a message.
+
+BUBBLE_JS = """const b = document.querySelector('.bot');
+return {text: b.querySelector('.text').textContent, state: b.dataset.state,
+        outcome: b.dataset.outcome || null, msg_id: b.dataset.msgId, shown: b.shown,
+        tools: [...b.querySelectorAll('.tool')].map((t) => t.textContent),
+        prompts: [...b.querySelectorAll('.prompt')].map((p) => ({
+          id: p.dataset.interruptId, question: p.querySelector('.question').textContent,
+          enabled: [...p.querySelectorAll('button')].map((x) => !x.disabled),
+          note: p.querySelector('.note').textContent, visible: p.offsetParent !== null})),
+        user: [...document.querySelectorAll('.user')].map((u) => u.textContent),
+        status: document.getElementById('status').textContent};"""
+
+
+def _bubble(browser: Any) -> dict[str, Any]:
+    """The (only) answer on the page: its text, state, tool lines and prompts."""
+    return dict(browser.execute_script(BUBBLE_JS))
+
+
+def _asking(browser: Any, question: str) -> bool:
+    """Whether the page shows ``question`` once, visible, both buttons enabled, under the
+    tool's status line."""
+    if browser.execute_script("return document.querySelector('.bot') === null"):
+        return False
+    shown = _bubble(browser)
+    return shown["tools"] == ["refund: waiting for approval"] and [
+        (p["question"], p["enabled"], p["visible"]) for p in shown["prompts"]
+    ] == [(question, [True, True], True)]
+
+
+def _replies(env: dict[str, str], msg_id: str) -> list[str]:
+    """The outcomes of the reply events of ``msg_id``, in order."""
+    import redis
+
+    r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
+    return [f["outcome"] for _, f in r.xrange("dialog-replies") if f.get("msg_id") == msg_id]
+
+
+def test_an_approval_prompt_survives_reloads_and_its_answer_completes_once(
+    chat_page: TcpProxy, workers: WorkerPool, env: dict[str, str], tmp_path: Path
+):
+    """ "refund 20" to the example's Assistant: the tool's progress and the question show in
+    the answer's bubble; reloaded (and reloaded again by a page that remembers nothing, as on
+    another device) the page still asks; Approve resumes the step once, the answer streams in
+    and completes once, and the refund is sent once."""
+    ledger = tmp_path / "refunds.jsonl"
+    workers.start(
+        1,
+        **with_examples(env),
+        DIALOG_ENGINE="web_chat_stream:Assistant",
+        WEB_CHAT_REFUNDS_FILE=str(ledger),
+    )
+    question = "Send a refund of 20?"
+    browser = _browser()
+    try:
+        session = _open_chat(browser, chat_page)
+        _send(browser, "refund 20")
+        wait_until(lambda: _asking(browser, question), 20, what="the question and the tool")
+        asked = _bubble(browser)
+        browser.refresh()
+        assert _open_chat(browser, chat_page) == session
+        wait_until(lambda: _asking(browser, question), 20, what="the question after a reload")
+        reloaded = _bubble(browser)
+        # A page that remembers none of its answers (another device, cleared storage) learns
+        # of the question from the gateway (GET /pending).
+        browser.execute_script("localStorage.clear()")
+        browser.refresh()
+        assert _open_chat(browser, chat_page) == session
+        wait_until(lambda: _asking(browser, question), 20, what="the question, nothing kept")
+        browser.find_element("css selector", ".prompt .approve").click()
+        clicked = _bubble(browser)
+        wait_until(lambda: _bubble(browser)["state"] == "done", 30, what="the answer")
+        # The turn brings the message's text, which the page that kept nothing did not know.
+        wait_until(lambda: _bubble(browser)["user"] == ["refund 20"], 20, what="the user's text")
+        done = _bubble(browser)
+        trace: list[str] = browser.execute_script("return chat.trace")
+    finally:
+        browser.quit()
+    msg_id = asked["msg_id"]
+    assert (asked["state"], asked["text"]) == ("awaiting", "")
+    assert asked["status"] == "waiting for your answer"
+    assert (reloaded["msg_id"], reloaded["state"], reloaded["user"]) == (
+        msg_id,
+        "awaiting",
+        ["refund 20"],
+    )
+    [prompt] = clicked["prompts"]
+    assert prompt["id"] == f"{msg_id}:1:1"  # <msg_id>:<seq>:<n>
+    assert prompt["enabled"] == [False, False], "disabled at once by the click"
+    [refund] = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert (refund["msg_id"], refund["amount"]) == (msg_id, 20)
+    final = f"Done: refund {refund['refund_id']} of 20 is on its way."
+    assert (done["msg_id"], done["text"], done["outcome"]) == (msg_id, final, "applied")
+    assert done["tools"] == ["refund: done"]
+    assert [(p["note"], p["enabled"]) for p in done["prompts"]] == [("Approved", [False, False])]
+    # It streamed in after the approval (pieces, each the start of the answer), and ended once.
+    assert all(final.startswith(text) for text in done["shown"]), done["shown"]
+    assert any(0 < len(text) < len(final) for text in done["shown"]), done["shown"]
+    assert trace.count(f"end {msg_id} applied") == 1
+    assert trace.count(f"resume {prompt['id']} true") == 1
+    assert _replies(env, msg_id) == ["awaiting", "applied"]
+
+
+async def test_the_assistant_sends_no_refund_when_the_person_declines(
+    workers: WorkerPool, client: DialogClient, env: dict[str, str], tmp_path: Path
+):
+    import redis
+
+    ledger = tmp_path / "refunds.jsonl"
+    workers.start(
+        1,
+        **with_examples(env),
+        DIALOG_ENGINE="web_chat_stream:Assistant",
+        WEB_CHAT_REFUNDS_FILE=str(ledger),
+    )
+    asked = await client.ask("declines", "refund 7", timeout=20)
+    assert (asked.outcome, asked.payload) == ("awaiting", {"question": "Send a refund of 7?"})
+    assert asked.interrupt_id is not None
+    assert (await client.resume("declines", asked.interrupt_id, False)).status == "resumed"
+    r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
+
+    def applied() -> list[str]:
+        return [
+            f["reply"]
+            for _, f in r.xrange("dialog-replies")
+            if f.get("msg_id") == asked.msg_id and f.get("outcome") == "applied"
+        ]
+
+    assert await wait_for(applied, 20) == ["Okay, no refund was sent."]
+    assert not ledger.exists(), "no refund without an approval"
+
+
+def _requests(browser: Any, method: str, path: str) -> list[dict[str, Any]]:
+    """The requests the browser sent (from its performance log), by method and URL path."""
+    import urllib.parse
+
+    sent = []
+    for entry in browser.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] != "Network.requestWillBeSent":
+            continue
+        request = message["params"]["request"]
+        if request["method"] == method and urllib.parse.urlsplit(request["url"]).path == path:
+            sent.append(request)
+    return sent
+
+
+TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-01")
+
+
+def test_the_page_sends_each_message_with_a_traceparent_the_gateway_continues(
+    env: dict[str, str], tmp_path: Path
+):
+    """Each POST of a message carries a W3C traceparent header of a trace of its own; with
+    tracing on (the OTel extra, an exporter named), the example's gateway continues it: the
+    entry in the inbound stream carries the same trace id under the gateway's own span."""
+    import redis
+
+    from dialog_worker import tracing
+
+    traced = tracing.installed()
+    with _serve_example(
+        env, tmp_path, **({"OTEL_TRACES_EXPORTER": "console"} if traced else {})
+    ) as page:
+        browser = _browser(network_log=True)
+        try:
+            session = _open_chat(browser, page)
+            for text in ("first", "second"):  # no worker: they stay in the inbound stream
+                _send(browser, text)
+            wait_until(
+                lambda: (
+                    browser.execute_script(
+                        "return [...chat.answers.values()].filter((a) => a.feed).length"
+                    )
+                    == 2
+                ),
+                20,
+                what="both messages sent",
+            )
+            posts = _requests(browser, "POST", f"/sessions/{session}/messages")
+            sent = {
+                json.loads(p["postData"])["text"]: (json.loads(p["postData"])["msg_id"], p)
+                for p in posts
+            }
+        finally:
+            browser.quit()
+    assert sorted(sent) == ["first", "second"]
+    headers = {
+        text: {k.lower(): v for k, v in p["headers"].items()} for text, (_, p) in sent.items()
+    }
+    parents = {text: TRACEPARENT.fullmatch(h.get("traceparent", "")) for text, h in headers.items()}
+    assert all(parents.values()), headers
+    trace_ids = {text: m.group(1) for text, m in parents.items() if m}
+    assert trace_ids["first"] != trace_ids["second"], "a trace of its own for each message"
+    assert all(t.strip("0") for t in trace_ids.values())
+    r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
+    entries = {f["msg_id"]: f for _, f in r.xrange("dialog")}
+    for text, (msg_id, _) in sent.items():
+        entry = entries[msg_id]
+        if not traced:
+            continue  # without the extra the gateway traces nothing: the header is all there is
+        continued = TRACEPARENT.fullmatch(entry.get("traceparent", ""))
+        assert continued is not None, entry
+        assert continued.group(1) == trace_ids[text], (entry, headers[text])
+        assert continued.group(2) != parents[text].group(2)  # the gateway's span, its child

@@ -73,7 +73,7 @@ class H:
     async def commit(self, job: list[Any], version: int = 0) -> list[Any]:
         token, seq = job[1], int(job[2])
         args = [TTL_MS, 3600, 0, 1, token, "s", seq, version, json.dumps({"seq": seq}), "m1"]
-        args += ["reply", "applied", job[3], "", "", "", "", ""]  # no usage
+        args += ["reply", "applied", job[3], "", "", "", "", "", ""]  # no usage, not merged
         return await self.s.commit(
             keys=[K.stream, K.ready, K.session_prefix, K.replies, K.dlq], args=args
         )

@@ -61,7 +61,7 @@ class Harness:
         k = self.k
         args: list[Any] = [TTL_MS, 3600, maxlen, len(commits)]
         for c in commits:
-            args += [*c, *[""] * (14 - len(c))]  # extras, timers, usage (when left out)
+            args += [*c, *[""] * (15 - len(c))]  # extras, timers, usage, first part (left out)
         return await self.s.commit(
             keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args
         )

@@ -62,7 +62,7 @@ class Harness:
         sid, token, seq, entry_id, version = job[0], job[1], int(job[2]), job[3], int(job[6])
         args: list[Any] = [TTL_MS, 3600, 0, 1]
         args += [token, sid, seq, version, json.dumps({"seq": seq}), b"m", b"r", "applied"]
-        args += [entry_id, "", "", "", "", ""]
+        args += [entry_id, "", "", "", "", "", ""]
         args += ["continue", "1" if dispatch else "0", f"c{self.calls}", self.pattern]
         args += ["1" if slow else "0"]
         (result,) = await self.s.commit(

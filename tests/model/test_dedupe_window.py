@@ -53,7 +53,7 @@ class Calls:
         [result] = self._commit(
             keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq],
             args=[5000, STATE_TTL_S, 0, 1, job[1], job[0], seq, version, json.dumps(doc),
-                  msg_id, "r" + str(seq), "applied", job[3], "", "", "", "", ""],
+                  msg_id, "r" + str(seq), "applied", job[3], "", "", "", "", "", ""],
         )  # fmt: skip
         assert int(result[0]) == Code.COMMITTED
 

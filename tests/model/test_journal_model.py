@@ -218,7 +218,7 @@ class JournalScripts(RuleBasedStateMachine):
         if job is None:
             return
         args = [TTL_MS, 3600, 0, 1, job.token, SID, job.seq, job.version, "{}", job.msg_id,
-                "r", "applied", "1-1", "", "", "", "", ""]  # fmt: skip
+                "r", "applied", "1-1", "", "", "", "", "", ""]  # fmt: skip
         [result] = self.run("commit", [K.stream, K.ready, K.session_prefix, K.replies, K.dlq], args)
         code = Code(int(result[0]))
         fresh = job.token == self.holder and job.seq == self.applied + 1

@@ -363,7 +363,7 @@ class Scripts:
         k = self.k
         args: list[Any] = [LOCK_TTL_MS, STATE_TTL_S, 0, len(commits)]
         for c in commits:
-            args += [*c, *[""] * (14 - len(c))]  # extras, timers, usage (when left out)
+            args += [*c, *[""] * (15 - len(c))]  # extras, timers, usage, first part (left out)
         return self.commit(keys=[k.stream, k.ready, k.session_prefix, k.replies, k.dlq], args=args)
 
     def call_release(self, job: Job, delay_ms: int, error: str, mode: Release) -> int:

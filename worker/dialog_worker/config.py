@@ -80,6 +80,10 @@ class Settings:
     redis_mode: str = "standalone"
     # What a message does when its session already has one in progress (lua/intake-5.lua).
     multitask: str = "enqueue"
+    # multitask=merge: a burst's messages within this window of each other reach one step,
+    # which waits at most merge_max_ms from the first (lua/_common.lua, merge_parts).
+    merge_window_ms: int = 2000
+    merge_max_ms: int = 10000
     # Producer fields copied onto a message's reply events ("channel,chat_id"; docs/replies).
     echo_fields: str = ""
     # Which tenant a message belongs to when it has no tenant field: the first group of this
@@ -144,6 +148,11 @@ class Settings:
     @property
     def prefix(self) -> str:
         return self.key_prefix or self.stream
+
+    @property
+    def merge_spec(self) -> str:
+        """The merged bursts' settings as the scripts take them (merge_spec in _common.lua)."""
+        return f"{self.multitask},{self.merge_window_ms},{self.merge_max_ms}"
 
     @property
     def tenant_lua_pattern(self) -> str:
@@ -750,7 +759,9 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "log_format": _choice("json", "console"),
     "shutdown_grace_s": _float(0.0),
     "redis_mode": _choice("standalone", "cluster"),
-    "multitask": _choice("enqueue", "reject", "interrupt", "coalesce"),
+    "multitask": _choice("enqueue", "reject", "interrupt", "coalesce", "merge"),
+    "merge_window_ms": _int(1, 3_600_000),
+    "merge_max_ms": _int(1, 86_400_000),
     "echo_fields": _echo_fields,
     "tenant_pattern": _tenant_pattern,
     "message_ttl_s": _float(0.0),
@@ -903,6 +914,8 @@ def _check_relations(s: Settings) -> None:
         # Fail at start, not with a TLS error at every connection attempt.
         if not Path(s.redis_ca_path).is_file():
             raise ConfigError(env_name("redis_ca_path"), f"file not found: {s.redis_ca_path}")
+    if s.merge_max_ms < s.merge_window_ms:
+        raise ConfigError(env_name("merge_max_ms"), "must be >= DIALOG_MERGE_WINDOW_MS")
     if s.backoff_max_ms < s.backoff_base_ms:
         raise ConfigError(env_name("backoff_max_ms"), "must be >= DIALOG_BACKOFF_BASE_MS")
     if s.visibility_timeout_ms < s.lock_ttl_ms:

@@ -98,7 +98,7 @@ class CancelResult:
         return dataclasses.asdict(self)
 
 
-MULTITASK_POLICIES = ("enqueue", "reject", "interrupt", "coalesce")
+MULTITASK_POLICIES = ("enqueue", "reject", "interrupt", "coalesce", "merge")
 
 
 class DialogClient:
@@ -194,9 +194,10 @@ class DialogClient:
         or times out during the append, whether it landed is unknown: ``UncertainSendError``
         then carries the ``msg_id``; send again with it (applied once either way).
 
-        ``multitask`` (``enqueue`` | ``reject`` | ``interrupt`` | ``coalesce``) overrides
-        DIALOG_MULTITASK for this message: what it does if its session already has a message
-        in progress (docs/guarantees.md).
+        ``multitask`` (``enqueue`` | ``reject`` | ``interrupt`` | ``coalesce`` | ``merge``)
+        overrides DIALOG_MULTITASK for this message: what it does if its session already has a
+        message in progress, or, for ``merge``, which messages reach one step together
+        (docs/guarantees.md).
 
         ``expires_at`` (unix seconds): if the message's turn comes later than that, it ends
         ``expired`` without a step (one reply event).
@@ -455,7 +456,8 @@ class DialogClient:
         self, session_id: str, ttl_s: float = 3600, actions: Iterable[str] | None = None
     ) -> str:
         """A token for a browser that allows ``actions`` (some of ``send``, ``stream``,
-        ``cancel``, ``events``; all when None) on this session only, for ``ttl_s`` seconds,
+        ``cancel``, ``events``, ``pending``, ``resume``; all when None) on this session only,
+        for ``ttl_s`` seconds,
         signed with ``DIALOG_HTTP_SIGNING_KEY`` (the gateway checks it with the same key).
         Mint it in your server for the user you know, hand it to their page; rotate the key to
         revoke every token. See docs/http.md."""

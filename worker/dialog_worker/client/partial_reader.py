@@ -274,7 +274,8 @@ def _event(msg_id: str, attempt: int, cursor: str, pos: int, kind: str, data: st
 def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> tuple[str, str] | None:
     """(outcome, the bot's reply) of ``msg_id``'s turn in a stored state document, or None when
     the turn is not kept (any more). A turn marked ``cancelled``, ``superseded`` or
-    ``expired`` ended so; any other turn was applied. Nothing read from Redis is trusted to be
+    ``expired`` ended so; any other turn was applied; a message named in a turn's ``merged``
+    list was answered with that turn (``merged``). Nothing read from Redis is trusted to be
     well-formed."""
     if not doc:
         return None
@@ -296,6 +297,11 @@ def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> tuple
                 (o for o in UNAPPLIED_MARKS if turn.get(o) is True),
                 "applied",
             )
+            return ended, str(turn["bot"])
+        merged = turn.get("merged") if isinstance(turn, dict) else None
+        if isinstance(merged, list) and msg_id in merged and isinstance(turn.get("bot"), str):
+            # An earlier part of a merged burst: answered by the turn's message.
+            ended = next((o for o in UNAPPLIED_MARKS if turn.get(o) is True), "merged")
             return ended, str(turn["bot"])
     return None
 

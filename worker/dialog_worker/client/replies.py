@@ -47,6 +47,7 @@ Outcome = Literal[
     "expired",
     "budget_exceeded",
     "awaiting",
+    "merged",
 ]
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 # What a history turn of a message that ended without being applied is marked with (true).
@@ -122,6 +123,9 @@ class Reply:
     usage: dict[str, Any] | None = None
     interrupt_id: str | None = None
     payload: Any = None
+    # A ``merged`` event: the msg_id of the message whose step answered it with the burst's
+    # other messages (multitask=merge); "" otherwise.
+    answered_by: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """All fields; ``bubbles``, ``no_reply``, ``echo``, ``traceparent``, ``usage``,
@@ -136,6 +140,7 @@ class Reply:
             ("echo", {}),
             ("traceparent", ""),
             ("usage", None),
+            ("answered_by", ""),
         ):
             if shown[name] == empty:
                 del shown[name]
@@ -165,6 +170,7 @@ def reply_from_entry(
         usage=_usage(values.get(b"usage")),
         interrupt_id=_text(values[b"interrupt_id"]) if b"interrupt_id" in values else None,
         payload=_payload(values.get(b"payload")),
+        answered_by=_text(values.get(b"answered_by")) if b"answered_by" in values else "",
     )
 
 
@@ -216,7 +222,7 @@ def _echoed(values: RawFields) -> dict[str, str]:
     for name, value in values.items():
         if (
             name not in EVENT_FIELDS
-            and name not in (b"bubbles", b"no_reply", b"traceparent", b"usage")
+            and name not in (b"bubbles", b"no_reply", b"traceparent", b"usage", b"answered_by")
             and name not in INTERRUPT_FIELDS
         ):
             if len(echo) >= MAX_ECHOED:

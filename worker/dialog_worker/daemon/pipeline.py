@@ -63,6 +63,7 @@ from dialog_worker.store.codec import (
     fields_dict,
     json_bytes,
     json_loads,
+    merged_message,
     redis_text,
     text,
 )
@@ -134,6 +135,11 @@ class Job:
     # Its attempt's model calls and their usage (dialog_worker/daemon/model_gate.py), until
     # they are committed with its reply or counted as wasted.
     calls: Attempt | None = None
+    # A merged burst (multitask=merge): the parts before this one, (seq, entry id, fields)
+    # each, in order; this job's own seq, entry and fields are the last part's (it answers).
+    parts: list[tuple[int, str, dict[bytes, bytes]]] = dataclasses.field(default_factory=list)
+    # Their msg_ids, once decoded.
+    part_msg_ids: list[str] = dataclasses.field(default_factory=list)
     # Its cancel mark's key, built once: the cancel watch asks for it every interval.
     _mark: str = ""
 
@@ -143,8 +149,8 @@ class Job:
     ) -> Job:
         """A job row of intake-5.lua, resume-3.lua (without resume's leading kind) or of a
         commit that handed its freed slot to a queued session (commit-5.lua, dispatch)."""
-        sid, token, seq, entry_id, flat, doc, version, attempts, first, error, ending = row
-        return cls(
+        sid, token, seq, entry_id, flat, doc, version, attempts, first, error, ending = row[:11]
+        job = cls(
             keys=keys,
             session_id=sid.decode("utf-8"),
             token=text(token),
@@ -160,6 +166,29 @@ class Job:
             ending=text(ending),
             fresh=fresh,
         )
+        if len(row) > 11 and row[11]:
+            job.merge(row[11])
+        return job
+
+    def merge(self, later: Sequence[Any]) -> None:
+        """The later parts of a merged burst, as the scripts list them ({seq, entry id,
+        fields} each): this job becomes the last part's, the first ones its `parts`."""
+        every = [(self.seq, self.entry_id, self.fields)]
+        every += [(int(s), text(i), fields_dict(f)) for s, i, f in later]
+        self.parts = every[:-1]
+        self.seq, self.entry_id, self.fields = every[-1]
+
+    @property
+    def first_seq(self) -> int:
+        """The seq the session's applied seq is one short of while this job runs: the first
+        part's (the scripts fence a merged step's writes by it)."""
+        return self.parts[0][0] if self.parts else self.seq
+
+    def cancel_marks(self) -> list[str]:
+        """The cancel marks that stop this job's step: its own, and a merged burst's every
+        part's."""
+        session = self.keys.session(self.session_id)
+        return [self.cancel_mark(), *(session.cancel_mark(m) for m in self.part_msg_ids)]
 
     def cancel_mark(self) -> str:
         """The key of this message's cancel mark, built once its `msg_id` is known."""
@@ -237,6 +266,7 @@ class Committer:
                 self.token_base(),
                 s.tenant_lua_pattern,
                 "".join("1" if slow else "0" for _, slow, _ in batch),
+                s.merge_spec,
             ]
         try:
             with anyio.CancelScope(shield=True):
@@ -370,6 +400,15 @@ class Pipeline:
                     job.fields,
                     self.settings.tenant_pattern,
                 )
+                if job.parts:
+                    earlier = [
+                        decode_message(
+                            job.session_id, s, e, job.attempts, f, self.settings.tenant_pattern
+                        )
+                        for s, e, f in job.parts
+                    ]
+                    job.part_msg_ids = [m.msg_id for m in earlier]
+                    msg = merged_message([*earlier, msg])
             except MalformedEntry as exc:
                 return await self._deadletter(job, None, "malformed", exc.reason)
             structlog.contextvars.bind_contextvars(msg_id=msg.msg_id)
@@ -423,6 +462,15 @@ class Pipeline:
                 # What its model calls used is spent against the budgets now (counted apart,
                 # as wasted: the run after the resume commits only its own usage).
                 await self._wasted(job)
+                if job.parts:
+                    # A merged burst parks on no one message: refused, as the docs say.
+                    return await self._deadletter(
+                        job,
+                        msg,
+                        "permanent",
+                        "interrupt() is not supported in a step of merged messages "
+                        "(multitask=merge)",
+                    )
                 return await self._interrupt(job, msg, asked)
             except (LeaseLost, JournalFenced):
                 self.metrics.fencing_rejections.inc()
@@ -541,10 +589,12 @@ class Pipeline:
                 jobs = [j for j in jobs if not j.watched]
             if not jobs:
                 continue
-            marks = await redis.mget([j.cancel_mark() for j in jobs])
-            for job, mark in zip(jobs, marks, strict=True):
+            wanted = [j.cancel_marks() for j in jobs]
+            marks = iter(await redis.mget([m for ms in wanted for m in ms]))
+            for job, mine in zip(jobs, wanted, strict=True):
                 job.watched = True
-                if mark is not None and job.scope is not None:
+                found = [next(marks) for _ in mine]
+                if any(m is not None for m in found) and job.scope is not None:
                     job.cancel_flag.set()
                     job.scope.cancel()
         return cancellation.WATCH_INTERVAL_S
@@ -583,6 +633,8 @@ class Pipeline:
             turn["events"] = list(job.partial.kept)  # emit_event(..., keep=True)
         if ending:
             turn[ending] = True  # "cancelled" / "superseded" / "expired": true
+        if job.part_msg_ids:
+            turn["merged"] = list(job.part_msg_ids)  # the parts this turn answered too
         old = job.load_state()
         history = [*old.get("history", []), turn][-settings.history_limit :]
         if not settings.history_limit:
@@ -646,6 +698,8 @@ class Pipeline:
             # without a step keeps none).
             job.timer_ops.encoded() if outcome == "applied" and job.timer_ops else "",
             usage_arg(calls, totals) if calls is not None and totals is not None else "",
+            # A merged burst: its first part's seq (every part is answered by this commit).
+            str(job.first_seq) if job.parts else "",
         ]
         if job.trace is not None:
             job.trace.begin_commit(outcome, dead_letter["error"] if dead_letter else "")
@@ -706,7 +760,7 @@ class Pipeline:
         fields = held.pop(next_id, None)
         if fields is None:
             fields = fields_dict(flat)
-        return Job(
+        nxt = Job(
             keys=job.keys,
             session_id=job.session_id,
             token=job.token,
@@ -722,6 +776,11 @@ class Pipeline:
             held=held,
             ending=next_ending,
         )
+        if len(result) > 6 and result[6]:
+            nxt.merge(result[6])  # a burst to merge whose window has closed: one step
+            for _, entry_id, _ in [*nxt.parts, (nxt.seq, nxt.entry_id, nxt.fields)]:
+                held.pop(entry_id, None)
+        return nxt
 
     # ------------------------------------------------------------------------------------
     # waiting for a person
@@ -853,7 +912,7 @@ class Pipeline:
                     args=[
                         job.token,
                         job.session_id,
-                        job.seq,
+                        job.first_seq,  # a merged burst goes back whole: its first part
                         delay_ms,
                         redis_text(error),
                         mode.value,

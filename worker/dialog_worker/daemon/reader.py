@@ -137,6 +137,7 @@ class Reader:
             count if free is None else free,
             s.tenant_lua_pattern,
             s.partial_ttl_s,
+            s.merge_spec,
         ]
 
     async def intake(

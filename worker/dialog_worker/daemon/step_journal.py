@@ -42,6 +42,9 @@ class Job(Protocol):
     seq: int
     msg_id: str
 
+    @property
+    def first_seq(self) -> int: ...
+
 
 class JournalFenced(Exception):
     """The journal write was refused: the lock is not this attempt's any more, or its message
@@ -104,7 +107,7 @@ class AttemptJournal:
                 args=[
                     job.token,
                     job.session_id,
-                    job.seq,
+                    job.first_seq,  # the scripts fence by it (a merged burst's first part)
                     job.msg_id,
                     name,
                     value,

@@ -94,6 +94,7 @@ class Upkeep:
                         s.lock_ttl_ms,
                         int(s.gap_timeout_s * 1000),
                         s.tenant_lua_pattern,
+                        s.merge_spec,
                     ],
                 )
                 jobs = [Job.from_script(k, row[1:], gap=row[0] == b"g") for row in rows]

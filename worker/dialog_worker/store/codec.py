@@ -149,9 +149,12 @@ class Message:
     meta: dict[str, str]
     expires_at_ms: int | None = None  # from the message's expires_at field
     tenant: str = DEFAULT_TENANT  # tenant_of: its tenant field, or DIALOG_TENANT_PATTERN
+    # A merged burst (multitask=merge): every part, the last one this message's own
+    # (merged_message); empty for a message alone.
+    parts: list[Message] = dataclasses.field(default_factory=list)
 
     def as_engine_input(self) -> dict[str, Any]:
-        return {
+        shown: dict[str, Any] = {
             "session_id": self.session_id,
             "msg_id": self.msg_id,
             "seq": self.seq,
@@ -161,6 +164,32 @@ class Message:
             "attempt": self.attempt,
             "meta": dict(self.meta),
         }
+        if self.parts:
+            shown["parts"] = [
+                {
+                    "msg_id": p.msg_id,
+                    "seq": p.seq,
+                    "text": p.text,
+                    "entry_id": p.entry_id,
+                    "enqueued_at": p.enqueued_at_ms,
+                    "meta": dict(p.meta),
+                }
+                for p in self.parts
+            ]
+        return shown
+
+
+def merged_message(parts: list[Message]) -> Message:
+    """One step's message for a merged burst: the last part's identity (its msg_id, seq,
+    entry id, meta and expiry: it answers), the parts' texts one per line, the first part's
+    arrival, and every part in `parts`."""
+    last = parts[-1]
+    return dataclasses.replace(
+        last,
+        text="\n".join(p.text for p in parts),
+        enqueued_at_ms=parts[0].enqueued_at_ms,
+        parts=list(parts),
+    )
 
 
 @functools.lru_cache(maxsize=8)
