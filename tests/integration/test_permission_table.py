@@ -20,7 +20,7 @@ import pytest
 from test_security import ROLES, AclRedis, acl  # noqa: F401  (acl: the module's fixture)
 
 from dialog_worker.config import Settings
-from dialog_worker.store.keys import Keys, Topology, audit_key, shards_key
+from dialog_worker.store.keys import Keys, Topology, audit_key, limits_index, shards_key
 
 pytestmark = pytest.mark.integration
 
@@ -61,8 +61,11 @@ COMMANDS: dict[str, str] = {
     "ZREMRANGEBYRANK": "ZREMRANGEBYRANK {k} 0 0",
     "ZCARD": "ZCARD {k}",
     "ZSCORE": "ZSCORE {k} m",
+    "ZCOUNT": "ZCOUNT {k} 0 +inf",
+    "ZPOPMIN": "ZPOPMIN {k}",
     "SADD": "SADD {k} m",
     "SISMEMBER": "SISMEMBER {k} m",
+    "SMEMBERS": "SMEMBERS {k}",
     # lists (the kick list)
     "LPUSH": "LPUSH {k} 1",
     "LTRIM": "LTRIM {k} 0 0",
@@ -71,6 +74,7 @@ COMMANDS: dict[str, str] = {
     "HGET": "HGET {k} f",
     "HMGET": "HMGET {k} f",
     "HGETALL": "HGETALL {k}",
+    "HKEYS": "HKEYS {k}",
     "HLEN": "HLEN {k}",
     "HEXISTS": "HEXISTS {k} f",
     "HSCAN": "HSCAN {k} 0",
@@ -82,6 +86,7 @@ COMMANDS: dict[str, str] = {
     "GET": "GET {k}",
     "MGET": "MGET {k}",
     "SET": "SET {k} v",
+    "INCR": "INCR {k}",
     "DEL": "DEL {k}",
     "UNLINK": "UNLINK {k}",
     "EXISTS": "EXISTS {k}",
@@ -120,6 +125,10 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# msg_ids that make a session's key end as a shard key does (see families()).
+ALIASES = ("x}:s:cancels", "x}:ready:tset", "x}:ready:tmin")
+
+
 def families() -> dict[str, list[str]]:
     """Key family code -> sample keys of that family, in the plain and in the sharded layout
     (shard 1 of 3). A family is allowed only if every sample is, refused only if none is."""
@@ -127,20 +136,26 @@ def families() -> dict[str, list[str]]:
     shard = Topology.from_settings(Settings(shards=3)).shards[1]
     both = (plain, shard)
     s = [k.session("u1") for k in both]
+    day = "20250101"
+    limit = plain.limit("openai:gpt-4.1")
+    budget = plain.budget("acme", day)
     return {
         "in": [k.stream for k in both],
         "sp": [k.session_prefix for k in both],
         "st": [x.state for x in s],
-        "msg": [x.dedupe("m1") for x in s] + [x.dedupe("m}") for x in s],
+        # Keys named by msg_ids that end like the shard keys written with patterns matched
+        # by length (the cancel count, the tenants' shard copies): those patterns match none.
+        "msg": [x.dedupe(m) for x in s for m in ("m1", "m}", *ALIASES)],
         "lock": [x.lock for x in s],
         "cnl": [x.cancel_mark("m1") for x in s],
         "part": [x.partial("m1") for x in s],
-        "jrn": [x.journal("m1") for x in s],
+        "jrn": [x.journal(m) for x in s for m in ("m1", *ALIASES)],
         "awt": [x.awaiting for x in s],
         "intr": [x.interrupts for x in s],
         "stm": [x.timers for x in s],
         "ids": [x.ids for x in s],
         "let": [x.letters for x in s],
+        "cnc": [k.cancels for k in both],
         "rdy": [k.ready for k in both],
         "inb": [k.inbound for k in both],
         "age": [k.ages for k in both],
@@ -151,11 +166,23 @@ def families() -> dict[str, list[str]]:
         "rcp": [f"{k.ready}:receipt:t1" for k in both],
         "wait": [k.waiter for k in both] + [k.wake for k in both],
         "kick": [k.kick for k in both],
+        "runq": [k.tenant_queue(t) for k in both for t in ("acme", "t}")],
+        "busy": [k.tenant_busy(t) for k in both for t in ("acme", "t}")],
+        "act": [k.tenants_active for k in both],
+        "vt": [k.tenants_vt for k in both],
+        "tset": [k.tenant_settings for k in both],
+        "tmin": [k.tenants_guaranteed for k in both],
+        "use": [k.usage(day) for k in both],
         "rep": [k.replies for k in both],
         "dlq": [k.dlq for k in both],
         "aud": [audit_key(Settings())],
         "shd": [shards_key(Settings())],
         "rsh": [k.reshard_moved for k in both],
+        "ten": [plain.tenants],
+        "lim": [limit.config],
+        "lsl": [limit.in_flight, limit.reserved],
+        "lix": [limits_index(plain.prefix)],
+        "bud": [budget.meter, budget.leases],
     }
 
 

@@ -469,6 +469,12 @@ def test_operator_can_reset_and_delete_a_session_with_nothing_denied(acl: AclRed
     sk = plain.session("gone")
     acl.admin.hset(sk.state, mapping={"a": "1", "s": "2", "v": "2", "d": "{}", "q2": "x"})
     acl.admin.set(sk.lock, "tok")
+    # Its step counts in flight for its tenant (T), and it also waits in the tenant's queue:
+    # reset stops the count, delete takes it out of the queue.
+    acl.admin.hset(sk.state, "T", "acme")
+    acl.admin.zadd(plain.tenant_busy("acme"), {"gone": 9e12})
+    acl.admin.zadd(plain.tenants_active, {"acme": 1})
+    acl.admin.zadd(plain.tenant_queue("acme"), {"gone": 1})
     acl.admin.xadd(plain.dlq, {"session_id": "gone", "text": "t", "error": "e"})
     acl.admin.xadd(plain.replies, {"session_id": "gone", "reply": "r"})
     env = worker_env(acl.url("operator"))
@@ -479,7 +485,102 @@ def test_operator_can_reset_and_delete_a_session_with_nothing_denied(acl: AclRed
     out = json.loads(done.stdout)
     assert (out["dead_letters"], out["reply_events"]) == (1, 1)
     assert not acl.admin.exists(sk.state)
+    assert acl.admin.zscore(plain.tenant_busy("acme"), "gone") is None
+    assert acl.admin.zscore(plain.tenant_queue("acme"), "gone") is None
     assert acl.acl_log() == [], "the operator was denied a command reset or delete needs"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tenants_limits_and_usage_run_as_the_restricted_users(
+    acl: AclRedis, tmp_path: Path, layout: str
+) -> None:
+    """`tenants set` and `limits set` as `operator`; then a worker (`worker`) runs two
+    tenants' sessions through the tenants' queues (more sessions of a tenant capped at one slot
+    than it may run, a tenant with a guaranteed minimum) with model calls on a limited key,
+    a daily budget, a 429 (the key paused for every worker) and attempts that fail after their
+    call (wasted usage); `tenants`, `limits`, `limits pause` (`operator`) and the usage
+    (`app`) read what it wrote. Every command is allowed: ACL LOG stays empty."""
+    acl.admin.flushall()
+    acl.admin.execute_command("ACL", "LOG", "RESET")
+    layout_env = LAYOUTS[layout]
+    op_env = worker_env(acl.url("operator"), **layout_env)
+    for args in (
+        ("tenants", "set", "acme", "--weight", "2", "--max", "1"),
+        ("tenants", "set", "beta", "--min", "1", "--daily-tokens", "100000"),
+        ("limits", "set", "k", "--rpm", "60000", "--max-in-flight", "4"),
+    ):
+        done = cli(op_env, *args)
+        assert done.returncode == 0, done.stderr
+    topology = Topology.from_settings(settings_for(acl.url("operator"), **layout_env))
+    for shard in topology.shards:  # every shard's copy, which its scripts read
+        assert acl.admin.hget(shard.tenant_settings, "acme") == "2.0 0 1"
+        assert acl.admin.zscore(shard.tenants_guaranteed, "beta") == 1
+    texts = {"acme": ["plain"] * 4, "beta": ["fail-once", "limit", "plain"]}
+    sessions = {f"{t}-{i}": t for t, kinds in texts.items() for i in range(len(kinds))}
+
+    async def produce() -> None:
+        async with DialogClient(settings=settings_for(acl.url("producer"), **layout_env)) as c:
+            for tenant, kinds in texts.items():
+                for i, kind in enumerate(kinds):
+                    await c.send(f"{tenant}-{i}", f"{kind} {i}", meta={"tenant": tenant})
+
+    asyncio.run(produce())  # before the worker: one intake reads them all, more than fit
+    as_operator = redis.Redis.from_url(acl.url("operator"), decode_responses=True)
+
+    def all_applied() -> bool:
+        return all(
+            as_operator.hget(topology.for_session(s).session(s).state, "a") == "1" for s in sessions
+        )
+
+    pool = WorkerPool(
+        worker_env(
+            acl.url("worker"),
+            **layout_env,
+            DIALOG_ENGINE="usage_engines:UsageEngine",
+            DIALOG_CONCURRENCY="2",
+            DIALOG_MODEL_LIMITS=json.dumps({"k": {"rpm": 60_000}}),
+            DIALOG_TENANT_DAILY_TOKENS="100000",
+            DIALOG_BACKOFF_BASE_MS="10",
+            DIALOG_BACKOFF_MAX_MS="50",
+        ),
+        tmp_path,
+    )
+    try:
+        pool.start(1)
+        # A denied command inside a script (redis.pcall) may leave a session waiting for its
+        # next look a minute later: stop at the first denial.
+        wait_until(lambda: all_applied() or acl.acl_log() != [], 60, what="every message applied")
+    finally:
+        pool.stop_all()
+        as_operator.close()
+
+    async def usage() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        async with DialogClient(settings=settings_for(acl.url("app"), **layout_env)) as c:
+            return (
+                await c.tenant_usage("acme"),
+                await c.tenant_usage("beta"),
+                await c.usage("beta-0"),
+            )
+
+    acme, beta, failed_once = asyncio.run(usage())
+    assert (acme["calls"], acme["input_tokens"], acme["output_tokens"]) == (4, 40, 20)
+    assert beta["calls"] == 3 and beta["wasted"]["calls"] >= 1
+    assert failed_once["calls"] == 1 and failed_once["wasted"]["calls"] == 1
+
+    listed = cli(op_env, "tenants")
+    assert listed.returncode == 0, listed.stderr
+    rows = {r["tenant"]: r for r in map(json.loads, listed.stdout.splitlines())}
+    assert (rows["acme"]["max"], rows["acme"]["in_flight"], rows["acme"]["waiting"]) == (1, 0, 0)
+    assert rows["beta"]["used_today"] >= 45  # 3 calls committed, 1 wasted, 15 tokens each
+    paused = cli(op_env, "limits", "pause", "k", "--for", "60", "--reason", "provider incident")
+    assert paused.returncode == 0, paused.stderr
+    assert json.loads(paused.stdout)["paused_until"] is not None
+    limits = cli(op_env, "limits")
+    assert limits.returncode == 0, limits.stderr
+    [k] = [r for r in map(json.loads, limits.stdout.splitlines()) if r["key"] == "k"]
+    assert (k["source"], k["max_in_flight"]) == ("runtime", 4)
+    assert k["pause_reason"].endswith(": provider incident")
+    assert acl.acl_log() == [], "a role was denied a command tenants, limits or usage need"
 
 
 def test_app_lists_resumes_and_cancels_a_parked_session_with_nothing_denied(
@@ -1109,6 +1210,14 @@ def test_the_app_user_streams_answers_and_cancels_with_nothing_denied(
                     got["cancel"] = await c.cancel("acl-st", "m2")
             got["stopped"] = stopped
             got["finished"] = await c.cancel("acl-st", "m2")
+            # An interrupting message while a step runs: the worker's intake marks the running
+            # one cancelled and moves the shard's cancel count on (INCR, as the worker user).
+            cut: list[Any] = []
+            async for event in c.ask_stream("acl-st", "400 20", msg_id="m3", timeout=30):
+                cut.append(event)
+                if len(cut) == 2:
+                    await c.send("acl-st", "1 1", msg_id="m4", multitask="interrupt")
+            got["cut"] = cut
         return got
 
     try:
@@ -1124,4 +1233,5 @@ def test_the_app_user_streams_answers_and_cancels_with_nothing_denied(
     assert got["cancel"].status == "cancelled"
     assert got["stopped"][-1].outcome == "cancelled"
     assert (got["finished"].status, got["finished"].outcome) == ("finished", "cancelled")
+    assert got["cut"][-1].outcome == "cancelled"
     assert acl.acl_log() == [], "the app user was denied a command it needs"
