@@ -39,7 +39,7 @@ from typing import Any
 
 import anyio
 
-from dialog_worker.bench import limits, namespace
+from dialog_worker.bench import limits, namespace, tenants
 from dialog_worker.bench.counting import COUNTER
 from dialog_worker.bench.machine import machine_info
 from dialog_worker.bench.redis_server import EmbeddedRedis
@@ -70,9 +70,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--burst", type=int, default=10, help="messages per session (default 10)")
     p.add_argument(
         "--mode",
-        choices=["burst", "rate", "limits"],
+        choices=["burst", "rate", "limits", "tenants", "merge"],
         help="burst: all at once (default); rate: --rate msg/s for --duration s; limits: "
-        "workers against a fake model provider's quota for --duration s (bench/limits.py)",
+        "workers against a fake model provider's quota for --duration s (bench/limits.py); "
+        "tenants: a tenant's flood and another's lone messages, weights, a tenant alone; "
+        "merge: bursts merged by the window (bench/tenants.py)",
     )
     p.add_argument("--rate", type=float, help="fixed arrival rate, messages/s (implies rate)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of a rate run")
@@ -146,6 +148,7 @@ def add_parser(sub: Any) -> None:
         "--keep-data", action="store_true", help="keep what the bench wrote (default: removed)"
     )
     limits.add_arguments(p)
+    tenants.add_arguments(p)
     p.add_argument(
         "--msg-ids",
         action="store_true",
@@ -220,6 +223,8 @@ def _check_plot(path: str | None) -> bool:
 async def bench_command(settings: Settings, args: argparse.Namespace) -> int:
     if args.mode == "limits":
         return await _limits_command(settings, args)
+    if args.mode in ("tenants", "merge"):
+        return await _tenants_command(settings, args)
     systems = _validate(args)
     if not _check_plot(args.plot):
         return EXIT_USAGE
@@ -283,6 +288,27 @@ async def bench_command(settings: Settings, args: argparse.Namespace) -> int:
     summary(report)
     print(json.dumps(report, ensure_ascii=False), flush=True)
     return EXIT_OK if ours_bad == 0 else EXIT_FAILURE
+
+
+async def _tenants_command(settings: Settings, args: argparse.Namespace) -> int:
+    if settings.redis_mode != "standalone" or settings.shards != 1:
+        raise ValidationError("bench supports the plain (standalone, one shard) layout only")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler=_exit_on_sigterm)  # its workers stop too
+    embedded: EmbeddedRedis | None = None
+    if args.redis == "embedded":
+        embedded = await anyio.to_thread.run_sync(EmbeddedRedis)
+        settings = settings.replace(redis_url=embedded.url)
+    try:
+        if args.mode == "tenants":
+            report = await tenants.tenants_bench(settings, args)
+        else:
+            report = await tenants.merge_bench(settings, args)
+    finally:
+        if embedded is not None:
+            await anyio.to_thread.run_sync(embedded.stop)
+    print(json.dumps(report, ensure_ascii=False), flush=True)
+    return EXIT_OK if report.get("ok", True) else EXIT_FAILURE
 
 
 async def _limits_command(settings: Settings, args: argparse.Namespace) -> int:
