@@ -86,3 +86,14 @@ def test_a_mutation_killed_only_by_a_consistency_check_or_a_linter_is_refused() 
         assert problem.startswith(f"{m.id}: names {refused.split('::')[0]}, which runs "), problem
         assert "only a behaviour test may kill a mutation" in problem
     assert run.problems([m]) == []
+
+
+def test_the_claims_table_counts_what_each_section_lists() -> None:
+    """The table at the top of docs/guarantees.md: one row per claim, its test and mutation
+    counts those of the claim's section (kept by hand, so checked here)."""
+    page = claims_on_the_page()
+    text = GUARANTEES.read_text(encoding="utf-8")
+    rows = re.findall(r"^\| \[([A-Za-z0-9-]+)\]\(#[^)]*\) \|[^|]*\| (\d+) \| (\d+) \|$", text, re.M)
+    assert {claim for claim, _, _ in rows} == set(page)
+    for claim, tests, mutations in rows:
+        assert (int(tests), int(mutations)) == (len(page[claim][0]), len(page[claim][1])), claim
