@@ -654,6 +654,7 @@ end
 -- costs no queue); otherwise they join their tenants' queues and the free slots go out in
 -- fair order (dispatch in _common.lua), after the writes below.
 local sched = scheduler(ready, sprefix, stream, now, lock_ttl, token_base, tenant_pattern)
+sched.merge = merge  -- a queued burst handed out here goes with its parts
 -- While nobody waits in the shard's queues, the sessions that may start take the free slots at
 -- once, in stream order, each within its tenant's maximum, when they are all one tenant's or
 -- there is a slot for each (nothing to share out); the rest join their tenants' queues, and

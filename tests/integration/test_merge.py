@@ -192,6 +192,27 @@ async def test_a_hand_off_to_a_burst_whose_window_is_open_waits_for_it(h):
     assert await h.r.zscore(h.k.ready, "s") == t + WINDOW_MS
 
 
+async def test_a_burst_waiting_in_a_queue_goes_with_its_parts_whoever_hands_it_out(h):
+    """Sessions wait in the queue (x, read with no free slot); two bursts whose windows closed
+    join it behind x; resume hands out two (x and s1's burst), the next intake call with a
+    free slot hands out s2's burst: each burst with its parts."""
+    t = await now_ms(h) - 20_000
+    await h.r.xadd(h.k.stream, {"session_id": "x", "text": "t", "msg_id": "x1"}, id=f"{t}-0")
+    t += 10_000
+    for sid in ("s1", "s2"):
+        await send_at(h, t, f"{sid}-a", sid=sid)
+        await send_at(h, t + 50, f"{sid}-b", sid=sid)
+        t += 100
+    await h.intake(free=0)
+    assert await h.r.zrange(h.k.tenant_queue("default"), 0, -1) == [b"x"]
+    await h.r.zadd(h.k.ready, {"s1": 0, "s2": 0})
+    rows = await h.resume(count=2)
+    got = {bytes(r[1]).decode(): [int(p[0]) for p in r[12]] for r in rows}
+    assert got == {"x": [], "s1": [2]}
+    _, _, [row], _, _ = await h.intake(free=1)
+    assert row[0] == b"s2" and [int(p[0]) for p in row[11]] == [2]
+
+
 # --- real workers ---------------------------------------------------------------------------
 
 
