@@ -502,7 +502,7 @@ async def test_real_prometheus_scrapes_a_worker_and_evaluates_every_rule(
         # Every outcome is exported from the start (at 0 until it happens).
         assert outcomes == {
             "applied", "duplicate", "dead_lettered", "cancelled", "rejected", "superseded",
-            "expired",
+            "expired", "budget_exceeded", "merged",
         }  # fmt: skip
         assert query("dialog_end_to_end_seconds_bucket")
         assert query(f'dialog_ready{{job="{JOB}"}} == 1')

@@ -94,7 +94,8 @@ class LimitScripts(RuleBasedStateMachine):
         self.calls = [0] * CALLERS  # each caller's current call number (its call id)
         # caller -> (tokens charged, its lease's end) of a granted call not settled yet
         self.in_flight: dict[int, tuple[int, int]] = {}
-        self.crashed: dict[int, int] = {}  # caller -> lease end (model time) of a dead call
+        # call id -> lease end (model time) of a dead call (a caller may die more than once)
+        self.crashed: dict[str, int] = {}
         self.kept: dict[int, tuple[float, int]] = {}  # caller -> (turn, tokens) kept for it
         self.tr = self.tt = 0.0  # arrival times (model time) as the model predicts them
         self.pu = 0  # paused until (model time)
@@ -237,7 +238,7 @@ class LimitScripts(RuleBasedStateMachine):
     def crash(self, c: int) -> None:
         """The caller's worker dies mid-call: its slot comes back when its lease ends."""
         if c in self.in_flight:
-            self.crashed[c] = self.in_flight.pop(c)[1]
+            self.crashed[self.call_id(c)] = self.in_flight.pop(c)[1]
             note(f"crash {self.call_id(c)}")
 
     @rule(for_s=st.sampled_from([10, 90]))

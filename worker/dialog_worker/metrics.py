@@ -235,6 +235,7 @@ class Metrics:
             "superseded",
             "expired",
             "budget_exceeded",
+            "merged",
         ):
             self.messages.labels(outcome)
         for reason in ("contended", "out_of_order", "error", "rate_limited"):

@@ -734,6 +734,10 @@ class Pipeline:
             return await self._end(job, "cancelled", msg, await self._shown(job))
         ledger.committed(job.keys.session(job.session_id).state, job.version + 1)
         self.metrics.messages.labels(outcome).inc()
+        if job.parts:  # a merged burst's earlier parts: answered with it, or ended as it did
+            self.metrics.messages.labels("merged" if outcome == "applied" else outcome).inc(
+                len(job.parts)
+            )
         self.metrics.processing.observe(time.perf_counter() - started)
         if msg is not None and msg.enqueued_at_ms:
             self.metrics.end_to_end.observe(max(0.0, (now_ms() - msg.enqueued_at_ms) / 1000))
