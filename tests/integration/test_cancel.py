@@ -145,6 +145,52 @@ async def test_a_running_async_step_stops_within_the_bound(
     assert state is not None and state["memory"] == {} and state["applied_seq"] == 20
 
 
+def mget_calls(url: str) -> int:
+    """MGETs the server has run: only the cancel watch sends one (its look at a new step)."""
+    stats = redis.Redis.from_url(url).info("commandstats")
+    return int(stats.get("cmdstat_mget", {}).get("calls", 0))
+
+
+async def test_a_step_the_watch_has_already_looked_at_stops_on_a_cancel_or_an_interrupt(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The watch reads a running step's cancel marks when it first sees the step, then again
+    only when its shard's cancel count moves: a cancel and an interrupting message move it.
+    Each cancel here comes after the watch's first look (its MGET was counted), so a step
+    whose later cancel the watch misses runs on for its 30 s."""
+    log = start(workers, tmp_path, DIALOG_SHUTDOWN_GRACE_S="1")
+    url = env["REDIS_URL"]
+    for i, how in enumerate(["cancel", "interrupt", "cancel"]):
+        mid = f"w{i}"
+        before = mget_calls(url)
+        await client.send("s10", "sleep 30", msg_id=mid)
+        await wait_for(
+            lambda m=mid, b=before: (
+                any(e["msg_id"] == m for e in engine_log(log)) and mget_calls(url) > b
+            )
+        )
+        sent = time.time()
+        if how == "cancel":
+            assert (await client.cancel("s10", mid)).status == "cancelled"
+        else:
+            await client.send("s10", "stop that", msg_id=f"{mid}-next", multitask="interrupt")
+        stopped = await wait_for(
+            lambda m=mid: [
+                e for e in engine_log(log) if e["event"] == "cancelled" and e["msg_id"] == m
+            ],
+            timeout_s=5,
+        )
+        assert stopped[0]["t"] - sent < ASYNC_BOUND_S
+        await wait_for(lambda m=mid: by_msg(events(url)).get(m))
+    outcomes = {m: [e["outcome"] for e in got] for m, got in by_msg(events(url)).items()}
+    assert outcomes == {
+        "w0": ["cancelled"],
+        "w1": ["cancelled"],
+        "w1-next": ["applied"],
+        "w2": ["cancelled"],
+    }
+
+
 async def test_a_plain_def_step_sees_the_flag_and_its_result_is_discarded(
     workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
 ) -> None:

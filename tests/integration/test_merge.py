@@ -109,6 +109,18 @@ async def test_a_burst_waits_in_the_ready_set_until_its_window_closes(h):
     assert await h.resume() == []  # not due yet
 
 
+async def test_a_burst_due_before_its_window_closes_still_waits_for_it(h):
+    """A session can come due while its burst is still arriving (the lease of a killed
+    worker that held it ran out): resume hands nothing out and puts it back at the close."""
+    t = await now_ms(h)
+    await send_at(h, t, "m1")
+    await h.intake()
+    await h.r.zadd(h.k.ready, {"s": 0})  # due now, as a crashed holder's lease leaves it
+    assert await h.resume() == []
+    assert await h.r.zscore(h.k.ready, "s") == t + WINDOW_MS
+    assert not await h.r.exists(h.k.session("s").lock)
+
+
 async def test_a_closed_window_gives_one_job_with_every_part_and_one_commit_answers_all(h):
     t = await now_ms(h) - 10_000  # a burst that arrived ten seconds ago: its window is over
     for i, mid in enumerate(("m1", "m2", "m3")):

@@ -223,6 +223,25 @@ async def test_a_slow_step_takes_turns_with_its_own_tenants_waiting_sessions(h):
     assert sid_of(slow[2]) == "a-1"  # a slow one gives it to the next waiting session
 
 
+async def test_a_slow_step_takes_turns_while_another_tenant_waits_at_its_maximum(h):
+    """b waits too, but at its maximum: the slot is a's to keep, and after a slow step it
+    goes to a's waiting session rather than to the slow session's next message."""
+    await h.share("b", most=1)
+    await send(h, "a-0", "a")
+    await send(h, "b-0", "b")
+    _, _, jobs, _, _ = await h.intake(free=2)
+    assert sorted(sid_of(j) for j in jobs) == ["a-0", "b-0"]
+    await send(h, "a-0", "a")  # its next message
+    await send(h, "a-1", "a")
+    await send(h, "b-1", "b")
+    await h.intake(free=0)
+    assert await h.queued("a") == ["a-1"] and await h.queued("b") == ["b-1"]
+    a0 = next(j for j in jobs if sid_of(j) == "a-0")
+    slow = await h.finish(a0, slow=True)
+    assert int(slow[0]) == Code.COMMITTED and sid_of(slow[2]) == "a-1"
+    assert await h.queued("a") == ["a-0"]  # its next message waits its turn
+
+
 async def test_priority_moves_a_session_forward_in_its_tenants_queue(h):
     await send(h, "a-0", "a")
     await h.intake(free=1)  # a-0 runs: the later ones queue
@@ -247,6 +266,30 @@ async def test_a_crashed_sessions_lease_stops_counting_and_resume_queues_it_fair
     got = [bytes(r[1]).decode() for r in rows]
     assert sorted(got) == ["a-0"] or sorted(got) == ["a-1"]
     assert await h.in_flight("a") == 1  # never above its maximum
+
+
+async def test_a_crashed_session_back_while_its_tenant_is_at_its_maximum_waits_its_turn(h):
+    """The queues are empty, so a session that comes back through the ready set would take a
+    slot at once, but only within its tenant's maximum: a's other session took a's one slot
+    after the crashed holder's lease ran out, so the crashed one queues and gets the slot
+    that session frees."""
+    await h.share("a", most=1)
+    await send(h, "a-0", "a")
+    _, _, jobs, _, _ = await h.intake(free=2)
+    assert [sid_of(j) for j in jobs] == ["a-0"]
+    # a-0's holder dies: its lock and in-flight lease run out, and a-1 takes a's slot.
+    await h.r.delete(h.k.session("a-0").lock)
+    await h.r.zadd(h.k.tenant_busy("a"), {"a-0": 0})
+    await h.r.zadd(h.k.ready, {"a-0": 0})
+    await send(h, "a-1", "a")
+    _, _, later, _, _ = await h.intake(free=2)
+    assert [sid_of(j) for j in later] == ["a-1"] and await h.in_flight("a") == 1
+    rows, _ = await h.resume(count=2)
+    assert rows == [] and await h.in_flight("a") == 1
+    assert await h.queued("a") == ["a-0"]
+    result = await h.finish(later[0])
+    assert int(result[0]) == Code.COMMITTED and sid_of(result[2]) == "a-0"
+    assert await h.in_flight("a") == 1
 
 
 async def test_a_release_and_a_delete_leave_no_count_and_no_queue_place(h, redis_server):
