@@ -554,6 +554,7 @@ for ci, c in ipairs(commits) do
       end
       results[#results + 1] = row and {6, version, row} or {6, version}
     end
+    if sched then sched.prefer = nil end  -- a yield's choice is for its own slot only
   end
 end
 

@@ -68,15 +68,23 @@ async def _flood(client: DialogClient, tenant: str, messages: int, sessions: int
             await pipe.execute()
 
 
-async def _drain(client: DialogClient, total: int, deadline_s: float) -> list[dict[bytes, bytes]]:
-    """The reply events once `total` are there (or the deadline passed)."""
+async def _drain(
+    client: DialogClient, total: int, deadline_s: float
+) -> list[tuple[int, dict[bytes, bytes]]]:
+    """The reply events once `total` are there (or the deadline passed), each with the time
+    Redis wrote it (its entry id's milliseconds)."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         if await client.redis.xlen(client.keys.replies) >= total:
             break
         await anyio.sleep(0.2)
     rows = cast(list[Any], await client.raw.xrange(client.keys.replies))
-    return [fields for _, fields in rows]
+    return [(int(bytes(entry_id).split(b"-")[0]), fields) for entry_id, fields in rows]
+
+
+async def _redis_ms(client: DialogClient) -> int:
+    sec, usec = await client.redis.time()
+    return int(sec) * 1000 + int(usec) // 1000
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -111,7 +119,7 @@ async def _scenario(
         workers = await _workers(settings, tmp, args.workers, slots, env)
         result: dict[str, Any] = {"scenario": name}
         try:
-            started = time.monotonic()
+            started_ms = await _redis_ms(client)
             expected = flood * (2 if name == "weights" else 1)
             if name in ("flood", "flood_spread"):
                 latencies = []
@@ -130,15 +138,22 @@ async def _scenario(
                     "probes": len(latencies),
                 }
                 result["bound_ms"] = step_ms + 100
-            events = await _drain(client, expected, deadline_s=flood * step_ms / 1000 / 8 + 120)
-            took = time.monotonic() - started
+            timed = await _drain(client, expected, deadline_s=flood * step_ms / 1000 / 8 + 120)
+            events = [fields for _, fields in timed]
             result["replies"] = len(events)
-            if name == "alone":
+            if name == "alone" and timed:
+                # From the workers' start to the last reply event (Redis's clock), and the
+                # steady part alone: from the 10th to the 90th percentile reply (no start-up,
+                # no last partial round of slots).
                 bound = args.workers * slots / (step_ms / 1000)
-                rate = len(events) / took
+                rate = len(events) / max(0.001, (timed[-1][0] - started_ms) / 1000)
+                lo, hi = timed[len(timed) // 10][0], timed[len(timed) * 9 // 10][0]
+                steady = (len(timed) * 9 // 10 - len(timed) // 10) / max(0.001, (hi - lo) / 1000)
                 result["throughput_msg_s"] = round(rate, 1)
+                result["steady_throughput_msg_s"] = round(steady, 1)
                 result["slots_bound_msg_s"] = round(bound, 1)
                 result["share_of_bound"] = round(rate / bound, 4)
+                result["steady_share_of_bound"] = round(steady / bound, 4)
             if name == "weights":
                 # Up to the first tenant's last reply, both had messages waiting.
                 order = [e[b"session_id"][:1] for e in events]
@@ -147,6 +162,13 @@ async def _scenario(
                 both = order[: min(last_a, last_b)]
                 a, b = both.count(b"a"), both.count(b"b")
                 result["while_both_waited"] = {"a": a, "b": b, "ratio": round(a / max(1, b), 3)}
+                # The same from b's first reply on: a's flood was sent first, so the readers
+                # read a's 10,000 entries before b's, and until then a alone had messages to
+                # schedule (the scheduler shares out what has been read).
+                first_b = order.index(b"b")
+                both = order[first_b : min(last_a, last_b)]
+                a, b = both.count(b"a"), both.count(b"b")
+                result["both_read"] = {"a": a, "b": b, "ratio": round(a / max(1, b), 3)}
         finally:
             workers.stop()
             await _clean(client, settings)
@@ -206,7 +228,8 @@ async def merge_bench(settings: Settings, args: argparse.Namespace) -> dict[str,
             for i in range(3):
                 await client.send("burst", f"part {i}", msg_id=f"p{i}")
                 await anyio.sleep(0.5)
-            events = await _drain(client, before + 3, deadline_s=longest / 1000 + 30)
+            timed = await _drain(client, before + 3, deadline_s=longest / 1000 + 30)
+            events = [fields for _, fields in timed]
             outcomes = [e[b"outcome"].decode() for e in events[before:]]
             report["three_parts"] = {
                 "reply_events": len(outcomes),
