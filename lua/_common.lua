@@ -153,6 +153,13 @@ local function entry_order(id)
   return (tonumber(ms) or 0) + math.min(tonumber(seq) or 0, 999) / 1000
 end
 
+-- The order of a session queued now behind the others (one that gave its slot up): after
+-- every entry appended by now, those of this very millisecond too (at most now + 0.999). An
+-- entry with an id ahead of Redis's clock (the clock stepped back) can still be behind it.
+local function behind_at(now)
+  return now + 0.9995
+end
+
 -- The jobs of a receipt whose locks are still ours, with their state and fields read again.
 -- Each receipt item is {kind, session_id, token, seq, entry id, ending}; rows are built by
 -- `row` (h: d, v, n, f, e, q<seq>, xc, xs of the session's state), with the ending the first

@@ -532,7 +532,7 @@ for ci, c in ipairs(commits) do
       if tenant then rcall('HDEL', state, 'T') end
       if queued then
         -- Its slot is owed elsewhere: it waits in its tenant's queue, its age kept.
-        enqueue(sched, c.sid, queued[5], now)
+        enqueue(sched, c.sid, queued[5], behind_at(now))
       elseif last > c.seq and held then
         rcall('ZREM', ready, c.sid)  -- held: waits for a release or redrive (hold-3.lua)
       elseif window_closes then
