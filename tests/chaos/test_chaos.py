@@ -50,7 +50,7 @@ the replica lagging behind: there Redis does lose acknowledged writes, and the c
 them apart from what the workers lost (which must be 0).
 
 The workload and the fault schedule come from one seed (printed; set CHAOS_SEED to replay a
-run); CHAOS_FAULT_PHASE_S sets the fault phase (default 120 s).
+run); CHAOS_FAULT_PHASE_S sets the fault phase (default 90 s).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ from dialog_worker.store.keys import Keys
 pytestmark = pytest.mark.chaos
 
 SEED = int(os.environ.get("CHAOS_SEED", "20240917"))
-FAULT_PHASE_S = float(os.environ.get("CHAOS_FAULT_PHASE_S", "120"))
+FAULT_PHASE_S = float(os.environ.get("CHAOS_FAULT_PHASE_S", "90"))
 SESSIONS = 300
 WORKERS = 3
 LOCK_TTL_MS = 1000

@@ -74,7 +74,7 @@ async def test_a_sessions_dead_letters_come_from_its_index_not_from_the_stream(
     async def two_indexed() -> bool:
         return await client.redis.zcard(index) == 2
 
-    await wait_until_async(two_indexed, 15, what="two letters indexed for the session")
+    await wait_until_async(two_indexed, 10, what="two letters indexed for the session")
     data = (await http.get("/api/session?id=mine", headers=VIEW)).json()
     assert data["letters_scanned"] == 0 and data["letters_complete"] is True
     kinds = sorted(d["error_kind"] for d in data["dead_letters"])

@@ -78,7 +78,7 @@ async def test_a_held_session_waits_until_released_then_goes_on_in_order(
         users = [t["user"] for t in await turns(client, "alice")]
         return users if len(users) == 4 else None
 
-    assert await wait_until_async(applied, 20, what="the waiting messages applied") == [
+    assert await wait_until_async(applied, 10, what="the waiting messages applied") == [
         "halo",
         "satu",
         "dua",
@@ -135,7 +135,7 @@ async def test_under_on_dead_letter_hold_a_redrive_puts_the_letter_back_before_t
         rows = [(t["seq"], t["user"]) for t in await turns(client, "bob")]
         return rows if len(rows) == 4 else None
 
-    rows = await wait_until_async(applied, 20, what="the redriven and waiting messages applied")
+    rows = await wait_until_async(applied, 10, what="the redriven and waiting messages applied")
     assert rows == [(1, "flaky one"), (2, "flaky one"), (3, "two"), (4, "three")]
     assert await client.redis.xlen(client.keys.dlq) == 0
     page = await session_page(http, "bob")

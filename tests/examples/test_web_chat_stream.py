@@ -408,14 +408,14 @@ def test_messages_the_server_starts_appear_on_the_page(
         _send(browser, "remind 1 nudge are you still there?")
         wait_until(
             lambda: len(_turns(browser)) == 2,
-            20,
+            10,  # a second and a half
             what="the timer's message, a second after the answer",
         )
         later = run_cli(
             env, "send", session, "your order shipped", "--deliver-at", str(time.time() + 1)
         )
         assert later.returncode == 0, later.stderr
-        wait_until(lambda: len(_turns(browser)) == 3, 20, what="the delivered message")
+        wait_until(lambda: len(_turns(browser)) == 3, 10, what="the delivered message")
         turns = _turns(browser)
     finally:
         browser.quit()
@@ -565,18 +565,19 @@ def test_an_approval_prompt_survives_reloads_and_its_answer_completes_once(
     try:
         session = _open_chat(browser, chat_page)
         _send(browser, "refund 20")
-        wait_until(lambda: _asking(browser, question), 20, what="the question and the tool")
+        # Each of these shows within a second or two.
+        wait_until(lambda: _asking(browser, question), 10, what="the question and the tool")
         asked = _bubble(browser)
         browser.refresh()
         assert _open_chat(browser, chat_page) == session
-        wait_until(lambda: _asking(browser, question), 20, what="the question after a reload")
+        wait_until(lambda: _asking(browser, question), 10, what="the question after a reload")
         reloaded = _bubble(browser)
         # A page that remembers none of its answers (another device, cleared storage) learns
         # of the question from the gateway (GET /pending).
         browser.execute_script("localStorage.clear()")
         browser.refresh()
         assert _open_chat(browser, chat_page) == session
-        wait_until(lambda: _asking(browser, question), 20, what="the question, nothing kept")
+        wait_until(lambda: _asking(browser, question), 10, what="the question, nothing kept")
         browser.find_element("css selector", ".prompt .approve").click()
         clicked = _bubble(browser)
         wait_until(lambda: _bubble(browser)["state"] == "done", 30, what="the answer")

@@ -118,7 +118,8 @@ async def test_a_waiting_message_cancelled_behind_a_long_step_stays_cancelled_fo
 async def test_a_running_async_step_stops_within_the_bound(
     workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
 ) -> None:
-    log = start(workers, tmp_path)
+    # A step that is not stopped runs on for its 30 s: the workers are not kept waiting for it.
+    log = start(workers, tmp_path, DIALOG_SHUTDOWN_GRACE_S="1")
     url = env["REDIS_URL"]
     delays = []
     for i in range(20):
@@ -127,10 +128,11 @@ async def test_a_running_async_step_stops_within_the_bound(
         await wait_for(lambda m=mid: any(e["msg_id"] == m for e in engine_log(log)))
         sent = time.time()
         assert (await client.cancel("s2", mid)).status == "cancelled"
-        stopped = await wait_for(
+        stopped = await wait_for(  # stopped later than ASYNC_BOUND_S fails below anyway
             lambda m=mid: [
                 e for e in engine_log(log) if e["event"] == "cancelled" and e["msg_id"] == m
-            ]
+            ],
+            timeout_s=5 * ASYNC_BOUND_S,
         )
         delays.append(stopped[0]["t"] - sent)
         await wait_for(lambda m=mid: by_msg(events(url)).get(m))
@@ -196,10 +198,12 @@ async def test_a_plain_def_step_sees_the_flag_and_its_result_is_discarded(
 ) -> None:
     log = start(workers, tmp_path, engine="SlowThread")
     url = env["REDIS_URL"]
-    await client.send("s3", "sleep 30", msg_id="t1")
+    # Longer than the wait for its cancel below (a thread cannot be stopped: a step that never
+    # sees the flag holds its worker's shutdown until its end).
+    await client.send("s3", "sleep 12", msg_id="t1")
     await wait_for(lambda: engine_log(log))
     assert (await client.cancel("s3", "t1")).status == "cancelled"
-    await wait_for(lambda: any(e["event"] == "cancelled" for e in engine_log(log)))
+    await wait_for(lambda: any(e["event"] == "cancelled" for e in engine_log(log)), 10)
     got = await wait_for(lambda: events(url))
     assert [(e["msg_id"], e["outcome"]) for e in got] == [("t1", "cancelled")]
     reply = await client.ask("s3", "next", msg_id="t2", timeout=15)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 
@@ -157,7 +159,7 @@ def test_supervisor_gives_up_on_a_child_that_cannot_start_with_growing_backoff(e
     from dialog_worker.daemon.supervisor import GIVE_UP_AFTER, RESTART_MAX_S
 
     started = time.monotonic()
-    result = subprocess.run(  # a supervisor that never gives up is killed after 60 s
+    proc = subprocess.Popen(
         [sys.executable, "-m", "dialog_worker", "run", "--processes", "2"],
         env={
             **env,
@@ -166,9 +168,34 @@ def test_supervisor_gives_up_on_a_child_that_cannot_start_with_growing_backoff(e
             "DIALOG_LOG_LEVEL": "info",
             "TMPDIR": str(tmp_path),
         },
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
+    )
+    # A supervisor that never gives up is killed after 60 s; it fails sooner if it restarts a
+    # slot after that slot's GIVE_UP_AFTER-th quick failure (the death it must give up at).
+    deadline = threading.Timer(60, proc.kill)
+    deadline.start()
+    stderr: list[str] = []
+    drain = threading.Thread(target=lambda: stderr.append(proc.stderr.read()), daemon=True)
+    drain.start()
+    stdout: list[str] = []
+    restarts: collections.Counter[int] = collections.Counter()
+    try:
+        for line in proc.stdout:
+            stdout.append(line)
+            event = json.loads(line) if line.startswith("{") else {}
+            if event.get("event") == "worker_process_died":
+                restarts[event["slot"]] += 1
+                assert restarts[event["slot"]] < GIVE_UP_AFTER, ("restarted", "".join(stdout))
+        proc.wait()
+    finally:
+        deadline.cancel()
+        proc.kill()
+        proc.wait()
+        drain.join(10)
+    result = subprocess.CompletedProcess(
+        proc.args, proc.returncode, "".join(stdout), "".join(stderr)
     )
     took = time.monotonic() - started
     assert result.returncode == 1, result

@@ -93,7 +93,7 @@ async def test_state_does_not_expire_while_a_backlog_waits_behind_a_slow_step(cl
     for n in range(3):
         raw.xadd("dialog", {"session_id": "slow", "text": f"m{n}", "msg_id": f"c{n}"})
     sent = [Sent("slow", i + 1, m, "") for i, m in enumerate(["a", "b", "c0", "c1", "c2"])]
-    assert await wait_applied(client, sent, timeout_s=30)
+    assert await wait_applied(client, sent, timeout_s=15)  # about 3 s (the 2.5 s step)
     assert await check(client, sent) == []
     state = await client.state("slow")
     assert state["memory"]["userName"] == "Budi"
@@ -267,7 +267,7 @@ async def test_a_missing_predecessor_is_skipped_as_a_gap(client, workers, env):
     raw.xadd("dialog", {"session_id": "gap", "text": "nama saya Budi", "msg_id": "m2"})
     workers.start(1, DIALOG_GAP_TIMEOUT_S="0.5", DIALOG_LOCK_TTL_MS="500")
     sent = [Sent("gap", 2, "m2", "nama saya Budi")]
-    assert await wait_applied(client, sent, timeout_s=20)
+    assert await wait_applied(client, sent, timeout_s=10)  # about 1 s
     [letter] = [f for _, f in await client.redis.xrange(client.keys.dlq)]
     assert (letter["error_kind"], letter["seq"], letter["session_id"]) == ("gap", "1", "gap")
     outcomes = [(e["seq"], e["outcome"]) for e in await events(client)]
@@ -380,7 +380,7 @@ async def test_an_engine_error_with_a_lone_surrogate_fails_alone_in_a_group_comm
     async with anyio.create_task_group() as tg:
         tg.start_soon(worker.run)
         try:
-            await poll(finished, 15, "every session to finish")
+            await poll(finished, 10, "every session to finish")  # about 2 s
         finally:
             worker.stop()
     assert engine.calls == {sid: 1 for sid in sessions}  # no step ran twice

@@ -305,6 +305,7 @@ async def test_a_cancel_of_any_part_stops_the_merged_step_and_every_part_ends_ca
         MERGE_ENGINE_LOG=str(log),
         DIALOG_MULTITASK="merge",
         DIALOG_MERGE_WINDOW_MS="300",
+        DIALOG_SHUTDOWN_GRACE_S="1",  # a step that is not stopped does not hold the teardown
     )
     await client.send("c", "first part", msg_id="c1")
     await client.send("c", "then sleep", msg_id="c2")

@@ -89,7 +89,7 @@ def test_a_client_made_before_a_fork_works_in_the_children_and_the_parent(
         env=env,
         capture_output=True,
         text=True,
-        timeout=45,  # a few seconds normally; a hung child (the bug it guards) ends the test
+        timeout=15,  # about a second normally; a hung child (the bug it guards) ends the test
     )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.splitlines() == [

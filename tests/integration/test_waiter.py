@@ -26,16 +26,16 @@ def _calls(r: redis.Redis, command: str) -> int:
     return int(stats["calls"]) if stats else 0
 
 
-def _idle(r: redis.Redis, others: int) -> str:
+def _idle(r: redis.Redis, others: int, timeout_s: float = 30) -> str:
     """One worker holds the waiter role (its name is returned) and `others` are blocked on
     the wake stream (Redis 7.0 lists no consumer for a read that is still blocked)."""
-    name = str(wait_until(lambda: r.get(WAITER), 30, what="a waiter").decode())
+    name = str(wait_until(lambda: r.get(WAITER), timeout_s, what="a waiter").decode())
 
     def readers() -> bool:
         blocked = [c for c in r.client_list() if c["cmd"] == "xreadgroup" and "b" in c["flags"]]
         return len(blocked) >= others
 
-    wait_until(readers, 30, what=f"{others} readers on the wake stream")
+    wait_until(readers, timeout_s, what=f"{others} readers on the wake stream")
     return name
 
 
@@ -44,7 +44,7 @@ async def test_an_append_to_an_idle_pool_wakes_one_worker(client: DialogClient, 
     workers.start(4)
     wait_until(lambda: all(w.alive() for w in workers.procs), 10)
     await client.ask("warm", "halo", timeout=20)  # every worker up, scripts loaded
-    _idle(r, others=3)
+    _idle(r, others=3, timeout_s=10)  # within a second of the warm-up
     scripts_before = _calls(r, "evalsha")
     n = 10
     for i in range(n):
@@ -86,7 +86,8 @@ async def test_a_killed_waiter_is_replaced_within_its_lease(client: DialogClient
     [waiter] = [w for w in procs if w.name == name]
     waiter.kill()
     started = time.monotonic()
-    reply = await client.ask("after-kill", "nama saya Budi", timeout=20)
+    # A reply later than 10 s fails below anyway: wait no longer than that.
+    reply = await client.ask("after-kill", "nama saya Budi", timeout=10)
     assert reply.outcome == "applied"
     # The lease (3 s) runs out, the other worker asks for the role (at most 3 s later).
     assert time.monotonic() - started < 10
@@ -165,7 +166,8 @@ async def _writes_for_a_lone_message(env: dict[str, str]) -> list[tuple[str, ...
     blocked = ("xread", "intake") if worker.settings.concurrency > 1 else ("xread",)
     async with anyio.create_task_group() as tg:
         tg.start_soon(worker.run)
-        await anyio.to_thread.run_sync(lambda: wait_until(lambda: blocked in writes, 20))
+        # At once (a tenth of a second) once the worker is up.
+        await anyio.to_thread.run_sync(lambda: wait_until(lambda: blocked in writes, 10))
         del writes[:]
         r.xadd("dialog", {"session_id": "lone", "text": "halo"})
         await anyio.to_thread.run_sync(lambda: wait_until(lambda: r.xlen("dialog-replies"), 20))
@@ -204,8 +206,8 @@ def _read_ahead_worker(env: dict[str, str], concurrency: int) -> Any:
     return Worker(settings, load_engine(None))
 
 
-async def _until(check: Any) -> None:
-    await anyio.to_thread.run_sync(lambda: wait_until(check, 20))
+async def _until(check: Any, timeout_s: float = 20) -> None:
+    await anyio.to_thread.run_sync(lambda: wait_until(check, timeout_s))
 
 
 async def test_a_blocked_read_leaves_a_message_slot_free_for_the_resumer(env):
@@ -216,7 +218,7 @@ async def test_a_blocked_read_leaves_a_message_slot_free_for_the_resumer(env):
     shard = worker.shards[0]
     async with anyio.create_task_group() as tg:
         tg.start_soon(worker.run)
-        await _until(lambda: shard.slots.free == 1)
+        await _until(lambda: shard.slots.free == 1, 10)  # at once (a tenth of a second)
         # The read blocks (3 s) with three slots taken; the fourth is there for the taking.
         shard.slots.acquire_nowait()
         shard.slots.release()
