@@ -35,6 +35,7 @@ import signal
 import sys
 import threading
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -290,7 +291,13 @@ async def bench_command(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK if ours_bad == 0 else EXIT_FAILURE
 
 
-async def _tenants_command(settings: Settings, args: argparse.Namespace) -> int:
+async def _on_own_redis(
+    settings: Settings,
+    args: argparse.Namespace,
+    bench: Callable[[Settings, argparse.Namespace], Awaitable[dict[str, Any]]],
+) -> dict[str, Any]:
+    """Run a bench mode that starts its own workers (tenants, merge, limits): the plain layout
+    only, SIGTERM stops its workers too, and with --redis embedded a redis-server of its own."""
     if settings.redis_mode != "standalone" or settings.shards != 1:
         raise ValidationError("bench supports the plain (standalone, one shard) layout only")
     if threading.current_thread() is threading.main_thread():
@@ -300,31 +307,21 @@ async def _tenants_command(settings: Settings, args: argparse.Namespace) -> int:
         embedded = await anyio.to_thread.run_sync(EmbeddedRedis)
         settings = settings.replace(redis_url=embedded.url)
     try:
-        if args.mode == "tenants":
-            report = await tenants.tenants_bench(settings, args)
-        else:
-            report = await tenants.merge_bench(settings, args)
+        return await bench(settings, args)
     finally:
         if embedded is not None:
             await anyio.to_thread.run_sync(embedded.stop)
+
+
+async def _tenants_command(settings: Settings, args: argparse.Namespace) -> int:
+    bench = tenants.tenants_bench if args.mode == "tenants" else tenants.merge_bench
+    report = await _on_own_redis(settings, args, bench)
     print(json.dumps(report, ensure_ascii=False), flush=True)
     return EXIT_OK if report.get("ok", True) else EXIT_FAILURE
 
 
 async def _limits_command(settings: Settings, args: argparse.Namespace) -> int:
-    if settings.redis_mode != "standalone" or settings.shards != 1:
-        raise ValidationError("bench supports the plain (standalone, one shard) layout only")
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler=_exit_on_sigterm)  # its workers stop too
-    embedded: EmbeddedRedis | None = None
-    if args.redis == "embedded":
-        embedded = await anyio.to_thread.run_sync(EmbeddedRedis)
-        settings = settings.replace(redis_url=embedded.url)
-    try:
-        report = await limits.limits_bench(settings, args)
-    finally:
-        if embedded is not None:
-            await anyio.to_thread.run_sync(embedded.stop)
+    report = await _on_own_redis(settings, args, limits.limits_bench)
     progress(json.dumps({k: report[k] for k in ("provider", "correctness", "budget", "ok")}))
     print(json.dumps(report, ensure_ascii=False), flush=True)
     return EXIT_OK if report["ok"] else EXIT_FAILURE
