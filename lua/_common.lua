@@ -98,8 +98,13 @@ local function receipt_key(ready, token_base)
   return ready .. ':receipt:' .. token_base
 end
 
+-- (At most RECEIPT_KEPT_MS: a re-sent call comes within seconds, and locks taken under a
+-- worker lease live far longer than a lease.)
+local RECEIPT_KEPT_MS = 30000
+
 local function save_receipt(ready, token_base, ttl_ms, jobs)
-  rcall('SET', receipt_key(ready, token_base), cjson.encode(jobs), 'PX', ttl_ms)
+  rcall('SET', receipt_key(ready, token_base), cjson.encode(jobs), 'PX',
+        math.min(ttl_ms, RECEIPT_KEPT_MS))
 end
 
 -- Custody. Once sequenced, a message lives in its session's state hash, field q<seq>: its
@@ -227,11 +232,13 @@ local function msg_id_of(id, fields)
 end
 
 -- A cancel mark for a message that may be running: the shard's cancel count (a key beside
--- the session keys: no session key is named without a brace after the prefix) moves on, so
--- the workers' cancel watch reads one key per look, and the marks of their running steps
--- only when it moved (Pipeline.watch_cancels).
+-- the session keys: no session key is named without a brace after the prefix) moves on, and
+-- a note is appended to the shard's cancel notes (a short stream), so the workers' cancel
+-- watch reads one key per look, or blocks on the notes while every step it runs was looked
+-- at, and the marks of their running steps only when one came (Pipeline.watch_cancels).
 local function note_cancel(sprefix)
   redis.pcall('INCR', sprefix .. 'cancels')
+  redis.pcall('XADD', sprefix .. 'cancel-notes', 'MAXLEN', '~', 64, '*', 'n', 1)
 end
 
 local function ending_of(sprefix, sid, seq, msg_id, xc, xs)
@@ -558,6 +565,69 @@ local function busy_leave(ready, sid, tenant)
   if tenant then redis.pcall('ZREM', busy_key(ready, tenant), sid) end
 end
 
+-- Worker leases (lease-2.lua). A worker holds one lease per shard, a member of the sorted set
+-- <ready>:workers (its number -> when the lease ends, ms), renewed once an interval whatever
+-- the number of sessions it holds. The token of a lock taken under it carries the number
+-- ("<consumer>:L<number>.<nonce>:<call>:<n>", the worker's token base then the call's
+-- count; the consumer comes first, as in every token), and while the lock is held the session's place in
+-- the ready set is HELD_BASE + that number: far past any clock, so no resume looks at it, and
+-- exactly the worker's, so when the lease lapses the sessions it held are found in O(log n)
+-- and brought back (sweep_worker). The token stays the fence of every write. A token without
+-- that prefix (a lock taken before a worker had a lease) keeps the per-session lease: its
+-- place is when its lock's TTL ends, renewed by renew-2.lua.
+-- (1e13 ms is the year 2286; written as text, since Lua would print 1e13 + w as 1e+13.)
+local HELD_BASE = 1e13
+
+local function held_place(w)
+  return string.format('%.0f', HELD_BASE + w)
+end
+
+local function workers_key(ready)
+  return ready .. ':workers'
+end
+
+-- The worker number in a lock's token, or nil (not taken under a worker lease).
+local function holder_of(token)
+  if type(token) ~= 'string' then return nil end
+  return tonumber(string.match(token, ':L(%d+)%.%x+:%d+:d?%d+$'))
+end
+
+-- The ready-set place of a session whose lock (token) was just taken or extended by ttl ms.
+local function held_until(now, ttl, token)
+  local w = holder_of(token)
+  if w then return held_place(w) end
+  return now + ttl
+end
+
+-- Whether worker w's lease is alive at now.
+local function lease_alive(ready, w, now)
+  local until_ms = tonumber(redis.pcall('ZSCORE', workers_key(ready), w))
+  return until_ms ~= nil and until_ms >= now
+end
+
+-- Bring back up to `limit` sessions held under worker w's lapsed lease: a lock still carrying
+-- its token is deleted (the holder is gone, or stalled: its late writes are fenced), the
+-- session no longer counts in flight for its tenant, and it is due now in the ready set,
+-- where a resume takes it up as it takes up any session whose lease ended. Returns how many.
+local function sweep_worker(ready, sprefix, w, now, limit)
+  local place = held_place(w)
+  local sids = rcall('ZRANGEBYSCORE', ready, place, place, 'LIMIT', 0, limit)
+  for _, sid in ipairs(sids) do
+    local lock = session_key(sprefix, sid, 'lock')
+    if holder_of(redis.pcall('GET', lock)) == w then
+      rcall('DEL', lock)
+      local state = session_key(sprefix, sid, 'state')
+      local tenant = redis.pcall('HGET', state, 'T')
+      if type(tenant) == 'string' then
+        busy_leave(ready, sid, tenant)
+        redis.pcall('HDEL', state, 'T')
+      end
+    end
+    rcall('ZADD', ready, now, sid)
+  end
+  return #sids
+end
+
 local function vclock(ctx)
   if not ctx.v then ctx.v = tonumber(redis.pcall('HGET', vt_key(ctx.ready), VCLOCK)) or 0 end
   return ctx.v
@@ -663,13 +733,14 @@ local function take(ctx, sid, t)
   local lock = session_key(ctx.sprefix, sid, 'lock')
   local token = ctx.base .. ':d' .. (ctx.tokens + 1)
   if not rcall('SET', lock, token, 'NX', 'PX', ctx.ttl) then
-    rcall('ZADD', ctx.ready, ctx.now + math.max(rcall('PTTL', lock), 0), sid)
+    rcall('ZADD', ctx.ready, held_until(ctx.now, math.max(rcall('PTTL', lock), 0),
+                                        redis.pcall('GET', lock)), sid)
     return nil
   end
   ctx.tokens = ctx.tokens + 1
   local attempts = (tonumber(h[5]) or 0) + 1
   rcall('HSET', state, 'n', attempts, 'T', t)
-  rcall('ZADD', ctx.ready, ctx.now + ctx.ttl, sid)
+  rcall('ZADD', ctx.ready, held_until(ctx.now, ctx.ttl, token), sid)
   busy_add(ctx, t, sid)
   local ending = ending_of(ctx.sprefix, sid, seq, msg_id_of(id, fields), h[8], h[9])
   ctx.receipt[#ctx.receipt + 1] = {'m', sid, token, seq, id, ending}
@@ -813,4 +884,5 @@ local function unpark(ready, sprefix, sid, rec, how)
   redis.pcall('ZADD', ages_key(ready), entry_ms(tostring(rec['entry_id'] or '')), sid)
   interrupt_ended(sprefix, sid, rec['id'], how)
 end
+
 

@@ -522,7 +522,7 @@ for ci, c in ipairs(commits) do
       rcall('HSET', state, 'd', c.doc, 'v', version, 'a', c.seq, 'n', 1, 'c', c.token .. ':' .. c.seq)
       if tenant ~= h[11] then rcall('HSET', state, 'T', tenant) end
       rcall('PEXPIRE', lock, lock_ttl)
-      rcall('ZADD', ready, now + lock_ttl, c.sid)
+      rcall('ZADD', ready, held_until(now, lock_ttl, c.token), c.sid)
       rcall('ZADD', ages, entry_ms(nxt[2]), c.sid)
       results[#results + 1] = {2, version, nxt[1], nxt[2], nxt[3], nxt[4], nxt[6] or {}}
     else

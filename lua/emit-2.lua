@@ -31,7 +31,8 @@
   KEYS: 2 per batch: the session's lock, the message's partial stream (so the name says 2)
   ARGV[1] MAXLEN   ARGV[2] ttl (s)   ARGV[3] number of batches N, then N groups of 9:
     kind ("d": text, fenced by the lock; "v": a typed event (dialog_worker.emit_event), fenced
-    and placed as text is; "e": the end, not fenced: only a worker whose commit
+    and placed as text is; "w": a transient event (the worker's `waiting`), fenced, at no
+    position (see append); "e": the end, not fenced: only a worker whose commit
     succeeded sends it; refused when the session's state is gone: deleted), lock token ("d"
     and "v" only), attempt, pos, seq,
     text (the batch, the event's data as JSON, or the committed reply), whole text so far
@@ -64,7 +65,7 @@ for i = 0, n - 1 do
   local e = {kind = ARGV[b + 1], token = ARGV[b + 2], attempt = tonumber(ARGV[b + 3]),
              pos = tonumber(ARGV[b + 4]), seq = tonumber(ARGV[b + 5]),
              refresh = ARGV[b + 9] == '1', lock = KEYS[2 * i + 1], partial = KEYS[2 * i + 2]}
-  if (e.kind ~= 'd' and e.kind ~= 'e' and e.kind ~= 'v')
+  if (e.kind ~= 'd' and e.kind ~= 'e' and e.kind ~= 'v' and e.kind ~= 'w')
       or not (whole(e.attempt) and whole(e.pos) and e.seq)
       or e.seq < 0 then
     return redis.error_reply('ERR emit: bad arguments for batch ' .. (i + 1))
@@ -77,7 +78,7 @@ for i = 0, n - 1 do
   if e.kind == 'e' then
     e.fields[#e.fields + 1] = 'o'
     e.fields[#e.fields + 1] = ARGV[b + 8]
-  elseif e.kind == 'v' then
+  elseif e.kind == 'v' or e.kind == 'w' then
     e.fields[#e.fields + 1] = 'n'  -- the event's kind
     e.fields[#e.fields + 1] = ARGV[b + 8]
   end
@@ -130,6 +131,17 @@ end
 local function append(e)
   if e.kind ~= 'e' and redis.pcall('GET', e.lock) ~= e.token then
     return -1
+  end
+  if e.kind == 'w' then
+    -- A transient event (a `waiting`) takes no position: its id is the previous attempt's
+    -- next one (<attempt>-*), below every id of this attempt's answer, so the next attempt
+    -- may keep its number. Once this attempt wrote (or on a stream of time-based ids), the
+    -- id is refused and the event is not written (0).
+    local got = xadd(e, string.format('%d-*', e.attempt), false)
+    if got == false then got = xadd(e, string.format('%d-*', e.attempt), true) end
+    if type(got) == 'table' and got.err then return 0 end
+    rcall('EXPIRE', e.partial, ttl)
+    return 1
   end
   -- An end after the session was deleted (DialogClient.delete ran between the commit and
   -- this call) would bring its partial stream back: no state hash, no end.

@@ -13,7 +13,7 @@
           interrupt), lock, timers (and their places in the shard's timer set, an
           interrupt's timeout too), the ended interrupts' ids, and every key named by a
           msg_id of its index (dedupe keys, cancel marks, partial-reply streams, step
-          journals: see
+          journals, the console's record of each message's life: see
           index_msg_id in _common.lua), then the index; it leaves the ready set and the ages.
           A later message starts a new session (seq 1). Cost: one DEL per indexed msg_id
           (about the messages of one dedupe window), no scan. The session's dead letters
@@ -96,7 +96,8 @@ end
 for _, msg_id in ipairs(ids) do
   deleted = deleted + rcall('DEL', session_key(sprefix, sid, 'msg:' .. msg_id),
                             cancel_key(sprefix, sid, msg_id),
-                            session_key(sprefix, sid, 'partial:' .. msg_id))
+                            session_key(sprefix, sid, 'partial:' .. msg_id),
+                            session_key(sprefix, sid, 'life:' .. msg_id))
   -- The console's find as versions before the quarter hashes kept it: a key per msg_id
   -- (it lives one dedupe window).
   local found_by = ready .. ':msg:' .. msg_id

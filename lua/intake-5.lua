@@ -71,13 +71,19 @@
   ARGV[18] DIALOG_TENANT_PATTERN as a Lua pattern ("" or absent: none)
   ARGV[19] partial stream ttl (s): how long a rejected message's end is kept (optional; absent
            or 0: none is written)
+  ARGV[21] look again (ms): when a session with work outstanding and no place in the ready set
+           (parked, held, or its place lost) is looked at (optional; default ARGV[5]: under a
+           worker lease, ARGV[5] is the long lock TTL and this the lease's); also how long the
+           call's receipt is kept
 
   Slots and tenants (see the tenants in _common.lua): the sessions whose next message arrived
   in this call and may start (lock free, not held) take their locks at once, in stream order,
   when the shard's queues are empty and there are free slots for all of them within their
   tenants' maxima; otherwise each joins its tenant's queue, and the free slots go out in fair
   order (dispatch). A call with no free slot still reads: what it reads is sequenced and
-  queued, so the next slot freed anywhere goes to the session owed it.
+  queued, so the next slot freed anywhere goes to the session owed it. A session of a named
+  tenant (not the default) marks the shard (<ready>:named, NAMED_KEEP_S): tenants are in use,
+  and the workers' readers read ahead while their slots are full.
 
   Returns {last id, entries read, jobs, held,
            {duplicates, refused, contended, trimmed, ahead, rejected, waiting}}
@@ -107,9 +113,10 @@ local free_slots = tonumber(ARGV[17] or ARGV[3])
 local tenant_pattern = ARGV[18] or ''
 local partial_ttl = tonumber(ARGV[19] or '0')
 local merge = merge_spec(ARGV[20] or ((ARGV[15] or 'enqueue') .. ',0,0'))
+local look_again = tonumber(ARGV[21] or ARGV[5])
 
 if not (count and lock_ttl and dedupe_ttl and max_bytes and max_extra and maxlen and claim_idle
-        and shard and shards and partial_ttl) or count < 1 or count > 1000 or shards < 1
+        and shard and shards and partial_ttl and look_again) or count < 1 or count > 1000 or shards < 1
     or not POLICIES[default_policy] or not free_slots or free_slots < 0 then
   return redis.error_reply('ERR intake: bad arguments')
 end
@@ -149,6 +156,8 @@ local MAX_WAITING_COPIES_BYTES = 1024
 -- A last id this far ahead of the server clock was not made by XADD *: an explicit id pushed
 -- it there (a clock step back of the Redis host stays well below it).
 local AHEAD_MS = 3600 * 1000
+-- How long a shard counts as having tenants in use after an entry last named one.
+local NAMED_KEEP_S = 86400
 
 -- nil when the id is usable, else why not.
 local function id_problem(kind, value)
@@ -614,9 +623,11 @@ for _, e in ipairs(entries) do
         if s.held then
           contended = contended + 1  -- held: it waits for a release or redrive
         elseif rcall('EXISTS', s.lock) == 1 then
-          -- A lock with nothing outstanding: look again when its lease ends.
+          -- A lock with nothing outstanding: look again when its lease ends (under a worker
+          -- lease: at its holder's place, where a lapse of that lease finds it).
           contended = contended + 1
-          rcall('ZADD', ready, now + math.max(rcall('PTTL', s.lock), 0), sid)
+          rcall('ZADD', ready, held_until(now, math.max(rcall('PTTL', s.lock), 0),
+                                          redis.pcall('GET', s.lock)), sid)
         elseif policy == 'merge' and merge.window > 0 then
           -- The first of a burst to merge: handed out when its window closes (resume-3.lua);
           -- later parts move that on (below), up to the longest wait.
@@ -641,7 +652,7 @@ for _, e in ipairs(entries) do
         contended = contended + 1
         if not s.ensured and not s.held then
           -- Outstanding work always has a place in the ready set; NX keeps the holder's lease.
-          rcall('ZADD', ready, 'NX', now + lock_ttl, sid)
+          rcall('ZADD', ready, 'NX', now + look_again, sid)
           s.ensured = true
         end
       end
@@ -666,6 +677,16 @@ for _, sid in ipairs(runnable) do
   distinct[s.tenant] = true
 end
 local one_tenant = next(distinct) == nil or next(distinct, next(distinct)) == nil
+-- An entry that names a tenant puts tenants in use for the shard (every worker's reader then
+-- reads ahead while its slots are full, so the fair order sees every tenant's messages): the
+-- mark lasts NAMED_KEEP_S after the last such call; one command per such call, none where no
+-- entry ever names a tenant.
+for t in pairs(distinct) do
+  if t ~= DEFAULT_TENANT then
+    rcall('SET', ready .. ':named', 1, 'EX', NAMED_KEEP_S)
+    break
+  end
+end
 local queues_empty = rcall('EXISTS', active_key(ready)) == 0
 local at_once = queues_empty and (one_tenant or #runnable <= free_slots)
 local direct, taken_by = 0, {}
@@ -690,7 +711,7 @@ for _, sid in ipairs(runnable) do
     s.writes[#s.writes + 1] = attempts
     s.writes[#s.writes + 1] = 'T'
     s.writes[#s.writes + 1] = tenant
-    rcall('ZADD', ready, now + lock_ttl, sid)
+    rcall('ZADD', ready, held_until(now, lock_ttl, s.token), sid)
     jobs[#jobs + 1] = {sid, s.token, seq, id, f, h[1] or '', h[2] or '0', attempts,
                        h[4] or '', h[5] or '', ending}
     receipt[#receipt + 1] = {'m', sid, s.token, seq, id, jobs[#jobs][11]}
@@ -783,7 +804,7 @@ if #dels > 0 then
 end
 
 if #receipt > 0 then
-  save_receipt(ready, token_base, lock_ttl, receipt)
+  save_receipt(ready, token_base, look_again, receipt)
 end
 
 local last_id

@@ -22,7 +22,7 @@ for i = 2, #ARGV, 2 do
   local lock = session_key(sprefix, ARGV[i + 1], 'lock')
   if redis.pcall('GET', lock) == ARGV[i] then
     rcall('PEXPIRE', lock, ttl)
-    rcall('ZADD', ready, now + ttl, ARGV[i + 1])
+    rcall('ZADD', ready, held_until(now, ttl, ARGV[i]), ARGV[i + 1])
     -- Its tenant counts it in flight until the new lease ends (see the tenants in _common.lua).
     local tenant = redis.pcall('HGET', session_key(sprefix, ARGV[i + 1], 'state'), 'T')
     if type(tenant) == 'string' then

@@ -78,8 +78,13 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
     rcall('DEL', lock)  -- a lock without a lease is not ours to respect (written by hand)
     pttl = -2
   end
+  local holder = pttl > 0 and holder_of(redis.pcall('GET', lock))
+  if holder and not lease_alive(ready, holder, now) then
+    rcall('DEL', lock)  -- its worker's lease lapsed (see the worker leases in _common.lua)
+    pttl = -2
+  end
   if pttl > 0 then
-    rcall('ZADD', ready, now + pttl, sid)
+    rcall('ZADD', ready, holder and held_place(holder) or now + pttl, sid)
   else
     -- pcall: a state key of another type (written by hand) must not fail the call after it
     -- took earlier sessions' locks; that session is looked at again in a minute, alone.
@@ -159,7 +164,7 @@ for _, sid in ipairs(rcall('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, coun
         local attempts = (tonumber(h[5]) or 0) + 1
         rcall('SET', lock, token, 'PX', lock_ttl)
         rcall('HSET', state, 'n', attempts)
-        rcall('ZADD', ready, now + lock_ttl, sid)
+        rcall('ZADD', ready, held_until(now, lock_ttl, token), sid)
         jobs[#jobs + 1] = {'g', sid, token, seq, id or '', {}, h[3] or '', h[4] or '0',
                            attempts, h[6] or '', h[7] or '', ''}
         receipt[#receipt + 1] = {'g', sid, token, seq, id or '', ''}
@@ -190,7 +195,7 @@ if #runnable <= room and all_fit(sched, wanted) then
     rcall('SET', session_key(sprefix, sid, 'lock'), token, 'PX', lock_ttl)
     busy_add(sched, tenant, sid)
     rcall('HSET', state, 'n', attempts, 'T', tenant)
-    rcall('ZADD', ready, now + lock_ttl, sid)
+    rcall('ZADD', ready, held_until(now, lock_ttl, token), sid)
     local ending = ending_of(sprefix, sid, seq, msg_id_of(id, fields), h[9], h[10])
     jobs[#jobs + 1] = {'m', sid, token, seq, id, fields, h[3] or '', h[4] or '0', attempts,
                        h[6] or '', h[7] or '', ending, parts_of[sid] or {}}

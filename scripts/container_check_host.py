@@ -33,6 +33,12 @@ Environment: CONTAINER_CHECK_TIMEOUT_S (the hard limit, applied by the shell scr
 the message when it stops us), CONTAINER_CHECK_DEBIAN_MIRROR (a mirror URL or sources file for
 mmdebstrap; default: the host's Debian sources).
 
+`python3 container_check_host.py build-own-bot DIR ARCHIVE [TAG]` (scripts/build-own-bot.sh) runs
+steps 1-3 and 6 for the bot in DIR (its Dockerfile FROM the project image, as
+examples/own_bot's), checks that its DIALOG_ENGINE imports in the image, and saves the image as
+ARCHIVE (a docker archive: `podman load -i ARCHIVE` or `docker load -i ARCHIVE`), tagged TAG
+(default localhost/mybot:latest). Everything else it made is removed, as by the check.
+
 `python3 container_check_host.py compose-override COMPOSE OUT REDIS_IMAGE IMAGE BOT_IMAGE
 REDIS_PORT METRICS_PORT HTTP_PORT CONSOLE_PORT` writes the compose override; it needs PyYAML, so
 it runs with podman-compose's venv interpreter (the host's python3 may not have it).
@@ -193,6 +199,37 @@ class Check:
     # -- the run ------------------------------------------------------------------------------
 
     def main(self) -> int:
+        """The whole check."""
+
+        def check() -> None:
+            self.prerequisites()
+            self.configure_podman()
+            self.base_images()
+            self.build_image()
+            self.own_bot(OWN_BOT, "mybot.worker:Bot")
+            self.keep_own_bot(self.work_path("mybot.tar"), self.bot_image, reload=True)
+            ports = free_ports(8)
+            self.health_and_readiness(ports[:2])
+            self.burst(f"redis://127.0.0.1:{ports[0]}/0", ports[0], ports[2:4])
+            self.compose(*ports[4:8])
+
+        return self.run(check)
+
+    def build_own_bot(self, folder: Path, archive: Path, tag: str) -> int:
+        """`build-own-bot`: the bot in ``folder`` built FROM the project image, checked, and
+        kept as the docker archive ``archive`` (the rest is removed, as by the check)."""
+
+        def build() -> None:
+            self.prerequisites(compose=False)
+            self.configure_podman()
+            self.base_images(redis=False)
+            self.build_image()
+            self.own_bot(folder, None)
+            self.keep_own_bot(archive, tag)
+
+        return self.run(build)
+
+    def run(self, steps: Callable[[], None]) -> int:
         def stopped(signum: int, frame: FrameType | None) -> None:
             limit = os.environ.get("CONTAINER_CHECK_TIMEOUT_S", "600")
             raise Failed("overall", f"stopped by a signal (the hard limit is {limit} s)")
@@ -201,15 +238,7 @@ class Check:
         signal.signal(signal.SIGINT, stopped)
         interrupted = ""
         try:
-            self.prerequisites()
-            self.configure_podman()
-            self.base_images()
-            self.build_image()
-            self.own_bot()
-            ports = free_ports(8)
-            self.health_and_readiness(ports[:2])
-            self.burst(f"redis://127.0.0.1:{ports[0]}/0", ports[0], ports[2:4])
-            self.compose(*ports[4:8])
+            steps()
         except Failed as exc:
             self.failed.append(str(exc))
             self.say(f"FAIL  {exc}")
@@ -235,7 +264,7 @@ class Check:
 
     # 1. What it needs
 
-    def prerequisites(self) -> None:
+    def prerequisites(self, compose: bool = True) -> None:
         if os.geteuid() != 0:
             self.fail("prerequisites", "must run as root (rootful podman, mmdebstrap in root mode)")
         if shutil.which("apt-get") is None:
@@ -254,6 +283,18 @@ class Check:
                 "apt-install",
                 [*apt, "install", "-y", "-qq", "--no-install-recommends", *missing],
             )
+        tools = [
+            self.out("podman", "--version"),
+            " ".join(self.out("buildah", "--version").split()[:3]),
+            "runc " + self.out("runc", "--version").splitlines()[0].split()[2],
+            "mmdebstrap " + self.out("mmdebstrap", "--version").split()[1],
+        ]
+        if compose:
+            self.podman_compose()
+            tools.append(f"podman-compose {PC_VERSION}")
+        self.passes("install", ", ".join(tools))
+
+    def podman_compose(self) -> None:
         # Debian's podman-compose (1.0.3) cannot run this compose file with an override.
         pc = PC_VENV / "bin" / "podman-compose"
         version = ""
@@ -275,14 +316,6 @@ class Check:
                     f"podman-compose=={PC_VERSION}",
                 ],
             )
-        tools = [
-            self.out("podman", "--version"),
-            " ".join(self.out("buildah", "--version").split()[:3]),
-            "runc " + self.out("runc", "--version").splitlines()[0].split()[2],
-            "mmdebstrap " + self.out("mmdebstrap", "--version").split()[1],
-            f"podman-compose {PC_VERSION}",
-        ]
-        self.passes("install", ", ".join(tools))
 
     def configure_podman(self) -> None:
         """Podman configured for these machines, for this run only (CONTAINERS_* point at files
@@ -392,7 +425,7 @@ runroot = "{work}/run"
                 name, f"mmdebstrap exit {strap_code}, podman import exit {imported.returncode}"
             )
 
-    def base_images(self) -> None:
+    def base_images(self, redis: bool = True) -> None:
         # The host may reach the package index through a TLS-intercepting proxy whose CA it
         # trusts (local certificates in /usr/local/share/ca-certificates): the builder stage's
         # pip needs the same trust. These are public certificates, copied into the local base.
@@ -417,6 +450,13 @@ runroot = "{work}/run"
             self.base_image,
         )
         self.base_py_s = time.monotonic() - t0
+        if not redis:
+            self.passes(
+                "base images",
+                f"python base {self.size_mb(self.base_image)} MB in {self.base_py_s:.1f} s "
+                f"(mmdebstrap {self.codename} from {self.mirror()})",
+            )
+            return
         t0 = time.monotonic()
         # Stands in for redis:7 in docker-compose.yml: redis-server and redis-cli, WORKDIR /data.
         self.debstrap(
@@ -454,24 +494,52 @@ runroot = "{work}/run"
 
     # 3b. Your own bot: the recipe of docs/deploy.md, FROM the image just built
 
-    def own_bot(self) -> None:
+    def own_bot(self, folder: Path, expected_engine: str | None) -> None:
+        """The bot in ``folder`` (its Dockerfile, the recipe of docs/deploy.md) built FROM the
+        image: it names its engine (``expected_engine`` when given), goes back to the image's
+        user, and its engine imports in the image."""
         t0 = time.monotonic()
         build = ["--format", "docker", "--network", "host", "--tag", self.bot_image]
-        build += ["--build-arg", f"BASE_IMAGE={self.image}", str(OWN_BOT)]
+        build += ["--build-arg", f"BASE_IMAGE={self.image}", str(folder)]
         self.step("own-bot-build", ["podman", "build", *build])
         built_s = time.monotonic() - t0
-        engine = self.podman(
+        environment = self.podman(
             "image",
             "inspect",
             "--format",
             "{{range .Config.Env}}{{println .}}{{end}}",
             self.bot_image,
-        )
-        if "DIALOG_ENGINE=mybot.worker:Bot" not in engine.splitlines():
-            self.fail("own bot", f"DIALOG_ENGINE not set by the recipe: {engine!r}")
+        ).splitlines()
+        engine = next((e[14:] for e in environment if e.startswith("DIALOG_ENGINE=")), "")
+        if not engine or expected_engine not in (None, engine):
+            self.fail("own bot", f"DIALOG_ENGINE not set by the recipe: {environment!r}")
         user = self.inspect("image", "{{.Config.User}}", self.bot_image)
         if user != "10001:10001":
             self.fail("own bot", f"USER is {user!r}: the recipe must go back to 10001:10001")
+        # The engine imports as the worker will import it (no Redis needed for that).
+        imported = subprocess.run(
+            [
+                *["podman", "run", "--rm", "--network", "host"],
+                *["--entrypoint", "/opt/dialog-worker/bin/python", self.bot_image, "-c"],
+                "import os; from dialog_worker.engine.loading import load_engine; "
+                "load_engine(os.environ['DIALOG_ENGINE'])",
+            ],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=120,
+        )
+        if imported.returncode != 0:
+            print(imported.stdout, imported.stderr, sep="\n", flush=True)
+            self.fail("own bot", f"DIALOG_ENGINE={engine} does not load in the image")
+        if expected_engine is None:
+            self.passes(
+                "own bot image",
+                f"{folder}/Dockerfile FROM the image in {built_s:.1f} s "
+                f"({self.size_mb(self.bot_image)} MB): DIALOG_ENGINE={engine} loads, USER "
+                "10001:10001",
+            )
+            return
         # A wrong engine name stops the worker at start, with one line naming the setting
         # (nothing listens on port 1: it must stop before it needs Redis).
         wrong = subprocess.run(
@@ -492,9 +560,36 @@ runroot = "{work}/run"
         self.passes(
             "own bot image",
             f"examples/own_bot/Dockerfile FROM the image in {built_s:.1f} s "
-            f"({self.size_mb(self.bot_image)} MB): DIALOG_ENGINE=mybot.worker:Bot, USER "
+            f"({self.size_mb(self.bot_image)} MB): DIALOG_ENGINE=mybot.worker:Bot loads, USER "
             "10001:10001; DIALOG_ENGINE=mybot.nope:Bot exits 2 naming DIALOG_ENGINE",
         )
+
+    def keep_own_bot(self, archive: Path, tag: str, reload: bool = False) -> None:
+        """The bot's image saved as a docker archive (what `podman load` and `docker load`
+        read) tagged ``tag``. ``reload``: then removed from the store and loaded back from the
+        archive, which must give the same image (the check proves what build-own-bot keeps)."""
+        registry = tag.split("/", 1)[0] if "/" in tag else ""
+        name = tag if "." in registry or registry == "localhost" else f"localhost/{tag}"
+        if name != self.bot_image:
+            self.podman("tag", self.bot_image, name)
+        built = self.inspect("image", "{{.Id}}", name)
+        archive.unlink(missing_ok=True)  # podman save refuses to write over a file
+        save = ["podman", "save", "--format", "docker-archive", "--output", str(archive), name]
+        self.step("own-bot-save", save)
+        if reload:
+            self.podman("rmi", "--force", name)
+            self.step("own-bot-load", ["podman", "load", "--input", str(archive)])
+            if self.inspect("image", "{{.Id}}", name) != built:
+                self.fail("own bot kept", "the archive loads as another image")
+        self.passes(
+            "own bot kept",
+            f"{name} saved as {archive} ({archive.stat().st_size / 1e6:.0f} MB, a docker "
+            "archive)" + (", loaded back as the same image" if reload else ""),
+        )
+
+    def work_path(self, name: str) -> Path:
+        assert self.work is not None
+        return self.work / name
 
     # 4. What the image declares, then one worker before and after Redis answers
 
@@ -1121,8 +1216,34 @@ def compose_override(
     Path(out).write_text("\n".join(lines) + "\n")
 
 
+def build_own_bot_args(argv: list[str]) -> tuple[Path, Path, str]:
+    """``DIR ARCHIVE [TAG]`` of `build-own-bot`, checked before anything is installed or
+    built: SystemExit(2) with one line on stderr when they cannot work."""
+
+    def refuse(problem: str) -> NoReturn:
+        print(f"build-own-bot: {problem}", file=sys.stderr)
+        print("usage: scripts/build-own-bot.sh DIR ARCHIVE [TAG]", file=sys.stderr)
+        raise SystemExit(2)
+
+    if len(argv) not in (2, 3):
+        refuse("expected the bot's folder and the archive to write")
+    folder, archive = Path(argv[0]).resolve(), Path(argv[1]).resolve()
+    tag = argv[2] if len(argv) == 3 else "mybot:latest"
+    if not (folder / "Dockerfile").is_file():
+        refuse(f"{folder} has no Dockerfile (examples/own_bot/ shows one)")
+    if not archive.parent.is_dir():
+        refuse(f"{archive.parent} is not a folder to write the archive in")
+    if archive.is_relative_to(folder):
+        refuse(f"{archive} is inside {folder}: the next build would copy it into the image")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?", tag):
+        refuse(f"{tag!r} is not an image name (lower case, optionally :tag)")
+    return folder, archive, tag
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["compose-override"]:
         compose_override(*sys.argv[2:11])
         sys.exit(0)
+    if sys.argv[1:2] == ["build-own-bot"]:
+        sys.exit(Check().build_own_bot(*build_own_bot_args(sys.argv[2:])))
     sys.exit(Check().main())

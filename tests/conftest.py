@@ -18,6 +18,25 @@ from worker_procs import WorkerPool  # noqa: E402
 from dialog_worker.client.dialog_client import DialogClient  # noqa: E402
 from dialog_worker.config import Settings, load_settings  # noqa: E402
 
+# The README's first run, `pytest -m quick`: the unit tests, the Lua scripts against a real
+# redis-server, and real workers answering the README's own commands (its quickstart, the
+# embedded redis-server of `dialog-worker run`). A few minutes, where the whole suite takes
+# twenty; CI runs the whole suite.
+QUICK = (
+    "tests/unit/",
+    "tests/integration/test_scripts.py",
+    "tests/integration/test_journal_scripts.py",
+    "tests/integration/test_limit_scripts.py",
+    "tests/integration/test_readme.py",
+    "tests/integration/test_embedded.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(QUICK):
+            item.add_marker(pytest.mark.quick)
+
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:

@@ -518,6 +518,46 @@ async def test_the_overview_shows_which_worker_of_an_idle_pool_waits_for_message
     assert "waiting for messages" in (await http.get("/", headers=VIEW)).text
 
 
+async def test_the_overview_shows_the_consumers_of_stopped_and_killed_workers_as_gone(
+    http: httpx.AsyncClient, client: DialogClient, workers: WorkerPool
+) -> None:
+    """Redis keeps a consumer long after its worker stopped (DIALOG_CONSUMER_IDLE_DELETE_S):
+    the overview says which consumers' workers are gone, at once after a clean stop, and once
+    the presence of one killed (kill -9) has lapsed; the live worker is not marked."""
+    from dialog_worker.daemon.presence import PRESENCE_TTL_MS
+
+    live, stopped, killed = workers.start(3)
+
+    async def listed() -> dict[str, Any] | None:
+        for i in range(30):  # until each worker was handed a message (its consumer exists)
+            await client.send(f"g{i}", "halo")
+        d = (await http.get("/api/overview", headers=VIEW)).json()
+        return d if {w["name"] for w in d["workers"]} >= {"w1", "w2", "w3"} else None
+
+    data = await wait_until_async(listed, 30, what="three consumers")
+    assert not any(w["gone"] for w in data["workers"])
+    stopped.terminate()
+    killed.kill()
+    presence = client.keys.presence(killed.name)
+    assert 0 < await client.redis.pttl(presence) <= PRESENCE_TTL_MS  # it lapses by itself
+    await client.redis.delete(presence)  # as it would within PRESENCE_TTL_MS
+
+    def gone(d: dict[str, Any]) -> dict[str, bool]:
+        return {w["name"]: w["gone"] for w in d["workers"]}
+
+    async def both_gone() -> dict[str, Any] | None:
+        # The killed worker may have held the shard's waiter role: it reads as waiting until
+        # that lease runs out too (3 s).
+        d = (await http.get("/api/overview", headers=VIEW)).json()
+        return d if gone(d).get(killed.name) else None
+
+    data = await wait_until_async(both_gone, 20, what="the killed worker shown as gone")
+    assert gone(data) == {live.name: False, stopped.name: True, killed.name: True}
+    assert data["workers"][0]["name"] == live.name  # the gone ones come last
+    page = (await http.get("/", headers=VIEW)).text
+    assert page.count('class="gone"') == 2 and page.count("gone: stopped or died") == 2
+
+
 async def test_the_session_page_reads_a_bounded_number_of_dead_letters(
     http: httpx.AsyncClient, client: DialogClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:

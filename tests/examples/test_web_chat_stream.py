@@ -396,6 +396,54 @@ def test_stop_after_a_double_text_stops_the_answer_being_written_not_the_queued_
         assert SERVER_TOKEN not in seen and SIGNING_KEY not in seen
 
 
+@pytest.mark.parametrize(
+    ("policy", "texts", "ended", "marker"),
+    [
+        ("interrupt", ["200 40", "3 5"], ["cancelled", "applied"], "interrupted by your next"),
+        ("coalesce", ["60 40", "3 5", "4 5"], ["applied", "superseded", "applied"], "replaced by"),
+    ],
+)
+def test_an_answer_your_next_message_ended_says_so_instead_of_stopped(
+    env: dict[str, str],
+    tmp_path: Path,
+    workers: WorkerPool,
+    policy: str,
+    texts: list[str],
+    ended: list[str],
+    marker: str,
+):
+    """Under DIALOG_MULTITASK=interrupt the next message cuts the answer being written short;
+    under coalesce it takes the place of one not started. Neither was stopped by the person:
+    the page says which it was, and nothing else is marked."""
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords", DIALOG_MULTITASK=policy)
+    browser = _browser()
+    try:
+        with _serve_example(env, tmp_path) as page:
+            _open_chat(browser, page)
+            _send(browser, texts[0])
+            wait_until(
+                lambda: _turns(browser)[0]["state"] == "streaming", 20, what="the first answer"
+            )
+            for text in texts[1:]:
+                _send(browser, text)
+            wait_until(
+                lambda: [t["state"] for t in _turns(browser)] == ["done"] * len(texts),
+                30,
+                what="every answer ends",
+            )
+            turns = _turns(browser)
+            markers = browser.execute_script(
+                "return [...document.querySelectorAll('.bot .text')].map("
+                "(t) => getComputedStyle(t, '::after').content)"
+            )
+    finally:
+        browser.quit()
+    assert [t["outcome"] for t in turns] == ended
+    early = [i for i, outcome in enumerate(ended) if outcome != "applied"]
+    assert [i for i, m in enumerate(markers) if m not in ("none", "normal")] == early, markers
+    assert all(marker in markers[i] and "stopped" not in markers[i] for i in early), markers
+
+
 def test_messages_the_server_starts_appear_on_the_page(
     chat_page: TcpProxy, workers: WorkerPool, env: dict[str, str]
 ):
@@ -641,19 +689,25 @@ async def test_the_assistant_sends_no_refund_when_the_person_declines(
     assert not ledger.exists(), "no refund without an approval"
 
 
-def _requests(browser: Any, method: str, path: str) -> list[dict[str, Any]]:
-    """The requests the browser sent (from its performance log), by method and URL path."""
-    import urllib.parse
-
+def _requests(browser: Any) -> list[dict[str, Any]]:
+    """The requests the browser sent since the last call (its performance log)."""
     sent = []
     for entry in browser.get_log("performance"):
         message = json.loads(entry["message"])["message"]
-        if message["method"] != "Network.requestWillBeSent":
-            continue
-        request = message["params"]["request"]
-        if request["method"] == method and urllib.parse.urlsplit(request["url"]).path == path:
-            sent.append(request)
+        if message["method"] == "Network.requestWillBeSent":
+            sent.append(message["params"]["request"])
     return sent
+
+
+def _of(requests: list[dict[str, Any]], method: str, path: str) -> list[dict[str, Any]]:
+    """The requests of one method and URL path."""
+    import urllib.parse
+
+    return [
+        r
+        for r in requests
+        if r["method"] == method and urllib.parse.urlsplit(r["url"]).path == path
+    ]
 
 
 TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-01")
@@ -665,6 +719,8 @@ def test_the_page_sends_each_message_with_a_traceparent_the_gateway_continues(
     """Each POST of a message carries a W3C traceparent header of a trace of its own; with
     tracing on (the OTel extra, an exporter named), the example's gateway continues it: the
     entry in the inbound stream carries the same trace id under the gateway's own span."""
+    import urllib.parse
+
     import redis
 
     from dialog_worker import tracing
@@ -688,10 +744,15 @@ def test_the_page_sends_each_message_with_a_traceparent_the_gateway_continues(
                 20,
                 what="both messages sent",
             )
-            posts = _requests(browser, "POST", f"/sessions/{session}/messages")
+            requests = _requests(browser)
+            posts = _of(requests, "POST", f"/sessions/{session}/messages")
             sent = {
                 json.loads(p["postData"])["text"]: (json.loads(p["postData"])["msg_id"], p)
                 for p in posts
+            }
+            streams = {
+                text: _of(requests, "GET", f"/sessions/{session}/messages/{msg_id}/stream")
+                for text, (msg_id, _) in sent.items()
             }
         finally:
             browser.quit()
@@ -704,6 +765,11 @@ def test_the_page_sends_each_message_with_a_traceparent_the_gateway_continues(
     trace_ids = {text: m.group(1) for text, m in parents.items() if m}
     assert trace_ids["first"] != trace_ids["second"], "a trace of its own for each message"
     assert all(t.strip("0") for t in trace_ids.values())
+    # Its answer's stream (an EventSource: no headers) carries the same trace in its query.
+    for text, gets in streams.items():
+        assert gets, text
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(gets[0]["url"]).query)
+        assert query["traceparent"] == [headers[text]["traceparent"]]
     r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
     entries = {f["msg_id"]: f for _, f in r.xrange("dialog")}
     for text, (msg_id, _) in sent.items():
@@ -714,3 +780,45 @@ def test_the_page_sends_each_message_with_a_traceparent_the_gateway_continues(
         assert continued is not None, entry
         assert continued.group(1) == trace_ids[text], (entry, headers[text])
         assert continued.group(2) != parents[text].group(2)  # the gateway's span, its child
+
+
+def test_an_answer_that_waits_for_the_model_says_so_with_the_time_left(
+    chat_page: TcpProxy, workers: WorkerPool, env: dict[str, str]
+):
+    """The model's limit key is paused for a minute: the page's status line says "waiting for
+    the model (paused), about N s" instead of "typing…"; once the key is reopened the answer
+    comes and the line no longer says so."""
+    browser = _browser()
+    workers.start(
+        1,
+        DIALOG_ENGINE="usage_engines:UsageEngine",
+        DIALOG_MODEL_LIMITS=json.dumps({"k": {"rpm": 6000}}),
+    )
+    paused = run_cli(env, "limits", "pause", "k", "--for", "60", "--reason", "test")
+    assert paused.returncode == 0, paused.stderr
+    time.sleep(0.3)  # past the 100 ms in which workers see the pause
+
+    def status() -> str:
+        return str(browser.find_element("id", "status").text)
+
+    def bot(expr: str) -> Any:
+        return browser.execute_script(f"const b = document.querySelector('.bot'); return {expr};")
+
+    try:
+        browser.get(f"http://127.0.0.1:{chat_page.port}/")
+        browser.find_element("id", "text").send_keys("hello")
+        browser.find_element("id", "send").click()
+        wait_until(lambda: "waiting for the model" in status(), 20, what="the wait is shown")
+        line = status()
+        waiting = bot("b.dataset.waiting")
+        resumed = run_cli(env, "limits", "resume", "k", "--reason", "test")
+        assert resumed.returncode == 0, resumed.stderr
+        wait_until(lambda: bot("b.dataset.state") == "done", 20, what="the answer ends")
+        text, after = bot("b.querySelector('.text').textContent"), status()
+        still = bot("b.dataset.waiting")
+    finally:
+        browser.quit()
+    assert re.fullmatch(r"waiting for the model \(paused\), about (\d+) s", line), line
+    assert 40 <= int(re.findall(r"\d+", line)[0]) <= 60, line
+    assert waiting == "paused"
+    assert text == "ok hello" and "waiting" not in after and still is None

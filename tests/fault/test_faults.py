@@ -182,7 +182,8 @@ def stopped(proc: WorkerProc) -> bool:
 
 async def test_paused_lock_holder_cannot_overwrite_newer_state(client, workers):
     """The holder of seq 1 stops (SIGSTOP, a long pause) the moment its step returns, before
-    its commit is sent; its lease runs out and the other worker applies seq 1..3; woken, it
+    its commit is sent; its worker lease lapses, the other worker's lease call brings the
+    session back, and the other worker applies seq 1..3; woken, it
     sends that commit at once (before its heartbeat can learn the lease is gone), and the
     commit script must refuse it. The engine stops its own process at that point, so the
     commit reaches the fence in every run, not only when it beats the heartbeat."""
@@ -250,8 +251,10 @@ async def test_paused_lock_holder_cannot_overwrite_newer_state(client, workers):
     assert mine["applied"] == 0
     # It was the commit script that refused it (not the heartbeat, before any commit).
     assert "commit_fenced" in paused.log_text()
-    # The other worker took the session over through the ready set once the lease ran out.
+    # The other worker took the session over through the ready set once the paused worker's
+    # lease lapsed: its own lease call brought the session back (lua/lease-2.lua).
     assert theirs["reclaimed"] >= 1
+    assert "lapsed_leases_swept" in other.log_text()
     await assert_drained(client, timeout_s=20)
     assert paused.alive() and other.alive()
 

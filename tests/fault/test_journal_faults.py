@@ -1,9 +1,11 @@
 """The step journal under kill -9: a worker killed after the second of three journaled calls
 of a step; the message's next attempt, on another worker, gets calls 1-2 from the journal
-(each seen exactly once) and makes call 3 only, and the answer completes."""
+(each seen exactly once) and makes call 3 only, and the answer completes; its log says which
+calls the journal answered (by name, never their results)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,7 @@ async def test_a_worker_killed_mid_step_does_not_repeat_the_calls_already_journa
     await wait_for(lambda: log.exists() and len(log.read_text().splitlines()) == 2)
     first.kill()  # kill -9 after the 2nd of 3 journaled calls
     hold.unlink()
-    workers.start(1, **extra)
+    [second] = workers.start(1, DIALOG_LOG_LEVEL="info", **extra)
     r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
 
     def answered() -> list[dict[str, str]]:
@@ -43,3 +45,11 @@ async def test_a_worker_killed_mid_step_does_not_repeat_the_calls_already_journa
     assert reply["reply"] == "done 1 2 3"
     assert log.read_text().splitlines() == ["m1 1", "m1 2", "m1 3"]  # each call once
     assert r.exists("dialog:{dialog}:s:{k1}:journal:m1") == 0
+    lines = [json.loads(line) for line in second.log_text().splitlines() if line.startswith("{")]
+    replayed = [
+        (e["once"], e["session_id"], e["msg_id"], e["attempt"])
+        for e in lines
+        if e.get("event") == "journal_replayed"
+    ]
+    assert replayed == [("tool:1", "k1", "m1", 2), ("tool:2", "k1", "m1", 2)]
+    assert not any('"i"' in line for line in second.log_text().splitlines())  # no results

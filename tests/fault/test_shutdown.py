@@ -59,7 +59,9 @@ async def test_session_behind_a_long_step_is_not_taken_over_meanwhile(client, wo
     """One read holds a session's burst; the first step outlasts the lock TTL several times.
     The heartbeat renews the lease and pushes the session's place in the ready set back, so
     the other worker never resumes the session meanwhile: every lock token seen belongs to
-    one worker, and nobody counts a session resumed after a lease ran out."""
+    one worker, and nobody counts a session resumed after a lease ran out. The other worker
+    starts two lock TTLs into the step, so its first lease call would find a lease that was
+    not renewed."""
     fast = {
         "DIALOG_ENGINE": "fault_engine:make",
         "DIALOG_LOCK_TTL_MS": "600",
@@ -68,7 +70,7 @@ async def test_session_behind_a_long_step_is_not_taken_over_meanwhile(client, wo
         "DIALOG_METRICS_SAMPLE_INTERVAL_S": "0.1",
     }
     sent = await send_bursts(client, ["long"], ["sleep 2.5 nama saya Budi", "dua", "tiga"])
-    procs = workers.start(2, metrics=True, **fast)
+    procs = workers.start(1, metrics=True, **fast)
     lock = client.keys.session("long").lock
     tokens: set[str] = set()
 
@@ -78,7 +80,13 @@ async def test_session_behind_a_long_step_is_not_taken_over_meanwhile(client, wo
             tokens.add(token)
         return await client.redis.hget(client.keys.session("long").state, "a") == "3"
 
-    await wait_for(applied_watching_the_lock, 30, "all three applied", interval_s=0.02)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_for, applied_watching_the_lock, 30, "all three applied", 0.02)
+        await wait_for(lambda: _holding(client, procs[0], "long"), 20, "the long step running")
+        # Two lock TTLs into the step a second worker starts: its first lease call would bring
+        # back the sessions of a lease that was not renewed.
+        await anyio.sleep(1.2)
+        procs += workers.start(1, metrics=True, **fast)
     assert await check(client, sent) == []
     assert len({t.split(":", 1)[0] for t in tokens}) == 1, tokens
     reclaimed = sum(

@@ -5,6 +5,7 @@ sessions; weights give shares; a maximum holds across the whole pool (lua/_commo
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -52,6 +53,35 @@ def test_a_tenant_behind_a_flood_is_served_within_a_round_of_slots(
     a_before_b = [s for s in ran if s["tenant"] == "a" and s["start"] < b["start"]]
     assert len(a_before_b) < 20, f"{len(a_before_b)} of a's steps started before b's"
     assert len(ran) == 201
+
+
+def test_a_tenant_field_alone_puts_tenants_in_use_behind_a_flood_of_2000(workers, env, tmp_path):
+    """No pattern and no `tenants set`: entries that name their tenant are enough. a's 2,000
+    messages are in the stream before each of b's lone ones: each of b's steps starts before
+    a runs more than a round or two of the slots after it was sent, not after a's backlog
+    (without the intake's mark the reader waited for a slot, and read b's entry only after
+    a's backlog: hundreds of a's steps first)."""
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    log = tmp_path / "steps.jsonl"
+    workers.start(
+        1, DIALOG_CONCURRENCY="4", DIALOG_ENGINE="tenant_engines:Paced", TENANT_ENGINE_LOG=str(log)
+    )
+    flood(r, "a", 200, 2000, sleep="0.01")
+    wait_until(lambda: log.exists(), 20, what="a's first steps")
+    sent = []
+    for i in range(3):
+        sent.append(time.time())
+        r.xadd("dialog", {"session_id": f"b-{i}", "text": "hi", "tenant": "b", "sleep": "0.01"})
+        wait_until(lambda i=i: f"b-{i}" in log.read_text(), 60, what=f"b-{i}'s step")
+    ran = steps(str(log))
+    for i, at in enumerate(sent):
+        b = next(s for s in ran if s["session_id"] == f"b-{i}")
+        a_between = [s for s in ran if s["tenant"] == "a" and at <= s["start"] < b["start"]]
+        assert len(a_between) < 20, f"{len(a_between)} of a's steps started before b-{i}'s"
+    assert max(s["start"] for s in ran if s["tenant"] == "b") < max(
+        s["start"] for s in ran if s["tenant"] == "a"
+    ), "b was served within a's backlog"
+    wait_until(lambda: replies(r) == 2003, 120, what="every message answered")
 
 
 def test_weights_give_tenants_shares_of_the_slots(workers, env, tmp_path):

@@ -156,8 +156,20 @@ async def test_ask_again_with_the_same_msg_id_gets_the_late_reply(client: Dialog
         await client.ask("late", "silent", msg_id="late-1", timeout=0.2)
     second = asyncio.create_task(client.ask("late", "silent", msg_id="late-1", timeout=10))
     await wait_until_async(_waiting(client, 1), 5, "the second ask to wait")
-    await client.redis.xadd(client.keys.replies, event("late", "late-1", outcome="duplicate"))
+    await wait_until_async(_sent(client, 2), 5, "the second send")
+    # A worker answers the second entry as a duplicate (an event naming that entry).
+    [(resent, _)] = await client.redis.xrevrange(client.keys.stream, count=1)
+    await client.redis.xadd(
+        client.keys.replies, event("late", "late-1", outcome="duplicate", entry_id=resent)
+    )
     assert (await second).outcome == "duplicate"
+
+
+def _sent(client: DialogClient, n: int):
+    async def check() -> bool:
+        return await client.redis.xlen(client.keys.stream) >= n
+
+    return check
 
 
 def _waiting(client: DialogClient, n: int):

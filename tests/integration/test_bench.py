@@ -125,6 +125,34 @@ def test_bench_small_run_reports_documented_keys_and_no_violation(env: dict[str,
 
 
 # ---------------------------------------------------------------------------------------------
+def test_hold_mode_counts_the_commands_of_steps_held_in_flight() -> None:
+    """--mode hold: every step is in flight before the count starts and still at its end, and
+    the figure per step is the commands counted over the seconds and the steps; under worker
+    leases no step is renewed on its own (no PEXPIRE of a lock, no HGET of a tenant)."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "dialog_worker", "bench", "--mode", "hold"),
+            *("--sessions", "20", "--duration", "3", "--workers", "1", "--redis", "embedded"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    [run] = json.loads(done.stdout)["runs"]
+    assert run["mode"] == "hold" and run["steps_in_flight"] == run["steps_in_flight_at_end"] == 20
+    per_step = run["commands"] / run["seconds"] / 20
+    assert abs(run["commands_per_s_per_step"] - per_step) < 0.01 * per_step + 0.0001
+    # A renewal per step (GET, PEXPIRE, HGET, two ZADDs every 2.5 s at most) would be 20 each
+    # at least in 3 s.
+    assert all(run["by_command"].get(c, 0) < 20 for c in ("pexpire", "hget", "zadd"))
+    # Nor does the resumer look at the ready set every 100 ms while it holds only held
+    # sessions (a ZRANGE and an EXISTS each time: 30 of each in 3 s).
+    assert run["by_command"].get("exists", 0) < 15
+    assert run["redis_memory_per_step_bytes"] > 0
+
+
 # Namespaces: the bench never touches a deployment it was not pointed at, and cleans up after
 # itself where it was.
 
@@ -152,13 +180,15 @@ def contents(r: redis.Redis) -> dict[str, Any]:
         "list": lambda k: r.lrange(k, 0, -1),
     }
     # Receipts of the workers' own calls live one lock lease (they answer a re-sent call), the
-    # waiter key and the wake stream change hands as the workers wait, and the inbound hash's
+    # waiter key and the wake stream change hands as the workers wait, the worker leases move
+    # on as the workers renew them, and the inbound hash's
     # added/length are intake's count of every append (the bench's included): they come and
     # go with the deployment, not with the bench.
     keys = [
         key
         for key in sorted(r.scan_iter(count=1000))
-        if ":receipt:" not in key and not key.endswith((":ready:waiter", ":ready:wake"))
+        if ":receipt:" not in key
+        and not key.endswith((":ready:waiter", ":ready:wake", ":ready:workers", ":workers:n"))
     ]
     found = {key: read[r.type(key)](key) for key in keys}
     for key, value in list(found.items()):
@@ -333,3 +363,34 @@ def test_the_bench_command_stopped_with_sigterm_leaves_no_process_behind(tmp_pat
         running="warm-up",
         tmp=tmp_path,
     )
+
+
+def test_gateway_bench_times_both_doors_and_streams_whole_answers_at_once() -> None:
+    """`python -m dialog_worker.bench.gateway` (docs/benchmarks.md, "The gateway's front
+    doors"): a small run times the first token through each door and streams every answer of
+    the concurrent useChat streams whole, with the gateway's memory before, at its peak, after."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dialog_worker.bench.gateway",
+            *("--pairs", "3", "--streams", "6", "--tokens", "5", "--rate", "20", "--rounds", "2"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    first = result["first_token"]
+    assert first["pairs"] == 3
+    for door in (first["native"], first["ai_sdk"]):
+        assert 0 < door["emit_to_client_ms_p50"] <= door["request_to_token_ms_p99"] + 1000
+    assert first["overhead_ms_p50"] == round(
+        first["ai_sdk"]["emit_to_client_ms_p50"] - first["native"]["emit_to_client_ms_p50"], 2
+    )
+    assert len(result["streams"]) == 2
+    for streams in result["streams"]:
+        assert (streams["streams"], streams["whole_answers"], streams["all_open"]) == (6, 6, True)
+        assert 0 < streams["gateway_rss_mib_before"] <= streams["gateway_rss_mib_peak"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from worker_procs import run_cli
 
 from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
+from dialog_worker.engine import cancellation
 from dialog_worker.errors import ReplyTimeout
 
 pytestmark = pytest.mark.integration
@@ -191,6 +194,65 @@ async def test_a_step_the_watch_has_already_looked_at_stops_on_a_cancel_or_an_in
         "w1-next": ["applied"],
         "w2": ["cancelled"],
     }
+
+
+async def test_a_cancel_that_moved_the_count_without_a_note_still_stops_the_step(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """A cancel that moved the shard's cancel count but left no note (a client of a version
+    before the notes, a note trimmed away) still stops a step the watch has already looked
+    at: when no note comes the watch reads the count, and a count that moved reads the marks
+    of every running step."""
+    log = start(workers, tmp_path, DIALOG_SHUTDOWN_GRACE_S="1")
+    url = env["REDIS_URL"]
+    before = mget_calls(url)
+    await client.send("s12", "sleep 30", msg_id="no-note")
+    await wait_for(
+        lambda: any(e["msg_id"] == "no-note" for e in engine_log(log)) and mget_calls(url) > before
+    )
+    r = redis.Redis.from_url(url)
+    sent = time.time()
+    r.set(client.keys.session("s12").cancel_mark("no-note"), int(sent * 1000), ex=3600)
+    r.incr(client.keys.session_prefix + "cancels")
+    stopped = await wait_for(
+        lambda: [
+            e for e in engine_log(log) if e["event"] == "cancelled" and e["msg_id"] == "no-note"
+        ],
+        timeout_s=10,
+    )
+    # A note would have ended the watch's blocking read at once; without one it ends after
+    # WATCH_BLOCK_MS and the count is read then.
+    assert stopped[0]["t"] - sent < cancellation.WATCH_BLOCK_MS / 1000 + ASYNC_BOUND_S
+
+
+def get_calls(url: str) -> int:
+    stats = redis.Redis.from_url(url).info("commandstats")
+    return int(stats.get("cmdstat_get", {}).get("calls", 0))
+
+
+async def test_a_quiet_watch_waits_on_the_cancel_notes_and_still_stops_a_step_at_once(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """Once every running step was looked at and no cancel came for a while, the watch blocks
+    on the shard's cancel notes instead of reading the cancel count every 50 ms (steps held in
+    flight cost Redis next to nothing), and a cancel still stops the step within the bound."""
+    log = start(workers, tmp_path, DIALOG_SHUTDOWN_GRACE_S="1")
+    url = env["REDIS_URL"]
+    await client.send("s11", "sleep 30", msg_id="q1")
+    await wait_for(lambda: any(e["msg_id"] == "q1" for e in engine_log(log)))
+    await anyio.sleep(cancellation.QUIET_S + 0.5)  # time passes: the watch turns quiet
+    before = get_calls(url)
+    await anyio.sleep(1.0)  # a window to count in: a look every 50 ms would be 20 GETs
+    assert get_calls(url) - before < 8
+    sent = time.time()
+    assert (await client.cancel("s11", "q1")).status == "cancelled"
+    stopped = await wait_for(
+        lambda: [e for e in engine_log(log) if e["event"] == "cancelled" and e["msg_id"] == "q1"],
+        timeout_s=5,
+    )
+    assert stopped[0]["t"] - sent < ASYNC_BOUND_S
+    got = await wait_for(lambda: by_msg(events(url)).get("q1"))
+    assert [e["outcome"] for e in got] == ["cancelled"]
 
 
 async def test_a_plain_def_step_sees_the_flag_and_its_result_is_discarded(
@@ -532,6 +594,47 @@ async def test_the_sender_streaming_a_msg_id_sent_again_after_its_cancel_waits_f
     late = [e async for e in client.stream("s-wait2", "w2", timeout=20)]
     assert (late[-1].outcome, late[-1].text) == ("applied", "w0 w1 w2 ")
     assert shown(late) == "w0 w1 w2 "
+
+
+@pytest.mark.parametrize(
+    ("call", "old_stream"), [("ask_stream", "kept"), ("ask_stream", "expired"), ("ask", "kept")]
+)
+async def test_a_msg_id_sent_again_waits_for_its_own_end_when_the_old_reply_event_is_read_late(
+    workers: Any, client: DialogClient, env: dict[str, str], call: str, old_stream: str
+) -> None:
+    """The interleaving black-box runs met in 2 of 3, forced: this client's reply reader reads
+    the first message's `cancelled` event only after the msg_id was sent again (here its event
+    loop is blocked while another client streams and cancels the first message). The re-send
+    ends with its own answer, never with the old event, the old end in its partial stream, or
+    (that stream expired) the old turn in the session's history."""
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    await client.follow_replies()  # its reply reader's place: before the first message
+    # Another process streams the first message and cancels it; this test waits for it
+    # without awaiting, so this client's loop (and its reply reader) reads nothing meanwhile.
+    ask = ["ask", "s-late", "200 20", "--msg-id", "l1", "--stream", "--timeout", "30"]
+    first = subprocess.Popen(  # noqa: ASYNC220 - blocking this loop is what the test needs
+        [sys.executable, "-m", "dialog_worker", *ask],
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert first.stdout is not None
+    seen = [json.loads(first.stdout.readline()) for _ in range(2)]
+    assert run_cli(env, "cancel", "s-late", "l1").returncode == 0
+    seen += [json.loads(line) for line in first.stdout]
+    assert first.wait(30) == 0
+    assert (seen[-1]["kind"], seen[-1]["outcome"]) == ("end", "cancelled")
+    if old_stream == "expired":
+        redis.Redis.from_url(env["REDIS_URL"]).delete(client.keys.session("s-late").partial("l1"))
+    workers.stop_all()  # the re-send stays unread: only the old end could end it now
+    with pytest.raises(ReplyTimeout):
+        if call == "ask":
+            await client.ask("s-late", "3 5", msg_id="l1", timeout=1.5)
+        else:
+            [e async for e in client.ask_stream("s-late", "3 5", msg_id="l1", timeout=1.5)]
+    workers.start(1, DIALOG_ENGINE="stream_engines:AsyncWords")
+    late = [e async for e in client.stream("s-late", "l1", timeout=20)]
+    assert (late[-1].outcome, late[-1].text) == ("applied", "w0 w1 w2 ")
 
 
 async def _applied(client: DialogClient, session: str, seq: int) -> bool:

@@ -241,6 +241,23 @@ def test_send_and_state_print_json(env):
     assert json.loads(cli(env, "state", "nobody").stdout) is None
 
 
+def test_send_and_ask_take_a_tenant_and_a_priority(env, workers):
+    import redis
+
+    cli(env, "send", "t1", "hi", "--msg-id", "m1", "--tenant", "acme", "--priority", "9")
+    [(_, fields)] = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True).xrange("dialog")
+    assert (fields["tenant"], fields["priority"]) == ("acme", "9")
+    workers.start(1)
+    asked = cli(env, "ask", "t2", "nama saya Ani", "--tenant", "acme", "--priority", "0")
+    assert asked.returncode == 0 and json.loads(asked.stdout)["outcome"] == "applied"
+    for bad in (["--priority", "10"], ["--priority", "-1"], ["--tenant", "a b"]):
+        for command in ("send", "ask"):
+            refused = cli(env, command, "t3", "hi", *bad)
+            assert refused.returncode == 2, refused.stderr
+            assert refused.stderr.startswith("dialog-worker: ") or "error:" in refused.stderr
+            assert len(refused.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("args", [["send", "", "hi"], ["send", "s", ""], ["state", "x" * 300]])
 def test_refused_input_is_a_usage_error(env, args):
     result = cli(env, *args)

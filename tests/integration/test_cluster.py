@@ -224,6 +224,39 @@ async def test_master_killed_mid_burst_replica_takes_over_and_workers_continue(t
         cluster.stop()
 
 
+async def test_a_send_made_while_its_master_is_down_waits_for_the_replica_instead_of_failing(
+    tmp_path,
+):
+    """The master of a session's stream is killed and a send of that session is made at once:
+    the client's own retries (the slot map refreshed in between, cluster.md *What an
+    application sees during a failover*) keep the call waiting while the slots have no master,
+    and it returns once the replica took over; no error reaches the application, which needs
+    no retry loop of its own for that. The replica takes over by CLUSTER FAILOVER TAKEOVER
+    0.1 s after the call began, so nothing here waits for cluster-node-timeout."""
+    cluster = RedisCluster(tmp_path / "cluster")
+    cluster.start()
+    try:
+        env = worker_env(cluster.url, DIALOG_REDIS_MODE="cluster", DIALOG_SHARDS="1")
+        async with DialogClient(settings=load_settings(environ=env)) as c:
+            await c.send("f1", "before", msg_id="f1-1")  # the client knows the slot map
+            stream = c.keys_for("f1").stream
+            master = cluster.node_for_slot(key_slot(stream))
+            [replica] = cluster.replicas_of(master)
+            await asyncio.to_thread(cluster.kill_once_replicated, master)  # "before" kept
+            call = asyncio.ensure_future(c.send("f1", "during", msg_id="f1-2"))
+            await asyncio.sleep(0.1)
+            assert not call.done(), call  # its first try met the dead master: retrying
+            await asyncio.to_thread(
+                replica.client().execute_command, "CLUSTER", "FAILOVER", "TAKEOVER"
+            )
+            sent = await asyncio.wait_for(call, 30)
+            assert sent.msg_id == "f1-2"
+            texts = [f["text"] for _, f in await c.redis.xrange(stream)]
+            assert texts == ["before", "during"]
+    finally:
+        cluster.stop()
+
+
 def test_worker_started_while_its_startup_node_is_down_waits_instead_of_exiting(tmp_path):
     env = worker_env(
         f"redis://127.0.0.1:{free_port()}/0",

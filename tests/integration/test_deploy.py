@@ -754,20 +754,48 @@ def test_kubernetes_gateway_and_console_take_secrets_and_probe_their_own_port(
     assert not workers.items() <= labels.items()
 
 
-def test_kubernetes_ingress_sends_only_the_gateways_routes_unbuffered(
+def _ingress_forwards(rule: dict[str, Any], path: str) -> bool:
+    """Whether an Ingress path rule sends ``path`` on (Kubernetes' matching: ``Exact``, or
+    ``Prefix`` element by element, so ``/ai-sdk/`` takes ``/ai-sdk/chat`` but not
+    ``/ai-sdk-x``)."""
+    if rule["pathType"] == "Exact":
+        return bool(path == rule["path"])
+    prefix = [e for e in rule["path"].split("/") if e]
+    return [e for e in path.split("/") if e][: len(prefix)] == prefix
+
+
+def _bytes(size: str) -> int:
+    """An NGINX size (``128k``, ``1m``) in bytes."""
+    units = {"k": 1024, "m": 1024**2, "g": 1024**3}
+    return int(size[:-1]) * units[size[-1].lower()] if size[-1].isalpha() else int(size)
+
+
+def test_kubernetes_ingress_forwards_every_front_door_unbuffered_and_never_metrics(
     manifests: dict[str, dict[str, Any]],
 ) -> None:
+    from dialog_worker.gateway import ai_sdk, openapi
+    from dialog_worker.gateway.app import create_app
+
     ingress = manifests["Ingress/dialog-gateway"]
     [rule] = ingress["spec"]["rules"]
-    [path] = rule["http"]["paths"]
-    assert path["path"] == "/sessions/" and path["pathType"] == "Prefix"
-    backend = path["backend"]["service"]
-    assert backend["name"] == "dialog-gateway" and backend["port"]["name"] == "http"
+    paths = rule["http"]["paths"]
+    for path in paths:
+        backend = path["backend"]["service"]
+        assert backend["name"] == "dialog-gateway" and backend["port"]["name"] == "http"
+    # Every route the gateway serves, mounts included, read from the app itself: a door added
+    # later fails here until the Ingress sends it on.
+    app = create_app(load_settings(environ={}), "t0ken")
+    served = {route for _, route, _ in openapi.endpoints(list(app.routes))}
+    assert {"/ai-sdk/chat", "/langgraph/info", "/openapi.json", "/metrics"} <= served
+    kept_in = {r for r in served if not any(_ingress_forwards(p, r) for p in paths)}
+    assert kept_in == {"/metrics", "/healthz"}
     assert [t["hosts"] for t in ingress["spec"]["tls"]] == [[rule["host"]]]
     notes = ingress["metadata"]["annotations"]
     assert notes["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
     # Longer than a connection's 10 minutes: the gateway ends it, not the proxy.
     assert int(notes["nginx.ingress.kubernetes.io/proxy-read-timeout"]) > 600
+    # useChat's whole conversation passes: the gateway, not the proxy, says what is too large.
+    assert _bytes(notes["nginx.ingress.kubernetes.io/proxy-body-size"]) >= ai_sdk.MAX_BODY_BYTES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -791,8 +819,9 @@ def test_container_check_uses_the_host_network_only() -> None:
     modes = re.findall(r'"--network",\s*"([^"]+)"', "\n".join(code))
     assert modes and set(modes) == {"host"}, modes
     # Every podman run/build names it: the worker containers, the id check, the build, the
-    # sender and verifier (in_image), the own bot's build and its wrong-engine run.
-    assert len(modes) == 6 and 'in_image = ["--network", "host"' in script
+    # sender and verifier (in_image), the own bot's build, its engine import check and its
+    # wrong-engine run.
+    assert len(modes) == 7 and 'in_image = ["--network", "host"' in script
     assert not re.search(r'"network",\s*"create"', script)
     assert 'netns = "host"' in script  # podman's default for anything not given --network
     assert "network_mode: host" in script  # every compose service

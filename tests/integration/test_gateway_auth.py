@@ -3,6 +3,7 @@ holds a token for its own session only, never the server token."""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -11,12 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jwt
 import pytest
 from gateway_proc import GatewayProc
+from structlog.testing import capture_logs
 
 from dialog_worker.client import session_tokens
 from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.config import load_settings
+from dialog_worker.gateway.app import create_app
 
 pytestmark = pytest.mark.integration
 
@@ -96,13 +100,30 @@ async def test_a_token_limited_to_some_actions_is_refused_the_others(gateway: Ga
                 assert got == 403, action
 
 
+def unsigned(claims: dict[str, object]) -> str:
+    """A JWT with ``alg: none``: no signature at all."""
+    head = base64url(json.dumps({"alg": "none", "typ": "JWT"}).encode())
+    return f"{head}.{base64url(json.dumps(claims).encode())}."
+
+
+def base64url(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+DAVE = {"sub": "dave", "scope": "send stream", "exp": int(time.time()) + 600}
+
+
 @pytest.mark.parametrize(
     ("token", "says"),
     [
         (session_tokens.mint(KEY, "dave", 60, now=time.time() - 120), "expired"),
         (session_tokens.mint("another-key-" + "x" * 30, "dave", 60), "signature"),
-        ("v1.e30.AAAA", "signature"),
-        ("v1." + "A" * 10, "malformed"),
+        (unsigned(DAVE), "HS256"),
+        (jwt.encode(DAVE, KEY + KEY, algorithm="HS512"), "HS256"),
+        (jwt.encode({**DAVE, "exp": int(time.time()) - 1}, KEY, algorithm="HS256"), "expired"),
+        (jwt.encode({"sub": "dave", "exp": DAVE["exp"]}, KEY, algorithm="HS256"), "malformed"),
+        ("v1.e30.AAAA", "format before JWTs"),
+        ("a.b.c", "malformed"),
         ("not-a-token", "wrong token"),
         ("", "wrong token"),
     ],
@@ -120,16 +141,28 @@ async def test_expired_tampered_and_foreign_tokens_are_401_and_say_why(
 
 async def test_a_payload_changed_to_another_session_is_refused(gateway: GatewayProc):
     token = session_tokens.mint(KEY, "erin", 60)
-    version, payload, signature = token.split(".")
-    claims = json.loads(session_tokens._unb64(payload))
-    forged = session_tokens._b64(json.dumps({**claims, "s": "frank"}).encode())
+    head, payload, signature = token.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    forged = base64url(json.dumps({**claims, "sub": "frank"}).encode())
     async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
         response = await http.post(
             "/sessions/frank/messages",
             json={"text": "x"},
-            headers={"Authorization": f"Bearer {version}.{forged}.{signature}"},
+            headers={"Authorization": f"Bearer {head}.{forged}.{signature}"},
         )
     assert response.status_code == 401
+    assert "signature" in response.json()["error"]
+
+
+async def test_a_jwt_minted_by_another_library_opens_its_session(gateway: GatewayProc):
+    """Any backend mints a token with its usual JWT library: here PyJWT called directly, with
+    the claims http.md names (the Node library test is in test_ai_sdk_door.py)."""
+    claims = {"sub": "gus", "scope": "send events", "exp": int(time.time()) + 60}
+    token = jwt.encode(claims, KEY, algorithm="HS256")
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        assert await status(http, "POST", "/sessions/gus/messages", token) == 202
+        assert await status(http, "POST", "/sessions/gus/messages/m1/cancel", token) == 403
+        assert await status(http, "POST", "/sessions/hal/messages", token) == 403
 
 
 async def test_cors_preflight_is_answered_for_the_allowed_origin_only(gateway: GatewayProc):
@@ -190,3 +223,89 @@ def test_cli_token_prints_a_token_the_gateway_accepts(env: dict[str, str]):
     )
     assert missing.returncode == 2 and "DIALOG_HTTP_SIGNING_KEY" in missing.stderr
     assert KEY not in missing.stderr + result.stderr
+
+
+# Each door's request for session S, with a body where it takes one: the gateway's own route,
+# useChat's door, the LangGraph door.
+DOORS = [
+    ("POST", "/sessions/{s}/messages", {"text": "halo"}),
+    (
+        "POST",
+        "/ai-sdk/chat",
+        {
+            "id": "{s}",
+            "messages": [{"id": "m1", "role": "user", "parts": [{"type": "text", "text": "halo"}]}],
+        },
+    ),
+    ("GET", "/langgraph/threads/{s}/state", None),
+]
+
+
+def door_request(method: str, path: str, body: object, session: str) -> dict[str, object]:
+    filled = json.loads(json.dumps(body).replace("{s}", session)) if body else None
+    return {"method": method, "url": path.format(s=session), "json": filled}
+
+
+@pytest.mark.parametrize("hook", ["authorize_hooks:by_cookie", "authorize_hooks:by_cookie_async"])
+async def test_the_authorize_hooks_reason_is_a_403_on_every_door_and_only_true_lets_through(
+    env: dict[str, str], client: DialogClient, hook: str
+):
+    """A team's own sign-in (DIALOG_HTTP_AUTHORIZE, sync or async): True opens the request,
+    a reason refuses it with 403 and that reason, anything else is the gateway's own 401."""
+    settings = load_settings(environ={**env, "DIALOG_HTTP_AUTHORIZE": hook})
+    app = create_app(settings, SERVER_TOKEN, client=client)
+    signed_in = {"Cookie": "user=ann"}
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10
+        ) as http,
+    ):
+        for method, path, body in DOORS:
+            theirs = await http.request(
+                **door_request(method, path, body, "chat-bob"), headers=signed_in
+            )
+            assert theirs.status_code == 403, (path, theirs.text)
+            assert theirs.json()["error"] == "ann is not a member of this chat"
+            nobody = await http.request(**door_request(method, path, body, "chat-ann"))
+            assert nobody.status_code == 401, (path, nobody.text)
+            assert "token" in nobody.json()["error"]
+        # Her own chat (the useChat door would stream its answer: the other two say enough).
+        sent = await http.post(
+            "/sessions/chat-ann/messages", json={"text": "halo"}, headers=signed_in
+        )
+        assert sent.status_code == 202, sent.text
+        state = await http.get("/langgraph/threads/chat-ann/state", headers=signed_in)
+        assert state.status_code not in (401, 403), state.text
+        refusals = (await http.get("/metrics")).text
+    assert 'reason="authorize_refused",status="403"' in refusals
+    assert "ann" not in refusals
+    # Only her message reached the stream.
+    entries = await client.redis.xrange(client.keys.stream)
+    assert [fields["session_id"] for _, fields in entries] == ["chat-ann"]
+
+
+async def test_an_authorize_hook_that_raises_refuses_with_503_on_every_door_and_logs_no_secret(
+    env: dict[str, str], client: DialogClient
+):
+    """A hook that fails (its own store down) fails closed: 503 with a JSON error on every
+    door, never a 500 and never the request let through; one log line names the exception's
+    type, not its message (which may hold what the hook knew)."""
+    settings = load_settings(environ={**env, "DIALOG_HTTP_AUTHORIZE": "authorize_hooks:broken"})
+    app = create_app(settings, SERVER_TOKEN, client=client)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10
+        ) as http,
+    ):
+        with capture_logs() as logs:
+            for method, path, body in DOORS:
+                got = await http.request(**door_request(method, path, body, "chat-ann"))
+                assert got.status_code == 503, (path, got.text)
+                assert "authoriz" in got.json()["error"]
+    failed = [e for e in logs if e["event"] == "authorize_hook_failed"]
+    assert len(failed) == len(DOORS)
+    assert failed[0]["error_type"] == "RuntimeError"
+    assert "hunter2" not in json.dumps(logs, default=str)
+    assert await client.redis.xlen(client.keys.stream) == 0

@@ -165,10 +165,23 @@ async def test_a_worker_configured_with_another_shard_count_refuses_and_writes_n
 
     k = client.keys
     # Every key an idle worker of one shard keeps: the recorded count, the inbound stream with
-    # its group, the wake stream, the inbound bookkeeping its first intake call writes and the
-    # waiter lease its first idle wait takes. Each appears at its own moment after the count;
-    # a snapshot taken before the last of them would see it appear later.
-    expected = sorted(["dialog:shards", k.stream, k.wake, k.inbound, k.waiter])
+    # its group, the wake stream, the inbound bookkeeping its first intake call writes, the
+    # waiter lease its first idle wait takes, its worker lease on the shard (with the counter
+    # that numbers them) and its presence (daemon/presence.py). Each appears at its own moment
+    # after the count; a snapshot taken before the last of them would see it appear later.
+    presence = k.presence(running.name)
+    expected = sorted(
+        [
+            "dialog:shards",
+            k.stream,
+            k.wake,
+            k.inbound,
+            k.waiter,
+            k.workers,
+            f"{k.workers}:n",
+            presence,
+        ]
+    )
 
     async def idle_worker_keys() -> bool:
         if sorted(await client.redis.keys("*")) != expected:

@@ -138,6 +138,49 @@ async def test_an_interrupt_without_a_resume_times_out_and_the_step_is_told(
     assert (await client.resume("r4", reply.interrupt_id, True)).status == "timed_out"
 
 
+async def test_a_steps_journal_is_kept_a_state_ttl_after_its_last_result(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """A step held after two journaled calls: its journal expires DIALOG_STATE_TTL_S (a day)
+    after the last result, so an attempt retried that late still finds the results and does
+    not call again; the commit then deletes it."""
+    log = start(workers, tmp_path)
+    hold = tmp_path / "hold"
+    hold.touch()
+    await client.send("r16", "tools 2 hold", msg_id="m1")
+    try:
+        await wait_for(lambda: len(calls(log)) == 2, timeout_s=15)
+        ttl = redis.Redis.from_url(env["REDIS_URL"]).ttl(KEYS.session("r16").journal("m1"))
+    finally:
+        hold.unlink()  # the step goes on (a failed check does not wait for a held worker)
+    day = Settings().state_ttl_s
+    assert day - 60 <= ttl <= day
+    done = await wait_for(lambda: [e for e in events(env["REDIS_URL"], "r16")])
+    assert [(e["outcome"], e["reply"]) for e in done] == [("applied", "done 1 2")]
+
+
+async def test_a_wait_keeps_its_journal_as_long_and_pending_says_when_it_times_out(
+    workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two steps journal a quote and wait: one without a timeout (pending's timeout_at is
+    None, the journal has no expiry), one with timeout_s of two days (timeout_at is two days
+    after created_at, and the journal outlives the timeout by DIALOG_STATE_TTL_S), so a late
+    answer finds the quote and does not ask for it again."""
+    start(workers, tmp_path)
+    two_days_s = 2 * 86_400
+    await client.ask("r14", "refund 1", msg_id="m1", timeout=20)
+    await client.ask("r15", f"refund 1 {two_days_s}", msg_id="m1", timeout=20)
+    [forever] = await client.pending("r14")
+    [timed] = await client.pending("r15")
+    assert forever.timeout_at is None and forever.as_dict()["timeout_at"] is None
+    assert timed.timeout_at is not None
+    assert timed.timeout_at - timed.created_at == two_days_s * 1000
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    assert r.ttl(KEYS.session("r14").journal("m1")) == -1
+    kept_s = Settings().state_ttl_s + two_days_s
+    assert kept_s - 60 <= r.ttl(KEYS.session("r15").journal("m1")) <= kept_s
+
+
 async def test_a_pending_interrupt_survives_a_worker_restart_and_is_resumed_by_another(
     workers: Any, client: DialogClient, env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -258,6 +301,55 @@ async def test_a_result_past_the_journal_limit_dead_letters_the_message_with_a_c
     [(_, letter)] = r.xrange("dialog-dlq")
     assert letter["error_kind"] == "permanent"
     assert "DIALOG_JOURNAL_MAX_BYTES" in letter["error"] and "JournalFull" in letter["error"]
+
+
+@pytest.mark.parametrize("engine", ["Agent", "SyncAgent"])
+@pytest.mark.parametrize(
+    ("kind", "shown"),
+    [
+        (
+            "dated",
+            '{"amount": "12.50", "created": "2025-03-01T09:30:00+00:00", '
+            '"id": "00000000-0000-0000-0000-000000000011"}',
+        ),
+        ("cut", '{"text": "ab\\ud83d"}'),  # the same lone surrogate, read back
+    ],
+)
+async def test_a_result_with_dates_decimals_and_uuids_is_recorded_and_the_call_runs_once(
+    workers: Any,
+    client: DialogClient,
+    env: dict[str, str],
+    tmp_path: Path,
+    engine: str,
+    kind: str,
+    shown: str,
+) -> None:
+    # Short backoff: without the fix each retry would call the payment again at once.
+    log = start(workers, tmp_path, engine, DIALOG_BACKOFF_BASE_MS="10", DIALOG_BACKOFF_MAX_MS="50")
+    reply = await client.ask("p1", f"receipt {kind}", msg_id="m1", timeout=20)
+    assert (reply.outcome, reply.text) == ("applied", f"paid {shown}")
+    assert calls(log) == ["m1 receipt"]
+
+
+@pytest.mark.parametrize("engine", ["Agent", "SyncAgent"])
+@pytest.mark.parametrize(("kind", "named"), [("opaque", "Receipt"), ("deep", "nested too deeply")])
+async def test_a_result_that_cannot_be_recorded_fails_the_message_after_one_call(
+    workers: Any,
+    client: DialogClient,
+    env: dict[str, str],
+    tmp_path: Path,
+    engine: str,
+    kind: str,
+    named: str,
+) -> None:
+    log = start(workers, tmp_path, engine, DIALOG_BACKOFF_BASE_MS="10", DIALOG_BACKOFF_MAX_MS="50")
+    reply = await client.ask("p2", f"receipt {kind}", msg_id="m1", timeout=20)
+    assert reply.outcome == "dead_lettered"
+    assert calls(log) == ["m1 receipt"]  # the payment was not made again
+    r = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
+    [(_, letter)] = r.xrange("dialog-dlq")
+    assert (letter["error_kind"], letter["attempts"]) == ("permanent", "1")
+    assert "refund:A-17" in letter["error"] and named in letter["error"]
 
 
 async def test_typed_events_and_the_prompt_stream_with_the_text_and_the_answer_follows_a_resume(

@@ -7,6 +7,7 @@ parked session."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +16,10 @@ import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
+import dialog_worker
 from dialog_worker.config import Settings
+from dialog_worker.daemon.step_journal import AttemptJournal
+from dialog_worker.engine import journal as step_journal
 from dialog_worker.store.keys import Keys
 from dialog_worker.store.scripts import Code, Scripts
 
@@ -23,6 +27,8 @@ pytestmark = pytest.mark.integration
 
 TTL_MS = 60_000
 K = Keys.from_settings(Settings())
+JOURNAL_TTL_S = 3600  # the journal expiry the harness passes (the worker: DIALOG_STATE_TTL_S)
+TWO_DAYS_MS = 2 * 86_400_000
 
 
 class H:
@@ -119,6 +125,63 @@ async def test_only_the_lease_holder_of_the_next_message_records_a_result(h: H) 
         b"b": b"20",
     }
     assert 0 < await h.r.ttl(h.journal_key) <= 3600
+
+
+@pytest.mark.parametrize("timeout_ms", [0, TWO_DAYS_MS])
+async def test_a_journal_expires_its_expiry_in_seconds_after_a_result_and_outlasts_a_wait(
+    h: H, timeout_ms: int
+) -> None:
+    """A result sets the journal's expiry (seconds); a wait for a person then keeps it as long
+    as the wait: with no expiry when the wait has no timeout, until a journal expiry after
+    the timeout when it has one (here two days, longer than the expiry itself)."""
+    job = await first_job(h)
+    assert (await h.journal(job[1], 1, "quote", "1"))[0] == Code.JOURNALED
+    assert JOURNAL_TTL_S - 60 <= await h.r.ttl(h.journal_key) <= JOURNAL_TTL_S
+    assert (await h.interrupt(job[1], timeout_ms=timeout_ms))[0] == Code.PARKED
+    ttl = await h.r.ttl(h.journal_key)
+    if timeout_ms == 0:
+        assert ttl == -1
+    else:
+        kept_s = JOURNAL_TTL_S + timeout_ms // 1000
+        assert kept_s - 60 <= ttl <= kept_s
+
+
+@dataclasses.dataclass
+class AttemptJob:
+    """What an attempt's journal needs of its message (the pipeline's Job)."""
+
+    token: str
+    seq: int
+    keys: Keys = K
+    session_id: str = "s"
+    msg_id: str = "m1"
+
+    @property
+    def first_seq(self) -> int:
+        return self.seq
+
+
+async def test_two_once_calls_of_one_name_racing_in_a_step_both_return_the_first_result(
+    h: H,
+) -> None:
+    """Both find nothing journaled and call their function; the one recorded second is told
+    of the first result and returns it, as every later attempt will."""
+    job = await first_job(h)
+    attempt = AttemptJournal(h.r, h.s.journal, AttemptJob(job[1].decode(), 1), 1000, 3600)
+
+    async def pick(n: int) -> dict[str, int]:
+        await asyncio.sleep(0.02 * n)  # both have looked in the journal by now
+        return {"n": n}
+
+    bound = step_journal.bind(attempt)
+    try:
+        got = await asyncio.gather(
+            dialog_worker.once("pick", pick, 1), dialog_worker.once("pick", pick, 2)
+        )
+    finally:
+        step_journal.unbind(bound)
+    assert got == [{"n": 1}, {"n": 1}]
+    assert await h.r.hget(h.journal_key, "o:pick") == b'{"n":1}'
 
 
 async def test_a_commit_deletes_the_journal_and_a_late_write_of_its_attempt_is_refused(

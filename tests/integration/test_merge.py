@@ -34,23 +34,23 @@ class Harness:
         self.r, self.k, self.s = redis, keys, Scripts.register(redis)
         self.calls = 0
 
-    async def intake(self, free: int = 8) -> list[Any]:
+    async def intake(self, free: int = 8, merge: str = MERGE) -> list[Any]:
         self.calls += 1
         k = self.k
         return await self.s.intake(
             keys=[k.stream, k.ready, k.session_prefix, k.dlq, k.replies],
             args=[
                 k.group, "c1", 1000, f"t{self.calls}", TTL_MS, 3600, 65536, 32, 0, "test", 0,
-                "maaf", 0, 1, "enqueue", "", free, "", 600, MERGE,
+                "maaf", 0, 1, "enqueue", "", free, "", 600, merge,
             ],
         )  # fmt: skip
 
-    async def resume(self, count: int = 8) -> list[Any]:
+    async def resume(self, count: int = 8, merge: str = MERGE) -> list[Any]:
         self.calls += 1
         k = self.k
         rows, _ = await self.s.resume(
             keys=[k.stream, k.ready, k.session_prefix],
-            args=[count, f"r{self.calls}", TTL_MS, 60_000, "", MERGE],
+            args=[count, f"r{self.calls}", TTL_MS, 60_000, "", merge],
         )
         return list(rows)
 
@@ -155,6 +155,40 @@ async def test_parts_past_the_longest_wait_go_to_the_next_step(h):
     await h.r.zadd(h.k.ready, {"s": 0})
     [row] = await h.resume()
     assert [int(p[0]) for p in row[12]] == [2, 3]
+
+
+async def test_a_burst_whose_parts_keep_coming_is_handed_out_at_its_longest_wait(h):
+    """Parts 1.4 s apart with a 2.5 s window: each keeps the window open, but the burst closes
+    3 s (the longest wait) after its first part, not a window after the last part that came
+    within it (5.3 s). Just past 3 s after the first, it is due and handed out with its
+    parts."""
+    window_ms, longest_ms = 2500, 3000
+    merge = f"enqueue,{window_ms},{longest_ms}"
+    t = await now_ms(h) - longest_ms - 1
+    for i, mid in enumerate(("m1", "m2", "m3")):
+        await send_at(h, t + 1400 * i, mid)
+    await h.intake(merge=merge)
+    assert await h.r.zscore(h.k.ready, "s") == t + longest_ms
+    [row] = await h.resume(merge=merge)
+    assert [int(p[0]) for p in row[12]] == [2, 3]
+
+
+async def test_a_burst_holds_at_most_32_parts_and_the_rest_go_to_the_next_step(h):
+    t = await now_ms(h) - 60_000
+    for i in range(1, 41):
+        await send_at(h, t + 10 * i, f"m{i}")
+    await h.intake()
+    await h.r.zadd(h.k.ready, {"s": 0})
+    [row] = await h.resume()
+    assert [int(p[0]) for p in row[12]] == list(range(2, 33))  # with the first: 32
+    result = await h.commit(row[1:], first=1, last=32, msg_id=b"m32")
+    assert int(result[0]) == Code.HANDOFF, result
+    assert [int(p[0]) for p in result[6]] == list(range(34, 41))  # the next step: 33..40
+    events = await h.events()
+    assert [(e[b"seq"], e[b"outcome"]) for e in events] == [
+        *((b"%d" % i, b"merged") for i in range(1, 32)),
+        (b"32", b"applied"),
+    ]
 
 
 async def test_a_cancelled_part_ends_alone_and_the_burst_stops_before_it(h):

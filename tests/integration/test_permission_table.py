@@ -63,6 +63,7 @@ COMMANDS: dict[str, str] = {
     "ZSCORE": "ZSCORE {k} m",
     "ZCOUNT": "ZCOUNT {k} 0 +inf",
     "ZPOPMIN": "ZPOPMIN {k}",
+    "ZRANK": "ZRANK {k} m",
     "SADD": "SADD {k} m",
     "SISMEMBER": "SISMEMBER {k} m",
     "SMEMBERS": "SMEMBERS {k}",
@@ -126,7 +127,7 @@ COMMANDS: dict[str, str] = {
 
 
 # msg_ids that make a session's key end as a shard key does (see families()).
-ALIASES = ("x}:s:cancels", "x}:ready:tset", "x}:ready:tmin")
+ALIASES = ("x}:s:cancels", "x}:s:cancel-notes", "x}:ready:tset", "x}:ready:tmin")
 
 
 def families() -> dict[str, list[str]]:
@@ -156,6 +157,7 @@ def families() -> dict[str, list[str]]:
         "ids": [x.ids for x in s],
         "let": [x.letters for x in s],
         "cnc": [k.cancels for k in both],
+        "cnn": [k.cancel_notes for k in both],
         "rdy": [k.ready for k in both],
         "inb": [k.inbound for k in both],
         "age": [k.ages for k in both],

@@ -885,10 +885,12 @@ async def test_a_release_refuses_a_mode_it_does_not_know_and_writes_nothing(h):
     _, _, [job], _, _ = await h.intake()
     token, before = job[1].decode(), await h.state("rm")
     due = await h.r.zscore(h.k.ready, "rm")  # the lease's deadline, for crash recovery
-    for mode in ("", "3", "true", "1.0"):
+    refused: list[list[str | int]] = [[m] for m in ("", "4", "true", "1.0")]
+    refused += [["3"], ["3", "", 60], ["3", "m1", 0]]  # "3" needs a msg_id and an expiry
+    for mode in refused:
         with pytest.raises(ResponseError, match="release: bad arguments"):
             await h.s.release(
-                keys=[h.k.ready, h.k.session_prefix], args=[token, "rm", 1, 0, "", mode]
+                keys=[h.k.ready, h.k.session_prefix], args=[token, "rm", 1, 0, "", *mode]
             )
     assert await h.state("rm") == before
     assert await h.r.get(h.k.session("rm").lock) == job[1]  # still held

@@ -580,6 +580,9 @@ def test_tenants_limits_and_usage_run_as_the_restricted_users(
     [k] = [r for r in map(json.loads, limits.stdout.splitlines()) if r["key"] == "k"]
     assert (k["source"], k["max_in_flight"]) == ("runtime", 4)
     assert k["pause_reason"].endswith(": provider incident")
+    resumed = cli(op_env, "limits", "resume", "k", "--reason", "provider is back")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["paused_until"] is None
     assert acl.acl_log() == [], "a role was denied a command tenants, limits or usage need"
 
 

@@ -125,6 +125,24 @@ async def test_a_retried_attempt_tells_readers_to_replace_what_the_failed_one_st
     assert again[0].kind == "reset" and shown(events[:1] + again) == reply
 
 
+async def test_a_429_after_the_step_streamed_resets_its_readers_and_spends_no_attempt(
+    client: DialogClient, workers: WorkerPool
+):
+    """One attempt allowed (DIALOG_MAX_ATTEMPTS=1). The step streams, then its model call is
+    refused twice (429): each time its readers are told to start over (reset, a new attempt
+    number: the partial stream's cursor rules) and the answer starts again when the key
+    reopens. It is applied, not dead-lettered: a 429 never costs an attempt."""
+    workers.start(1, DIALOG_ENGINE="stream_engines:LimitedAfterEmit", DIALOG_MAX_ATTEMPTS="1")
+    reply = "".join(f"w{i} " for i in range(10))
+    events = await collect(client, "st-429", "10 5 2", msg_id="m429")
+    kinds = [e.kind for e in events]
+    assert kinds[-1] == "end" and events[-1].outcome == "applied", kinds
+    assert kinds.count("reset") == 2, kinds
+    assert streamed(events) == "THINKING " + reply and shown(events) == reply
+    assert [e.attempt for e in events if e.kind == "reset"] == [2, 3]
+    assert await client.redis.xlen(client.keys.dlq) == 0
+
+
 async def test_an_engine_that_never_emits_streams_just_its_end(
     client: DialogClient, workers: WorkerPool
 ):

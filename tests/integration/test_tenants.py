@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
@@ -180,6 +181,26 @@ async def test_weights_hold_when_slow_steps_take_turns(h):
     assert abs(shares["a"] - 3 * shares["b"]) <= 8, shares
 
 
+async def test_a_tenant_arriving_late_starts_at_the_shards_virtual_clock_and_takes_turns(h):
+    """a and b share one slot for 20 turns; then c arrives with a backlog. It starts at the
+    shard's virtual clock (where a and b are), not at 0: the next slots go round a, b and c,
+    not all to c until its virtual time has caught up with theirs."""
+    for i in range(20):
+        await send(h, f"a-{i}", "a")
+        await send(h, f"b-{i}", "b")
+    _, _, [job], _, _ = await h.intake(free=1)
+    for _ in range(19):
+        job = (await h.finish(job))[2]
+    for i in range(6):
+        await send(h, f"c-{i}", "c")
+    await h.intake(free=0)  # c's sessions join the queues
+    later = []
+    for _ in range(6):
+        job = (await h.finish(job))[2]
+        later.append(tenant_of_sid(sid_of(job)))
+    assert Counter(later) == {"a": 2, "b": 2, "c": 2}, later
+
+
 async def test_a_tenant_alone_takes_every_slot_work_conserving(h):
     """Weights are shares of what is contended: a tenant alone gets every free slot."""
     await h.share("b", weight=100)
@@ -334,6 +355,57 @@ async def test_a_crashed_sessions_lease_stops_counting_and_resume_queues_it_fair
     got = [bytes(r[1]).decode() for r in rows]
     assert sorted(got) == ["a-0"] or sorted(got) == ["a-1"]
     assert await h.in_flight("a") == 1  # never above its maximum
+
+
+async def test_tenants_stops_counting_a_crashed_workers_session_in_flight_when_its_lease_ends(
+    h, redis_server
+):
+    """A worker takes a-0 with a 300 ms lease and dies: `tenants` shows it in flight until the
+    lease ends, then not (a crashed worker's sessions were counted in flight until taken up
+    again, however long that was)."""
+    from dialog_worker.ops.model_limits import list_tenants
+    from dialog_worker.store import tenants
+
+    await tenants.set_settings(h.r, h.k, "a", max=4)  # `tenants set a --max 4`: listed
+    await send(h, "a-0", "a")
+    h.calls += 1
+    k = h.k
+    _, _, jobs, _, _ = await h.s.intake(
+        keys=[k.stream, k.ready, k.session_prefix, k.dlq, k.replies],
+        args=[k.group, "c1", 10, "crash", 300, 3600, 65536, 32, 0, "test", 0, "maaf", 0, 1,
+              "enqueue", "", 1, ""],
+    )  # fmt: skip
+    assert [sid_of(j) for j in jobs] == ["a-0"]
+
+    async def row() -> dict[str, Any]:
+        [found] = [r for r in await list_tenants(h.r, Settings()) if r["tenant"] == "a"]
+        return found
+
+    assert (await row())["in_flight"] == 1
+    await anyio.sleep(0.4)  # the lease ran out; nobody took the session up yet
+    assert (await row())["in_flight"] == 0
+    assert (await row())["waiting"] == 0
+
+
+async def test_a_crashed_session_resumed_goes_back_to_its_stream_order_place_in_the_queue(h):
+    """a-0's message was appended before a-1's and a-2's; its holder dies. Taken up again by
+    resume while a's queue holds a-1 and a-2, it queues in its message's place (first), not
+    behind them: the freed slot is a-0's."""
+    await h.share("a", most=1)
+    await send(h, "a-0", "a")
+    _, _, jobs, _, _ = await h.intake(free=1)
+    assert [sid_of(j) for j in jobs] == ["a-0"]
+    await send(h, "a-1", "a")
+    await send(h, "a-2", "a")
+    await h.intake(free=0)
+    assert await h.queued("a") == ["a-1", "a-2"]
+    # The holder dies: its lock and in-flight lease run out; the session is due.
+    await h.r.delete(h.k.session("a-0").lock)
+    await h.r.zadd(h.k.tenant_busy("a"), {"a-0": 0})
+    await h.r.zadd(h.k.ready, {"a-0": 0})
+    rows, _ = await h.resume(count=1)
+    assert [bytes(r[1]).decode() for r in rows] == ["a-0"]
+    assert await h.queued("a") == ["a-1", "a-2"]
 
 
 async def test_a_crashed_session_back_while_its_tenant_is_at_its_maximum_waits_its_turn(h):

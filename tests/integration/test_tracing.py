@@ -250,6 +250,10 @@ async def test_a_worker_process_exports_one_connected_trace_over_otlp(
     [producer] = named(client_spans, "producer")
     [send] = named(client_spans, "dialog.send")
     assert_one_trace_per_attempt([*spans, send], producer, attempts=2)
+    # The engine only calls model_call: each call's span is its own, with what it used.
+    calls = named(spans, "chat test-model")
+    assert [c.attributes["gen_ai.usage.output_tokens"] for c in calls] == [5, 5]
+    assert all(c.attributes["dialog.turn_wait_ms"] >= 0 for c in calls)
 
 
 @pytest.mark.fault
@@ -280,3 +284,53 @@ async def test_kill_9_mid_step_leaves_one_connected_trace_with_one_step_per_atte
     steps = assert_one_trace_per_attempt([*in_trace(), send], producer, attempts=2)
     assert steps[0].attributes["dialog.outcome"] == "lost" and steps[0].status == "ERROR"
     assert steps[1].status == "UNSET"
+
+
+async def test_a_page_passes_its_trace_to_the_stream_in_the_query_and_the_gateway_continues_it(
+    client: DialogClient, env: dict[str, str]
+) -> None:
+    """An EventSource cannot set headers: the page gives its traceparent as ``?traceparent=``
+    and the answer's dialog.stream span joins the page's trace, as the POST's send does (one
+    trace per browser message). A header, when there is one, is the parent instead."""
+    from dialog_worker.gateway.app import create_app
+
+    settings = fast_settings(env)
+    page = "00-33333333333333333333333333333333-4444444444444444-01"
+    other = "00-55555555555555555555555555555555-6666666666666666-01"
+    with in_memory_tracing() as traced:
+        worker = Worker(settings, TraceEngine())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.run)
+            app = create_app(settings, None, client=client)
+            async with (
+                app.router.lifespan_context(app),
+                httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=app), base_url="http://gw.test"
+                ) as http,
+            ):
+                posted = await http.post(
+                    "/sessions/tr-q/messages",
+                    json={"text": "hi", "msg_id": "q-1"},
+                    headers={"traceparent": page},
+                )
+                assert posted.status_code == 202
+                await wait_for_reply(client, "tr-q")
+                for query, headers in (
+                    ({"traceparent": page}, {}),
+                    ({"traceparent": page}, {"traceparent": other}),
+                ):
+                    streamed = await http.get(
+                        "/sessions/tr-q/messages/q-1/stream", params=query, headers=headers
+                    )
+                    assert "event: end" in streamed.text
+            worker.stop()
+        spans = traced.seen()
+    streams = [s for s in named(spans, "dialog.stream") if s.attributes["dialog.msg_id"] == "q-1"]
+    assert [(s.trace_id, s.parent_id) for s in streams] == [
+        (0x33333333333333333333333333333333, 0x4444444444444444),
+        (0x55555555555555555555555555555555, 0x6666666666666666),
+    ]
+    [send] = [
+        s for s in named(spans, "dialog.send") if s.attributes["messaging.message.id"] == "q-1"
+    ]
+    assert send.trace_id == streams[0].trace_id

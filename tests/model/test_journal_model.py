@@ -12,6 +12,9 @@ Checked after every step (the model predicts each script's answer first):
 - journal fencing: a result is recorded only by the lock holder of the session's next
   message; the first result of a name stays; the journal holds exactly the recorded results,
   and is gone once its message is committed;
+- journal expiry: a recorded result gives the journal the journal expiry (seconds); a wait for
+  a person keeps it as long as the wait (no expiry without a timeout, the expiry after the
+  timeout with one); the take-up after a resume gives it a day again;
 - resume once: a resume is applied only while the session waits on that interrupt, at most
   once per interrupt, and the run after it finds the value; a parked session is never handed
   out (not in the ready set, no lock) until the resume;
@@ -49,6 +52,9 @@ WORKERS = 2
 TTL_MS = 60_000
 MAX_BYTES = 40  # small: a few results fill a journal
 NAMES = ("a", "b", "c")
+JOURNAL_TTL_S = 3600
+LONG_WAIT_MS = 2 * 86_400_000  # a timeout longer than the journal expiry
+RESUMED_TTL_S = 86_400  # a resumed message's journal, once resume-3.lua took it up
 K = Keys.from_settings(Settings())
 SK = K.session(SID)
 
@@ -87,6 +93,9 @@ class JournalScripts(RuleBasedStateMachine):
         self.version = 0
         self.journal: dict[str, dict[str, str]] = {m: {} for m in MESSAGES}
         self.used: dict[str, int] = Counter()
+        # The expiry each message's journal should have (seconds; -1: none; absent: no journal).
+        self.expiry: dict[str, int] = {}
+        self.unparked: str | None = None  # a message resumed and not yet taken up
         self.waits: Counter[str] = Counter()  # attempts of each message that ended awaiting
         self.pending: tuple[str, str, int] | None = None  # (interrupt id, msg_id, n)
         self.asked: Counter[str] = Counter()  # interrupts asked per message (the next n)
@@ -133,6 +142,9 @@ class JournalScripts(RuleBasedStateMachine):
         rows, _ = self.run(
             "resume", [K.stream, K.ready, K.session_prefix], [10, f"r{self.calls}", TTL_MS, 0]
         )
+        if self.unparked is not None:  # due at once after the resume: looked at here
+            self.expiry[self.unparked] = RESUMED_TTL_S
+            self.unparked = None
         for row in rows:
             self.take(worker, row[2:])
             note(f"worker {worker} took seq {int(row[3])}")
@@ -147,7 +159,7 @@ class JournalScripts(RuleBasedStateMachine):
         got = self.run(
             "journal",
             [K.session_prefix],
-            [job.token, SID, job.seq, job.msg_id, name, value, MAX_BYTES, 3600],
+            [job.token, SID, job.seq, job.msg_id, name, value, MAX_BYTES, JOURNAL_TTL_S],
         )
         code = Code(int(got[0]))
         fresh = job.token == self.holder and job.seq == self.applied + 1
@@ -163,9 +175,10 @@ class JournalScripts(RuleBasedStateMachine):
             assert code is Code.JOURNALED
             recorded[name] = value
             self.used[job.msg_id] += len(name) + len(value)
+            self.expiry[job.msg_id] = JOURNAL_TTL_S
 
-    @rule(worker=st.integers(0, WORKERS - 1))
-    def interrupt(self, worker: int) -> None:
+    @rule(worker=st.integers(0, WORKERS - 1), timeout_ms=st.sampled_from([0, LONG_WAIT_MS]))
+    def interrupt(self, worker: int, timeout_ms: int) -> None:
         job = self.jobs.get(worker)
         if job is None:
             return
@@ -174,7 +187,8 @@ class JournalScripts(RuleBasedStateMachine):
         got = self.run(
             "interrupt",
             [K.ready, K.session_prefix, K.replies],
-            [job.token, SID, job.seq, job.msg_id, "1-1", iid, n, '{"q":1}', 0, 0, "", 3600,
+            [job.token, SID, job.seq, job.msg_id, "1-1", iid, n, '{"q":1}', timeout_ms, 0, "",
+             JOURNAL_TTL_S,
              json.dumps({"interrupt_id": iid}), 1, 0, 100, 600],
         )  # fmt: skip
         code = Code(int(got[0]))
@@ -187,6 +201,7 @@ class JournalScripts(RuleBasedStateMachine):
         self.pending = (iid, job.msg_id, n)
         self.asked[job.msg_id] = n
         self.waits[job.msg_id] += 1
+        self.expiry[job.msg_id] = JOURNAL_TTL_S + timeout_ms // 1000 if timeout_ms else -1
         self.holder = None
         del self.jobs[worker]
 
@@ -206,6 +221,7 @@ class JournalScripts(RuleBasedStateMachine):
             assert got == ["resumed"]
             self.resolved[iid] = str(value)
             self.applied_resumes[iid] += 1
+            self.unparked = self.pending[1]
             self.pending = None
         elif iid in self.resolved:
             assert got == ["ended", f'{{"value":{self.resolved[iid]}}}']
@@ -231,6 +247,7 @@ class JournalScripts(RuleBasedStateMachine):
         self.version += 1
         self.journal[job.msg_id] = {}
         self.used[job.msg_id] = 0
+        self.expiry.pop(job.msg_id, None)
         if code is Code.HANDOFF:
             nxt = Job(job.token, int(result[2]), MESSAGES[int(result[2]) - 1], self.version)
             self.jobs[worker] = nxt
@@ -248,6 +265,12 @@ class JournalScripts(RuleBasedStateMachine):
                 if k.startswith(b"o:")
             }
             assert stored == self.journal[msg_id], f"journal of {msg_id}"
+            ttl = self.r.ttl(SK.journal(msg_id))
+            want = self.expiry.get(msg_id, -2)  # -2: no such key
+            if want > 0:
+                assert want - 60 <= ttl <= want, f"journal of {msg_id} expires in {ttl} s"
+            else:
+                assert ttl == want, f"journal of {msg_id} expires in {ttl} s, not {want}"
         parked = self.r.get(SK.awaiting)
         if self.pending is None:
             assert parked is None, "a resumed session still waits"

@@ -185,6 +185,9 @@ class Session:
     dedupe: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     waiting: dict[int, list[Entry]] = dataclasses.field(default_factory=dict)  # copies
     attempts: int = 0  # n: deliveries of the next message
+    # msg_id -> its journal's r: attempts handed back for a limit key after streaming, which
+    # spend none (lua/release-2.lua); the message's commit deletes its journal
+    unspent: dict[str, int] = dataclasses.field(default_factory=dict)
     last_error: str = ""  # e
     failed: bool = False  # f present
     gap_seen: bool = False  # g present
@@ -324,6 +327,11 @@ def field(flat_fields: list[bytes], name: bytes) -> bytes | None:
     return None
 
 
+def job_msg_id(job: Job) -> str:
+    """The msg_id the pipeline decodes: the field, else the entry id."""
+    return s(field(job.fields, b"msg_id") or job.entry_id)
+
+
 class Scripts:
     """The worker's scripts on a synchronous bytes client, with the worker's arguments."""
 
@@ -368,12 +376,10 @@ class Scripts:
 
     def call_release(self, job: Job, delay_ms: int, error: str, mode: Release) -> int:
         k = self.k
-        return int(
-            self.release(
-                keys=[k.ready, k.session_prefix],
-                args=[job.token, job.sid, job.seq, delay_ms, error, mode.value],
-            )
-        )
+        args: list[Any] = [job.token, job.sid, job.seq, delay_ms, error, mode.value]
+        if mode is Release.HAND_BACK_UNSPENT:
+            args += [job_msg_id(job), STATE_TTL_S]
+        return int(self.release(keys=[k.ready, k.session_prefix], args=args))
 
     def call_renew(self, jobs: list[Job]) -> list[int]:
         k = self.k
@@ -439,6 +445,8 @@ class HandBack(NamedTuple):
     i: int
     how: str  # shutdown | streamed (its step had streamed text: the attempt stays counted)
     # | rate_limited (its key is paused or its turn is later: back in a minute, no attempt)
+    # | rate_limited_streamed (the same after its step streamed: a new attempt number for its
+    # readers, no attempt spent)
 
 
 class Renew(NamedTuple):
@@ -493,7 +501,14 @@ ACTIONS: list[tuple[int, st.SearchStrategy[Any]]] = [
     (2, st.builds(Resume, workers, rarely)),
     (4, st.builds(Step, pick, st.booleans())),
     (4, st.builds(Commit, workers, st.integers(0, 255), rarely)),
-    (1, st.builds(HandBack, pick, st.sampled_from(["shutdown", "streamed", "rate_limited"]))),
+    (
+        1,
+        st.builds(
+            HandBack,
+            pick,
+            st.sampled_from(["shutdown", "streamed", "rate_limited", "rate_limited_streamed"]),
+        ),
+    ),
     (1, st.builds(Renew, workers)),
     (1, st.builds(Crash, workers)),
     (2, st.builds(TimePasses, sessions, st.sampled_from([True, True, False]))),
@@ -881,15 +896,20 @@ class DialogScripts(RuleBasedStateMachine):
             field(job.fields, b"msg_id") == BUDGET_MSG_ID.encode() and job.attempts <= MAX_ATTEMPTS
         ):
             self._stepped(w, job, "budget_exceeded", "")  # its tenant's tokens are spent
-        elif job.attempts > MAX_ATTEMPTS:
+        elif self._spent(job) > MAX_ATTEMPTS:
             self._stepped(w, job, "dead_lettered", "exhausted")
         elif field(job.fields, b"text") == b"boom":
-            if job.attempts >= MAX_ATTEMPTS:
+            if self._spent(job) >= MAX_ATTEMPTS:
                 self._stepped(w, job, "dead_lettered", "exhausted")
             else:
                 self._release(w, job, 60_000 if backoff else 0, Release.FAILED)
         else:
             self._stepped(w, job, "applied", "")
+
+    def _spent(self, job: Job) -> int:
+        """Its deliveries less those handed back for a limit key after streaming (the
+        pipeline's _spent: the journal's r)."""
+        return job.attempts - self.sessions[job.sid].unspent.get(job_msg_id(job), 0)
 
     def _stepped(self, w: SimWorker, job: Job, outcome: str, kind: str) -> None:
         msg_id = field(job.fields, b"msg_id") or job.entry_id.encode()
@@ -929,18 +949,27 @@ class DialogScripts(RuleBasedStateMachine):
         streamed text. Rate limited (a provider's 429 paused its key, or its turn is later):
         back until the key opens, its attempt not counted, its session's order kept."""
         held = self._held_jobs()
+        if how == "rate_limited_streamed":  # only a step that ran streams (not a gap, an ending)
+            held = [(w, j) for w, j in held if not (j.gap or j.ending)]
         if not held:
             return
         w, job = held[i % len(held)]
-        mode = Release.HAND_BACK_STREAMED if how == "streamed" else Release.HAND_BACK
-        self._release(w, job, 60_000 if how == "rate_limited" else 0, mode)
+        mode = {
+            "streamed": Release.HAND_BACK_STREAMED,
+            "rate_limited_streamed": Release.HAND_BACK_UNSPENT,
+        }.get(how, Release.HAND_BACK)
+        self._release(w, job, 60_000 if how.startswith("rate_limited") else 0, mode)
 
     def _release(self, w: SimWorker, job: Job, delay_ms: int, mode: Release) -> None:
         ss = self.sessions[job.sid]
         ours = ss.lock == job.token and ss.applied == job.seq - 1
         before = self._session_keys(ss.sid)
         failed = mode is Release.FAILED
-        error = {Release.FAILED: "boom", Release.HAND_BACK_STREAMED: "handed back"}.get(mode, "")
+        error = {
+            Release.FAILED: "boom",
+            Release.HAND_BACK_STREAMED: "handed back",
+            Release.HAND_BACK_UNSPENT: "waited for k (paused)",
+        }.get(mode, "")
         code = self.sc.call_release(job, delay_ms, error, mode)
         w.jobs.remove(job)
         note(f"release {w.name} {job} delay={delay_ms} mode={mode.name} -> {Code(code).name}")
@@ -954,7 +983,9 @@ class DialogScripts(RuleBasedStateMachine):
         elif mode is Release.HAND_BACK:
             ss.attempts -= 1
         else:
-            ss.last_error = error  # why the attempt stays counted
+            ss.last_error = error  # why the attempt's number stays taken
+        if mode is Release.HAND_BACK_UNSPENT:
+            ss.unspent[job_msg_id(job)] = ss.unspent.get(job_msg_id(job), 0) + 1
         ss.lock = None
         ss.counted = False
         ss.ready = "due" if delay_ms == 0 else "later"
@@ -1041,6 +1072,8 @@ class DialogScripts(RuleBasedStateMachine):
             and (ss.xc > job.seq or (ss.sid, s(msg_id)) in self.marks)
         ):
             return (Code.CANCELLED,)  # nothing written
+        if msg_id:
+            ss.unspent.pop(s(msg_id), None)  # the commit deletes the message's journal
         if msg_id and (outcome in UNAPPLIED or (e.deleted and letter)):
             # Ended without being applied: its msg_id is free (and its cancel mark gone).
             if ss.dedupe.get(s(msg_id)) == (job.seq, ss.life):
@@ -1365,6 +1398,19 @@ class DialogScripts(RuleBasedStateMachine):
             {f"{TENANT}:{n}": v for n, v in self.usage.items()} if self.usage["calls"] else {}
         )
         assert counters == want_usage, f"usage counters {counters} != model {want_usage}"
+
+        # Journals: the hand-backs after streaming that spent no attempt, per message, until
+        # its commit deletes them.
+        got_unspent = {
+            s(key): int(self.r.hget(key, "r") or 0)
+            for key in self.r.scan_iter(match=f"{k.prefix}:*:journal:*")
+        }
+        want_unspent = {
+            k.session(ss.sid).journal(m): n
+            for ss in self.sessions.values()
+            for m, n in ss.unspent.items()
+        }
+        assert got_unspent == want_unspent, f"journals {got_unspent} != model {want_unspent}"
 
         # Cancel marks: exactly those the model says (kept until their message ends).
         got_marks = {s(key) for key in self.r.scan_iter(match=f"{k.prefix}:*:cancel:*")}

@@ -9,6 +9,12 @@ DIALOG_ENGINE=journal_engines:<Name>. A message's text says what the step does (
   payload names the amount), then, if approved, a journaled refund; answers ``refunded`` or
   ``declined``; a timed-out wait answers ``timed out``.
 - ``big BYTES``: a journaled result of that many bytes.
+- ``receipt KIND``: a journaled payment whose result is not plain JSON, as payment SDKs return
+  (each call appends ``<msg_id> receipt`` to JOURNAL_CALLS): ``dated`` holds a datetime, a
+  Decimal and a UUID; ``opaque`` is an object of a class of its own; ``deep`` nests lists past
+  what JSON encoding recurses through; ``cut`` holds text ending in half a UTF-16 pair (a
+  lone surrogate, as a text cut at a byte count can). Answers ``paid <the result as the step
+  got it>``.
 - ``stream``: an emitted text, a typed event (kept in the history), an interrupt, then the
   answer ``after <value>``.
 - ``twice``: two interrupts in a row, answers ``<first> <second>``.
@@ -19,8 +25,12 @@ DIALOG_ENGINE=journal_engines:<Name>. A message's text says what the step does (
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -32,6 +42,33 @@ def tool(msg_id: str, i: int) -> dict[str, int]:
     with open(os.environ["JOURNAL_CALLS"], "a", encoding="utf-8") as calls:
         calls.write(f"{msg_id} {i}\n")
     return {"i": i}
+
+
+class Receipt:
+    """A payment SDK's own result type (not JSON, no conversion the journal knows)."""
+
+
+def pay(msg_id: str, kind: str) -> Any:
+    with open(os.environ["JOURNAL_CALLS"], "a", encoding="utf-8") as calls:
+        calls.write(f"{msg_id} receipt\n")
+    if kind == "dated":
+        return {
+            "id": uuid.UUID(int=17),
+            "amount": Decimal("12.50"),
+            "created": datetime(2025, 3, 1, 9, 30, tzinfo=UTC),
+        }
+    if kind == "deep":
+        nested: list[Any] = []
+        for _ in range(100_000):
+            nested = [nested]
+        return nested
+    if kind == "cut":
+        return {"text": "ab\ud83d"}
+    return Receipt()
+
+
+def paid(result: Any) -> str:
+    return "paid " + json.dumps(result, sort_keys=True)[:200]
 
 
 class Agent:
@@ -64,6 +101,8 @@ class Agent:
         if words[0] == "big":
             await dialog_worker.once("big", lambda: "x" * int(words[1]))
             return new, "big"
+        if words[0] == "receipt":
+            return new, paid(await dialog_worker.once("refund:A-17", pay, msg_id, words[1]))
         if words[0] == "stream":
             dialog_worker.emit("checking ")
             dialog_worker.emit_event("tool", {"name": "lookup", "state": "done"}, keep=True)
@@ -100,4 +139,6 @@ class SyncAgent:
                 dialog_worker.once("refund", tool, msg_id, 99)
                 return new, "refunded"
             return new, "declined"
+        if words[0] == "receipt":
+            return new, paid(dialog_worker.once("refund:A-17", pay, msg_id, words[1]))
         return new, "ok " + message["text"]

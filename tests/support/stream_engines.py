@@ -9,7 +9,7 @@ import os
 import time
 from typing import Any
 
-from dialog_worker import PermanentError, TransientError, emit
+from dialog_worker import PermanentError, RateLimited, TransientError, emit, model_call
 
 
 def _plan(message: dict[str, Any]) -> tuple[list[str], float]:
@@ -56,6 +56,31 @@ class FailsFirstAttempt:
                 await asyncio.sleep(delay)
             await asyncio.sleep(0.1)
             raise TransientError("model connection reset", retry_after=0)
+        for word in words:
+            emit(word)
+            await asyncio.sleep(delay)
+        return {**state, "step": "STREAMED"}, "".join(words)
+
+
+class LimitedAfterEmit:
+    """Streams a beginning, then its model call (key "k") is refused with a provider's 429
+    (Retry-After 0) on its first N attempts (the text's third number: ``<words> <delay_ms>
+    <n>``); then it streams the whole answer. Counted per message in this process."""
+
+    def __init__(self) -> None:
+        self.refused: dict[str, int] = {}
+
+    async def step(
+        self, state: dict[str, Any], message: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        words, delay = _plan(message)
+        refusals = int(message["text"].split()[2])
+        emit("THINKING ")
+        await asyncio.sleep(0.2)  # written to the stream (readers have it) before the call
+        async with model_call("k", tokens=5):
+            if self.refused.get(message["msg_id"], 0) < refusals:
+                self.refused[message["msg_id"]] = self.refused.get(message["msg_id"], 0) + 1
+                raise RateLimited("k", 0)
         for word in words:
             emit(word)
             await asyncio.sleep(delay)

@@ -1,5 +1,6 @@
 """A dialog engine for trace tests (DIALOG_ENGINE=trace_engines:make, or in-process). Each
-step makes one model-call span through the engine-side tracing API, then the text decides:
+step makes one model call (`dialog_worker.model_call`, which makes its span), then the text
+decides:
     "fail-once ..."      raises on its first attempt (a failed attempt, retried)
     "sleep-first S ..."  sleeps S seconds on its first attempt (a test kills the worker then)
     anything else        answers at once
@@ -12,7 +13,7 @@ from typing import Any
 
 import anyio
 
-from dialog_worker import tracing
+import dialog_worker
 
 
 class TraceEngine:
@@ -20,8 +21,8 @@ class TraceEngine:
         self, state: dict[str, Any], message: dict[str, Any]
     ) -> tuple[dict[str, Any], str]:
         text, attempt = message["text"], message["attempt"]
-        with tracing.model_call_span("test-model", "test:test-model") as call:
-            tracing.record_usage(call, 3, 5)
+        async with dialog_worker.model_call("test:test-model", tokens=8) as call:
+            call.usage(3, 5)
         if text.startswith("fail-once") and attempt == 1:
             raise RuntimeError("the first attempt fails")
         if text.startswith("sleep-first") and attempt == 1:

@@ -6,6 +6,10 @@ step reports 10 input and 5 output tokens of model "m" (cost 0.01); the text dec
                       back with is the same (a 429 spends none), so "first" is per process
     "thread ..."      a plain def step reporting through a plain `with model_call`
     "pre ..."         reports 1 + 1 tokens (model "pre") before its model_call
+    "... once"        a journaled call ("lookup") before its model_call
+``PoliteUsageEngine`` is the same with its own ``budget_reply``. ``ReportOnlyEngine`` makes
+no `model_call`: each step reports 6 input and 4 output tokens of model "m" costing 0.000251
+with `dialog_worker.usage` (a call made without a limit key).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class UsageEngine:
             return await anyio.to_thread.run_sync(_thread_step, state, message)
         if text.startswith("pre"):
             dialog_worker.usage("pre", 1, 1)
+        if "once" in text.split():
+            await dialog_worker.once("lookup", lambda: 1)
         async with dialog_worker.model_call("k", tokens=15) as call:
             call.usage(10, 5, cost=0.01, model="m")
             if text.startswith("limit") and message["msg_id"] not in self.limited:
@@ -41,3 +47,13 @@ def _thread_step(state: dict[str, Any], message: dict[str, Any]) -> tuple[Any, s
     with dialog_worker.model_call("k", tokens=15) as call:
         call.usage(10, 5, cost=0.01, model="m")
     return {**state, "step": "ok"}, f"ok {message['text']}"
+
+
+class PoliteUsageEngine(UsageEngine):
+    budget_reply = "You have used today's messages; see you tomorrow."
+
+
+class ReportOnlyEngine:
+    async def step(self, state: dict[str, Any], message: dict[str, Any]) -> tuple[Any, str]:
+        dialog_worker.usage("m", 6, 4, cost=0.000251)
+        return {**state, "step": "ok"}, f"ok {message['text']}"

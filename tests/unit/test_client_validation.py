@@ -251,3 +251,52 @@ async def test_32_meta_fields_pass_and_33_are_refused(multitask: str | None) -> 
         over = {**at_limit, "one_more": "v"}
         with pytest.raises(ValidationError, match="at most 32 meta fields"):
             await c.send("s1", "hello", msg_id="m1", meta=over, multitask=multitask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tenant and priority: the fields intake reads, refused here where intake would ignore them
+
+
+async def test_tenant_and_priority_are_sent_as_the_fields_intake_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeRedis(decode_responses=True)
+    monkeypatch.setattr(client_module, "connect", lambda settings, max_connections: fake)
+    async with DialogClient(DEAD_URL) as c:
+        await c.send("s1", "hello", msg_id="m1", tenant="acme", priority=9)
+        await c.send("s1", "hello", msg_id="m2", tenant="é" * 32, priority=0)  # 64 bytes
+        await c.send("s1", "hello", msg_id="m3")
+        sent = [fields for _, fields in await fake.xrange(c.keys.stream)]
+    assert [(f.get("tenant"), f.get("priority")) for f in sent] == [
+        ("acme", "9"),
+        ("é" * 32, "0"),
+        (None, None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"tenant": ""}, "tenant"),
+        ({"tenant": "a b"}, "tenant"),
+        ({"tenant": "a\x00"}, "tenant"),
+        ({"tenant": "x" * 65}, "tenant"),
+        ({"tenant": "é" * 33}, "tenant"),  # 66 bytes
+        ({"tenant": 7}, "tenant"),
+        ({"priority": 10}, "priority"),
+        ({"priority": -1}, "priority"),
+        ({"priority": True}, "priority"),
+        ({"priority": "5"}, "priority"),
+        ({"priority": 5.0}, "priority"),
+        ({"tenant": "acme", "meta": {"tenant": "other"}}, "twice"),
+    ],
+)
+async def test_a_tenant_or_priority_intake_would_ignore_is_refused_before_sending(
+    dead_client: DialogClient, given: dict[str, Any], says: str
+) -> None:
+    calls = [dead_client.send] + ([dead_client.ask] if "meta" not in given else [])
+    for call in calls:
+        with pytest.raises(ValidationError, match=says):
+            await call("s1", "hello", msg_id="m1", **given)
+    with pytest.raises(ValidationError, match=says):
+        [e async for e in dead_client.ask_stream("s1", "hello", msg_id="m1", **given)]

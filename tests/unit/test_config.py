@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 
-from dialog_worker.config import Settings, env_name, load_settings, redact_url, unknown_env_names
+from dialog_worker.config import (
+    Settings,
+    decimal_number,
+    env_name,
+    load_settings,
+    redact_url,
+    unknown_env_names,
+    whole_number,
+)
 from dialog_worker.errors import ConfigError
 
 
@@ -185,6 +193,17 @@ def test_each_env_var_sets_its_field(env: str, raw: str, field: str, expected: A
 @pytest.mark.parametrize("url", ["redis://h:1/0", "rediss://u:p@h:6380/0", "unix:///tmp/r.sock"])
 def test_every_contract_url_scheme_is_accepted(url: str) -> None:
     assert load_settings(environ={"REDIS_URL": url}).redis_url == url
+
+
+def test_redis_url_embedded_is_the_socket_in_the_users_own_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HOME", "/home/budi")
+    url = load_settings(environ={"REDIS_URL": "embedded"}).redis_url
+    assert url == "unix:///home/budi/.local/share/dialog-worker/embedded/redis.sock"
+    monkeypatch.setenv("HOME", "/h" + "o" * 70)  # a socket path of more than 107 bytes
+    exc = config_error(environ={"REDIS_URL": "embedded"})
+    assert exc.setting == "REDIS_URL" and "107 bytes" in str(exc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,3 +570,53 @@ def test_a_bad_list_of_startup_nodes_is_one_clear_line(url: str, mode: str, says
 def test_sentinels_listed_with_commas_are_not_cluster_startup_nodes() -> None:
     url = "redis+sentinel://10.0.0.5:26379,10.0.0.6:26379/mymaster/0"
     assert load_settings(environ={"REDIS_URL": url}).redis_url == url
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "1_000",
+        "\u0661\u0660\u0660",
+        "\uff11\uff10",
+        "1e3",
+        "1.0",
+        "0x10",
+        "",
+        " ",
+        "+",
+        "--1",
+        True,
+        2.0,
+        None,
+    ],
+)
+def test_a_whole_number_setting_takes_plain_ascii_digits_only(raw: Any) -> None:
+    """Python's int() takes "1_000" and other scripts' digits; a setting does not (nor do
+    `limits set` and `tenants set`, which use the same check)."""
+    with pytest.raises(ValueError, match="expected a whole number"):
+        whole_number(raw, 0)
+    exc = config_error(environ={"DIALOG_TENANT_DAILY_TOKENS": str(raw)})
+    assert exc.setting == "DIALOG_TENANT_DAILY_TOKENS"
+
+
+@pytest.mark.parametrize(("raw", "value"), [("0", 0), (" 42 ", 42), ("+7", 7), (12, 12)])
+def test_a_whole_number_setting_takes_digits_and_ints(raw: Any, value: int) -> None:
+    assert whole_number(raw, 0, 10**12) == value
+
+
+def test_a_whole_number_past_its_bound_is_refused_exactly_not_rounded() -> None:
+    with pytest.raises(ValueError, match=r"got 100000000000000000000000000$"):
+        whole_number("100000000000000000000000000", 0, 10**12)
+    exc = config_error(environ={"DIALOG_TENANT_DAILY_TOKENS": "10000000000001"})
+    assert "between 0 and 1000000000000" in str(exc)
+
+
+@pytest.mark.parametrize("raw", ["1_0", "\u0662", "inf", "nan", "1e999", "", "0x1p3", True])
+def test_a_number_setting_takes_plain_ascii_decimals_only(raw: Any) -> None:
+    with pytest.raises(ValueError):
+        decimal_number(raw, 0.0)
+
+
+@pytest.mark.parametrize(("raw", "value"), [("2.5", 2.5), (".5", 0.5), ("1e3", 1000.0), (3, 3.0)])
+def test_a_number_setting_takes_decimals(raw: Any, value: float) -> None:
+    assert decimal_number(raw, 0.0) == value

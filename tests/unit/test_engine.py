@@ -837,3 +837,19 @@ def test_an_engines_fallback_reply_is_used_unless_the_setting_was_changed() -> N
     bad.fallback_reply = ""
     with pytest.raises(ConfigError, match="fallback_reply"):
         fallback_reply(bad, "default", "default")
+
+
+class _Frugal(_Polite):
+    budget_reply: object = "Out of tokens for today."
+
+
+def test_an_engines_budget_reply_is_used_unless_the_setting_was_changed() -> None:
+    from dialog_worker.engine.protocol import budget_reply
+
+    assert budget_reply(_Frugal(), "default", "default") == "Out of tokens for today."
+    assert budget_reply(_Frugal(), "set by the operator", "default") == "set by the operator"
+    assert budget_reply(_Polite(), "default", "default") == "default"  # has none of its own
+    bad = _Frugal()
+    bad.budget_reply = 3
+    with pytest.raises(ConfigError, match="budget_reply"):
+        budget_reply(bad, "default", "default")

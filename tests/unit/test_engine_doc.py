@@ -51,14 +51,24 @@ def test_the_guides_nudger_test_passes_as_written(tmp_path: Path) -> None:
     assert "1 passed" in ran.stdout, ran.stdout
 
 
+# The agent frameworks' examples need their extras; without one, its block is left out.
+FRAMEWORKS = ("agents", "pydantic_ai", "langgraph", "langchain_core", "langchain_openai")
+
+
 def test_the_guides_other_engines_load() -> None:
     namespace: dict[str, Any] = {"__name__": "engine_doc"}
     blocks = [b for b in python_blocks() if not b.startswith("# test_")]
     assert len(blocks) >= 2
     for block in blocks:
-        exec(compile(block, str(DOC), "exec"), namespace)
+        try:
+            exec(compile(block, str(DOC), "exec"), namespace)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] not in FRAMEWORKS:
+                raise
     assert callable(namespace["Assistant"].startup)
     assert callable(namespace["Greeter"]().step)
+    if "engine" in namespace:  # an agent framework's engine (its extra is installed)
+        assert callable(namespace["engine"].step)
 
 
 def test_engine_md_documents_the_exported_engine_protocol() -> None:

@@ -13,7 +13,7 @@ from dialog_worker.daemon.failures import (
     retry_after_of,
     retry_delay_ms,
 )
-from dialog_worker.errors import PermanentError, TransientError
+from dialog_worker.errors import PermanentError, RateLimited, TransientError
 
 
 @pytest.mark.parametrize("attempt", [1, 2, 3, 4, 5, 6, 7, 10, 100, 10_000])
@@ -170,3 +170,31 @@ def test_failure_text_shows_the_engines_frames_before_a_librarys() -> None:
     mine = next(i for i, line in enumerate(lines) if line.endswith("in parse_reply"))
     library = next(i for i, line in enumerate(lines) if "json" in line and "decoder.py" in line)
     assert mine < library
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [
+        ("2", 2.0),
+        ("0", 0.0),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),  # a date in the past: no wait
+        ("-3", None),
+        ("soon", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_a_retry_after_header_is_taken_as_it_came(header: str | None, seconds: float | None):
+    """RateLimited(key, response.headers.get("retry-after")) works as is: seconds or an HTTP
+    date; what names no wait is None (the worker then pauses the key for its floor)."""
+    assert RateLimited("k", header).retry_after_s == seconds
+    assert TransientError("x", retry_after=header).retry_after == seconds
+
+
+def test_a_retry_after_date_in_the_future_is_the_seconds_until_it() -> None:
+    import email.utils
+    import time
+
+    header = email.utils.formatdate(time.time() + 30, usegmt=True)
+    got = RateLimited("k", header).retry_after_s
+    assert got is not None and 28 <= got <= 30

@@ -108,6 +108,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "foundation": ("errors", "version", "config", "metrics", "log", "tracing"),
     "store": ("store",),
     "engine": ("engine",),
+    "adapters": ("adapters",),
     "client": ("client",),
     "daemon": ("daemon",),
     "ops": ("ops",),

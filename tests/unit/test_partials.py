@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +13,7 @@ import redis.exceptions
 
 from dialog_worker import StreamEvent, emit
 from dialog_worker.client import partial_reader as partials
-from dialog_worker.client.dialog_client import DialogClient
+from dialog_worker.client.dialog_client import DialogClient, SendResult
 from dialog_worker.client.partial_reader import (
     Cursor,
     MessageKeys,
@@ -372,8 +374,11 @@ async def test_a_watch_wait_ends_by_its_timeout_every_time_and_at_once_on_news()
 
 
 class StubReplyRouter:
-    def expect(self, session_id: str, msg_id: str) -> asyncio.Future:
+    def expect(self, session_id: str, msg_id: str, sending: bool = False) -> asyncio.Future:
         return asyncio.get_running_loop().create_future()
+
+    def sent_as(self, future: asyncio.Future, entry_id: str) -> None:
+        pass
 
     async def start(self) -> None:
         pass
@@ -393,8 +398,8 @@ async def test_ask_stream_skips_the_state_read_at_start_only_for_a_msg_id_of_its
     client = DialogClient("redis://127.0.0.1:1/0")  # never connects here
     followed: list[tuple[str, bool]] = []
 
-    async def send(session_id: str, text: str, msg_id: str, **kw: object) -> str:
-        return msg_id
+    async def send(session_id: str, text: str, msg_id: str, **kw: object) -> SendResult:
+        return SendResult(session_id, msg_id, "1-1")
 
     async def fake_follow(
         session_id: str,
@@ -404,8 +409,10 @@ async def test_ask_stream_skips_the_state_read_at_start_only_for_a_msg_id_of_its
         deadline: object,
         just_sent: bool = False,
         sent: bool = False,
+        sent_entry: str | None = None,
     ):
         assert sent  # ask_stream sent it: an end already in its stream may be an earlier one's
+        assert sent_entry == "1-1"  # and as what entry: its own end comes after it was read
         followed.append((msg_id, just_sent))
         yield StreamEvent("end", msg_id, 0, "", f"{msg_id}:0:0", 0, "applied")
 
@@ -608,6 +615,42 @@ def test_a_rejection_read_with_nobody_waiting_is_kept_until_the_msg_id_is_sent_a
     assert router.rejected("s", "m") is None
 
 
+async def test_a_waiter_of_a_msg_id_sent_again_takes_only_the_event_of_its_own_entry() -> None:
+    """The reply reader, behind, reads a msg_id's earlier event (its message ended cancelled,
+    which frees the msg_id) after the re-send's waiter registered: before the send is known
+    (held), and after it (an earlier entry's). Neither answers it; its own entry's event does,
+    read during the send or after it; a waiter that sends nothing takes the first event."""
+    from dialog_worker.client.replies import ReplyRouter
+
+    router = ReplyRouter(None, "dialog-replies", block_ms=100)  # type: ignore[arg-type]
+
+    def event(seq: int, outcome: str, entry: str) -> dict[bytes, bytes]:
+        return {
+            b"session_id": b"s",
+            b"msg_id": b"m",
+            b"seq": str(seq).encode(),
+            b"outcome": outcome.encode(),
+            b"entry_id": entry.encode(),
+        }
+
+    early, late = router.expect("s", "m", sending=True), router.expect("s", "m", sending=True)
+    plain = router.expect("s", "m")
+    router._route(b"9-1", event(1, "cancelled", "5-0"))  # while both sends are under way
+    assert plain.done() and plain.result().outcome == "cancelled"  # not sending: as before
+    router._route(b"9-2", event(2, "applied", "7-0"))  # `early`'s own, read before it knew
+    router.sent_as(early, "7-0")
+    assert early.done() and (early.result().seq, early.result().outcome) == (2, "applied")
+    router.sent_as(late, "8-0")
+    assert not late.done()  # what it held was older than its entry
+    router._route(b"9-3", event(1, "cancelled", "5-0"))  # read late again
+    assert not late.done()
+    router._route(b"9-4", event(3, "duplicate", "8-0"))
+    assert late.done() and (late.result().seq, late.result().outcome) == (3, "duplicate")
+    for waiter in (early, late, plain):
+        router.forget("s", "m", waiter)
+    assert (router._waiters, router._sent_as, router._held) == ({}, {}, {})
+
+
 class FlakyReplies(PartialReplies):
     """The worker's partial writer whose first script call fails on a lost connection after
     the step emitted more meanwhile; the calls after it are written (the texts recorded)."""
@@ -684,3 +727,110 @@ async def test_a_follower_more_than_its_backlog_behind_the_router_reads_the_rest
     assert [e.text for e in got] == [f"t{pos} " for pos in range(pieces + 1)]
     await events.aclose()
     await router.aclose()
+
+
+def test_a_waiting_entry_reads_as_a_waiting_event_with_a_reason_and_a_time() -> None:
+    """The worker's `waiting` entry (kind "v", event kind "waiting") is its own event kind,
+    with ``data`` {reason, until_ms} and a cursor like any piece; forged data reads as reason
+    `rate` with no time, never as something else."""
+    t = Tracker("m")
+    waiting = entry(1, 0, '{"reason":"paused","until_ms":1700000000000}', k="v")
+    waiting[b"n"] = b"waiting"
+    forged = entry(1, 1, '{"reason":"<b>","until_ms":"soon"}', k="v")
+    forged[b"n"] = b"waiting"
+    transient = entry(1, 0, '{"reason":"rate","until_ms":5}', k="w")
+    transient[b"n"] = b"waiting"
+    older = entry(0, 0, '{"reason":"rate","until_ms":5}', k="w")
+    older[b"n"] = b"waiting"
+    got = [e for x in (transient, waiting, forged, older, entry(1, 2, "hi")) for e in t.feed(x)]
+    assert [(e.kind, e.data, e.cursor) for e in got] == [
+        ("waiting", {"reason": "rate", "until_ms": 5}, None),  # at no position: no cursor
+        ("waiting", {"reason": "paused", "until_ms": 1700000000000}, "m:1:0"),
+        ("waiting", {"reason": "rate", "until_ms": None}, "m:1:1"),
+        ("delta", None, "m:1:2"),
+    ]
+    shown = got[1].as_dict()
+    assert shown["data"] == {"reason": "paused", "until_ms": 1700000000000}
+    assert "event_kind" not in shown
+
+
+async def test_a_hand_back_tells_readers_at_no_position_unless_the_answer_had_text() -> None:
+    """After a step went back to wait (its writer closed), `PartialReplies.waiting` writes one
+    `waiting` event, fenced by the lock. An answer that wrote nothing gets a transient entry
+    (kind "w", no position): the next attempt keeps its number, so its model calls find
+    their kept turns. One that wrote gets it at its next position (its next attempt takes a
+    new number anyway)."""
+    replies = RecordingReplies(ttl_s=8)
+    sent: list[list[str | int]] = []
+
+    async def call(keys: list[str], args: list[str | int]) -> list[int]:
+        sent.append(args)
+        return [1]
+
+    replies.call = call  # type: ignore[method-assign]
+    keys = SimpleNamespace(
+        shard=0, session=lambda sid: SimpleNamespace(lock="L", partial=lambda m: f"P:{m}")
+    )
+    job = SimpleNamespace(keys=keys, token="t", seq=4, session_id="s", attempts=2, partial=None)
+
+    async def step() -> None:
+        raise RuntimeError("went back")
+
+    with pytest.raises(RuntimeError):
+        await replies.run(job, SimpleNamespace(msg_id="m"), step())  # type: ignore[arg-type]
+    await replies.waiting(job, "paused", 5000)  # type: ignore[arg-type]
+    [args] = sent
+    assert args[:5] == ["w", "t", 2, 0, 4] and args[7] == "waiting"
+    data = json.loads(str(args[5]))
+    assert data["reason"] == "paused" and data["until_ms"] > time.time() * 1000 + 4000
+    assert not job.partial.used and job.partial.pos == 0, "the attempt keeps its number"
+    job.partial.used, job.partial.pos = True, 3  # it had streamed three pieces
+    await replies.waiting(job, "rpm", 5000)  # type: ignore[arg-type]
+    assert sent[1][:5] == ["v", "t", 2, 3, 4] and json.loads(str(sent[1][5]))["reason"] == "rate"
+    assert job.partial.pos == 4
+
+
+def test_the_gateway_sends_waiting_as_an_sse_event_of_its_own() -> None:
+    from dialog_worker.gateway.native import format_event
+
+    data = {"reason": "rate", "until_ms": 5}
+    text = format_event(StreamEvent("waiting", "m", 1, "", "m:1:0", 0, data=data))
+    assert text.startswith("id: m:1:0\nevent: waiting\ndata: ")
+    assert json.loads(text.split("data: ", 1)[1])["data"] == data
+
+
+async def test_a_call_waiting_inside_its_step_tells_readers_when_the_wait_is_worth_a_line() -> None:
+    """A turn 200 ms or more away (reason from the key: a pause is `paused`), or the key's
+    calls in flight full (first poll only, no time known), is a `waiting` event in order with
+    the text; a shorter wait, a turn at once, a later poll are not."""
+    from dialog_worker.daemon.model_gate import Attempt
+    from dialog_worker.daemon.partial_writer import waiting_data
+    from dialog_worker.engine import emit as emit_context
+    from dialog_worker.store.limits import Answer
+    from dialog_worker.store.scripts import Turn
+
+    got: list[tuple[str, dict[str, object]]] = []
+
+    async def waiting(why: str, wait_ms: float | None) -> None:
+        got.append(("waiting", json.loads(waiting_data(why, wait_ms))))
+
+    writer = SimpleNamespace(waiting=waiting)
+    attempt = Attempt(None, None, "s", 1, 1, "t", "d", 0)  # type: ignore[arg-type]
+    token = emit_context.bind(writer)  # type: ignore[arg-type]
+    try:
+        now_ms = time.time() * 1000
+        await attempt._announce_wait(Answer(Turn.GRANTED, 0, "", 10), first=True)
+        await attempt._announce_wait(Answer(Turn.GRANTED, 199, "rpm", 10), first=True)
+        await attempt._announce_wait(Answer(Turn.GRANTED, 1500, "rpm", 10), first=True)
+        await attempt._announce_wait(Answer(Turn.GRANTED, 900, "paused", 10), first=True)
+        await attempt._announce_wait(Answer(Turn.BUSY, 50, "in_flight", 0), first=True)
+        await attempt._announce_wait(Answer(Turn.BUSY, 50, "in_flight", 0), first=False)
+    finally:
+        emit_context.unbind(token)
+    assert [(k, d["reason"]) for k, d in got] == [
+        ("waiting", "rate"),
+        ("waiting", "paused"),
+        ("waiting", "rate"),
+    ]
+    assert now_ms + 1400 < got[0][1]["until_ms"] < now_ms + 3000  # type: ignore[operator]
+    assert got[2][1]["until_ms"] is None

@@ -11,10 +11,15 @@ import subprocess
 import sys
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import pytest
 
+import dialog_worker
 from dialog_worker import tracing
 from dialog_worker.client.replies import reply_from_entry
+from dialog_worker.engine import model_calls
+from dialog_worker.errors import LimitWait
 from dialog_worker.store.codec import decode_message
 
 otel = pytest.importorskip("opentelemetry.sdk", reason="needs the otel extra")
@@ -433,6 +438,87 @@ def test_headers_of_a_request_give_its_context() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # model calls
+
+
+class TurnAfter:
+    """A worker side whose key gives its turn after ``wait_s`` (or refuses with ``error``)."""
+
+    def __init__(self, wait_s: float, error: BaseException | None = None) -> None:
+        self.wait_s, self.error = wait_s, error
+        self.settled: list[str] = []
+
+    async def acquire(self, key: str, tokens: int) -> object:
+        await anyio.sleep(self.wait_s)
+        if self.error is not None:
+            raise self.error
+        return "grant"
+
+    async def settle(self, key: str, grant: object, reports: Any, error: Any) -> None:
+        self.settled.append(key)
+
+    def record(self, report: Any) -> None:
+        pass
+
+
+async def test_model_call_makes_its_own_span_with_usage_and_its_wait_for_a_turn() -> None:
+    """An engine that only calls `model_call` (no tracing code of its own) gets one span per
+    call under the attempt's dialog.step, in both step styles and through begin()/end(): what
+    it reported it used, the model the answer named, how long it waited for the key's turn; a
+    call refused before it was made (its turn too far, a budget spent) and one that failed are
+    marked failed."""
+    calls = TurnAfter(0.05)
+    with in_memory_tracing() as exporter:
+        trace = tracing.message_trace({}, "s1", "1-0", 1, 1, "dialog")
+        assert trace is not None
+        trace.begin_step()
+        token = model_calls.bind(calls)
+        try:
+            async with dialog_worker.model_call("openai:gpt-4.1", tokens=200) as call:
+                call.usage(100, 40, cost=0.001, model="gpt-4.1-2025-04-14")
+                call.usage(20, 5, cost=0.001, model="gpt-4.1-2025-04-14")
+
+            def plain_step() -> None:
+                with dialog_worker.model_call("local", tokens=10) as call:
+                    call.usage(1, 2)
+
+            await anyio.to_thread.run_sync(plain_step)
+            with pytest.raises(RuntimeError):
+                async with dialog_worker.model_call("openai:gpt-4.1"):
+                    raise RuntimeError("the provider is down")
+            # A framework's callbacks start and end a call in different contexts.
+            begun = await dialog_worker.model_call("openai:gpt-4o", tokens=20).begin()
+            begun.usage(7, 3)
+            await begun.end()
+            calls.error = LimitWait("openai:gpt-4.1", 30.0, "rpm")
+            with pytest.raises(LimitWait):
+                async with dialog_worker.model_call("openai:gpt-4.1"):
+                    raise AssertionError("not reached: no turn")
+        finally:
+            model_calls.unbind(token)
+        trace.end()
+    spans = spans_of(exporter)
+    [step] = named(spans, "dialog.step")
+    answered, failed, refused = named(spans, "chat gpt-4.1")
+    [local] = named(spans, "chat local")
+    [callback] = named(spans, "chat gpt-4o")
+    assert {s.parent_id for s in (answered, failed, refused, local, callback)} == {step.span_id}
+    assert callback.attributes["gen_ai.usage.input_tokens"] == 7
+    assert callback.attributes["dialog.turn_wait_ms"] >= 50 and callback.status == "UNSET"
+    assert answered.attributes["gen_ai.request.model"] == "gpt-4.1"
+    assert answered.attributes["gen_ai.response.model"] == "gpt-4.1-2025-04-14"
+    assert answered.attributes["gen_ai.provider.name"] == "openai"
+    assert answered.attributes["dialog.limit_key"] == "openai:gpt-4.1"
+    assert answered.attributes["gen_ai.usage.input_tokens"] == 120
+    assert answered.attributes["gen_ai.usage.output_tokens"] == 45
+    assert answered.attributes["dialog.cost"] == pytest.approx(0.002)
+    assert answered.attributes["dialog.turn_wait_ms"] >= 50
+    assert answered.status == "UNSET"
+    assert local.attributes["gen_ai.usage.output_tokens"] == 2
+    assert "gen_ai.response.model" not in local.attributes  # its usage named the key only
+    assert local.attributes["dialog.turn_wait_ms"] >= 50
+    assert failed.status == refused.status == "ERROR"
+    assert "dialog.turn_wait_ms" not in refused.attributes
+    assert calls.settled == ["openai:gpt-4.1", "local", "openai:gpt-4.1", "openai:gpt-4o"]
 
 
 def test_model_call_span_carries_the_genai_attributes_inside_the_step() -> None:

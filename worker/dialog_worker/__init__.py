@@ -35,6 +35,7 @@ from dialog_worker.errors import (
     ReplyTimeout,
     TransientError,
     UncertainSendError,
+    UnrecordableResult,
 )
 from dialog_worker.version import __version__
 
@@ -59,6 +60,7 @@ __all__ = [
     "SyncDialogClient",
     "TransientError",
     "UncertainSendError",
+    "UnrecordableResult",
     "__version__",
     "cancel_timer",
     "cancelled",

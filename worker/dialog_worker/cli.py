@@ -11,15 +11,25 @@ import signal
 import sys
 import traceback
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import redis.exceptions
 import structlog
 
-from dialog_worker import bench, tracing
+from dialog_worker import tracing
+from dialog_worker.bench import command as bench
 from dialog_worker.client.dialog_client import DEFAULT_CLAIM_IDLE_MS, DialogClient
-from dialog_worker.config import Settings, load_settings, redact_url
+from dialog_worker.config import (
+    MAX_LIMIT_VALUE,
+    MAX_TOKENS_A_DAY,
+    Settings,
+    decimal_number,
+    embedded_redis_url,
+    load_settings,
+    redact_url,
+    whole_number,
+)
 from dialog_worker.errors import (
     ConfigError,
     EngineHookError,
@@ -32,6 +42,7 @@ from dialog_worker.store.keys import Keys
 from dialog_worker.version import __version__
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+T = TypeVar("T")
 
 
 def _emit(obj: Any) -> None:
@@ -47,44 +58,35 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {raw!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type from a settings validator (dialog_worker/config.py): a flag takes
+    exactly what the setting takes, and is refused in the setting's words."""
+
+    def check(raw: str) -> T:
+        try:
+            return parse(raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return check
+
+
+_positive_int = _checked(lambda raw: whole_number(raw, 1))
+# A limit key's rpm, tpm and max_in_flight: what DIALOG_MODEL_LIMITS takes.
+_limit_value = _checked(lambda raw: whole_number(raw, 0, MAX_LIMIT_VALUE))
+# A tenant's min, max and daily tokens: what DIALOG_TENANT_DAILY_TOKENS takes.
+_tenant_count = _checked(lambda raw: whole_number(raw, 0, MAX_TOKENS_A_DAY))
+
+
+def _above_zero(raw: str, maximum: float) -> float:
+    value = decimal_number(raw, 0.0, maximum)
+    if value == 0:
+        raise ValueError(f"must be above 0 and at most {maximum:g}, got {raw!r}")
     return value
 
 
-def _whole_number(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {raw!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _seconds(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {raw!r}") from None
-    if not 0 < value <= 7 * 86400:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most 604800, got {raw}")
-    return value
-
-
-def _weight(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {raw!r}") from None
-    if not 0 < value <= 1_000_000:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1000000, got {raw}")
-    return value
+_seconds = _checked(lambda raw: _above_zero(raw, 7 * 86400))
+_weight = _checked(lambda raw: _above_zero(raw, 1_000_000))
 
 
 def _processes(raw: str) -> int:
@@ -126,6 +128,27 @@ _EXPIRES_HELP = (
 )
 
 
+def _priority(raw: str) -> int:
+    if len(raw) != 1 or not "0" <= raw <= "9":  # one ASCII digit, as intake reads it
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 9, got {raw!r}")
+    return int(raw)
+
+
+def _tenant_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tenant",
+        help="the customer the message belongs to (1-64 bytes, no spaces): slots, model-call "
+        "turns and budgets are shared fairly between tenants (default: DIALOG_TENANT_PATTERN's "
+        "group in the session id, else 'default')",
+    )
+    parser.add_argument(
+        "--priority",
+        type=_priority,
+        help="0 to 9, higher first (default 5): where the session waits in its tenant's "
+        "queue; never reorders one session's messages",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dialog-worker", description=__doc__)
     p.add_argument("--version", action="version", version=f"dialog-worker {__version__}")
@@ -150,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     send.add_argument(
         "--msg-id",
         help="idempotency key: a resend with the same one is answered as a duplicate "
-        "(default: the stream entry id)",
+        "(default: a new random one)",
     )
     send.add_argument("--expires-at", type=float, metavar="SECONDS", help=_EXPIRES_HELP)
     send.add_argument(
@@ -158,6 +181,7 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds since the epoch: the message joins its session's order then, not now",
     )
+    _tenant_arguments(send)
 
     ask = sub.add_parser(
         "ask",
@@ -181,6 +205,7 @@ def _parser() -> argparse.ArgumentParser:
         help="print the answer as it is written: one JSON line per event (delta, reset, "
         "resync), then the end event with the committed reply",
     )
+    _tenant_arguments(ask)
 
     replies = sub.add_parser(
         "replies",
@@ -361,17 +386,18 @@ def _parser() -> argparse.ArgumentParser:
     limits = sub.add_parser(
         "limits",
         help="model-provider limit keys: one JSON line per key (limits), change a key's limits "
-        "for every worker (limits set), or close it for a while (limits pause); both audited",
+        "for every worker (limits set), close it for a while (limits pause) or reopen it now "
+        "(limits resume); each audited",
     )
     lsub = limits.add_subparsers(dest="limits_command", metavar="ACTION")
     lset = lsub.add_parser(
         "set", help="set some of a key's limits for every worker (0: no limit; wins over settings)"
     )
     lset.add_argument("key", help="the limit key, e.g. openai:gpt-4.1")
-    lset.add_argument("--rpm", type=_whole_number, help="requests per minute (0: none)")
-    lset.add_argument("--tpm", type=_whole_number, help="tokens per minute (0: none)")
+    lset.add_argument("--rpm", type=_limit_value, help="requests per minute (0: none)")
+    lset.add_argument("--tpm", type=_limit_value, help="tokens per minute (0: none)")
     lset.add_argument(
-        "--max-in-flight", type=_whole_number, help="calls at once on the key (0: none)"
+        "--max-in-flight", type=_limit_value, help="calls at once on the key (0: none)"
     )
     lset.add_argument("--reason", default="", help="recorded in the audit stream")
     lpause = lsub.add_parser(
@@ -384,6 +410,13 @@ def _parser() -> argparse.ArgumentParser:
         "--for", dest="for_s", type=_seconds, required=True, metavar="SECONDS", help="how long"
     )
     lpause.add_argument("--reason", required=True, help="why (recorded in the audit stream)")
+    lresume = lsub.add_parser(
+        "resume",
+        help="reopen a paused key now, for every worker (a provider's pause or an operator's): "
+        "waiting messages go from now, in the order they were refused",
+    )
+    lresume.add_argument("key", help="the limit key")
+    lresume.add_argument("--reason", required=True, help="why (recorded in the audit stream)")
 
     tenants_cmd = sub.add_parser(
         "tenants",
@@ -394,11 +427,11 @@ def _parser() -> argparse.ArgumentParser:
     tset = tsub.add_parser("set", help="change some of a tenant's settings (the others are kept)")
     tset.add_argument("tenant", help="the tenant's name")
     tset.add_argument("--weight", type=_weight, help="its share of the slots (default 1)")
-    tset.add_argument("--min", type=_whole_number, help="slots it is always given (default 0)")
-    tset.add_argument("--max", type=_whole_number, help="most slots it may hold (0: no cap)")
+    tset.add_argument("--min", type=_tenant_count, help="slots it is always given (default 0)")
+    tset.add_argument("--max", type=_tenant_count, help="most slots it may hold (0: no cap)")
     tset.add_argument(
         "--daily-tokens",
-        type=_whole_number,
+        type=_tenant_count,
         help="tokens a UTC day (0: no budget; unset: DIALOG_TENANT_DAILY_TOKENS)",
     )
     tset.add_argument("--reason", default="", help="recorded in the audit stream")
@@ -459,6 +492,9 @@ def _report(exc: BaseException, settings: Settings | None) -> int:
     elif isinstance(exc, redis.exceptions.RedisError | redis.exceptions.RedisClusterException):
         where = settings.redacted_url() if settings else "Redis"
         line = f"redis error at {where}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, redis.exceptions.ConnectionError) and settings is not None:
+            if settings.redis_url == embedded_redis_url():
+                line += " (REDIS_URL=embedded: the server runs while `dialog-worker run` does)"
     elif isinstance(exc, OSError | RuntimeError | EngineHookError):  # their text says enough
         line = str(exc)
     else:
@@ -471,21 +507,28 @@ def _report(exc: BaseException, settings: Settings | None) -> int:
 
 
 def _run(settings: Settings, processes: int, flags: dict[str, Any]) -> int:
-    from dialog_worker.config import DEFAULT_FALLBACK_REPLY
+    from dialog_worker.config import DEFAULT_BUDGET_REPLY, DEFAULT_FALLBACK_REPLY
+    from dialog_worker.daemon.supervisor import SUPERVISOR_PID_ENV
     from dialog_worker.engine.loading import load_engine
-    from dialog_worker.engine.protocol import fallback_reply
+    from dialog_worker.engine.protocol import budget_reply, fallback_reply
     from dialog_worker.log import configure
     from dialog_worker.store import embedded_redis as local
 
     configure(settings.log_level, settings.log_format, settings.consumer)
     engine = load_engine(settings.engine or None, settings.rules_file or None)
-    own = fallback_reply(engine, settings.fallback_reply, DEFAULT_FALLBACK_REPLY)
-    settings = settings.replace(fallback_reply=own)  # what dead-lettered messages are answered
+    # What dead-lettered messages and messages over a budget are answered, in the bot's own
+    # language when the engine says (unless the settings do).
+    settings = settings.replace(
+        fallback_reply=fallback_reply(engine, settings.fallback_reply, DEFAULT_FALLBACK_REPLY),
+        budget_reply=budget_reply(engine, settings.budget_reply, DEFAULT_BUDGET_REPLY),
+    )
     embedded = None
     if local.wanted(settings.redis_url):
         embedded = local.ensure_local_redis()
         settings = settings.replace(redis_url=local.url())
         flags = {**flags, "redis_url": settings.redis_url}  # children use ours, start none
+    elif settings.redis_url == embedded_redis_url() and SUPERVISOR_PID_ENV not in os.environ:
+        embedded = local.ensure_own_redis()  # REDIS_URL=embedded (a supervisor's child: started)
     try:
         if processes > 1:
             return _supervise(settings, processes, flags)
@@ -538,6 +581,8 @@ async def _send(settings: Settings, args: argparse.Namespace) -> int:
             msg_id=args.msg_id,
             expires_at=args.expires_at,
             deliver_at=args.deliver_at,
+            tenant=args.tenant,
+            priority=args.priority,
         )
     _emit(r.as_dict())
     return EXIT_OK
@@ -554,6 +599,8 @@ async def _ask(settings: Settings, args: argparse.Namespace) -> int:
                 msg_id=args.msg_id,
                 timeout=args.timeout,
                 expires_at=args.expires_at,
+                tenant=args.tenant,
+                priority=args.priority,
             )
         except (ReplyTimeout, ReplyStreamError) as exc:
             print(f"dialog-worker: {exc}", file=sys.stderr)
@@ -572,6 +619,8 @@ async def _ask_stream(settings: Settings, args: argparse.Namespace) -> int:
                 msg_id=args.msg_id,
                 timeout=args.timeout,
                 expires_at=args.expires_at,
+                tenant=args.tenant,
+                priority=args.priority,
             ):
                 _emit({"session_id": args.session, **event.as_dict()})
                 outcome = event.outcome or ""
@@ -684,6 +733,11 @@ async def _session(settings: Settings, args: argparse.Namespace) -> int:
         if args.release_lock:
             released = await c.redis.delete(keys.session(args.session).lock)
             view["lock_released"] = bool(released)
+            if released:
+                # Due now: a session held under a worker lease sits out of the resumers'
+                # sight until its holder's lease lapses (docs/architecture.md).
+                sec, usec = await c.redis.time()
+                await c.redis.zadd(keys.ready, {args.session: sec * 1000 + usec // 1000}, xx=True)
         _emit(view)
     return EXIT_OK
 
@@ -736,6 +790,12 @@ async def _limits(settings: Settings, args: argparse.Namespace) -> int:
             _emit(
                 await model_limits.pause_key(
                     c.redis, settings, args.key, args.for_s, args.reason, _who(), "cli"
+                )
+            )
+        elif args.limits_command == "resume":
+            _emit(
+                await model_limits.resume_key(
+                    c.redis, settings, args.key, args.reason, _who(), "cli"
                 )
             )
         else:

@@ -31,8 +31,14 @@ from dialog_worker.errors import ConfigError
 DEFAULT_CONFIG_FILE = Path("config/worker.toml")
 # An engine's own `fallback_reply` replaces it unless DIALOG_FALLBACK_REPLY is set.
 DEFAULT_FALLBACK_REPLY = "Maaf, pesan Anda tidak dapat diproses. Silakan coba lagi nanti."
-# What a message over its tenant's or session's token budget is answered.
-DEFAULT_BUDGET_REPLY = "Maaf, batas penggunaan harian telah tercapai. Silakan coba lagi besok."
+# What a message over its tenant's or session's token budget is answered; an engine's own
+# `budget_reply` replaces it unless DIALOG_BUDGET_REPLY is set.
+DEFAULT_BUDGET_REPLY = "Sorry, the daily usage limit has been reached. Please try again tomorrow."
+# REDIS_URL=embedded: the redis-server `dialog-worker run` starts for this user alone, listening
+# on a socket in its own folder and on no TCP port (a shared machine's 6379 may be anyone's).
+EMBEDDED = "embedded"
+# The longest socket path the system takes (sun_path: 108 bytes with its terminating zero).
+MAX_SOCKET_PATH_BYTES = 107
 # Names that default to the stream name plus a suffix unless set explicitly (contract v2 §2).
 DERIVED_NAMES = {"group": "-workers", "reply_stream": "-replies", "dlq_stream": "-dlq"}
 
@@ -96,6 +102,9 @@ class Settings:
     # How long a step waits inside `model_call` for its key's turn; a longer wait hands the
     # message back to its turn until then (no attempt spent).
     model_call_max_wait_ms: int = 2000
+    # The longest a provider's 429 pauses a limit key, whatever its Retry-After asks (an
+    # operator's `limits pause` is not bound by it).
+    max_provider_pause_s: float = 600.0
     # Tokens a tenant may use per day (UTC) unless `tenants set --daily-tokens` says otherwise,
     # and a session (0: no budget); over it a message ends budget_exceeded with this reply.
     tenant_daily_tokens: int = 0
@@ -204,31 +213,66 @@ def redact_url(url: str) -> str:
 # Parsing and validation
 
 
+# What a number setting is written as: plain ASCII digits (a sign, and for a number with a
+# fraction a point and an exponent). Python's int() and float() also take "1_000", other
+# scripts' digits (Arabic-Indic, full-width) and "inf"; a setting, `limits set` and
+# `tenants set` refuse them alike.
+_WHOLE_TEXT = re.compile(r"[+-]?[0-9]{1,40}")
+_DECIMAL_TEXT = re.compile(
+    r"[+-]?([0-9]{1,40}(\.[0-9]{0,40})?|\.[0-9]{1,40})([eE][+-]?[0-9]{1,3})?"
+)
+
+
+def whole_number(raw: object, minimum: int, maximum: int | None = None) -> int:
+    """A whole number as every setting takes it (an int, or its plain ASCII digits, spaces
+    around allowed), within ``minimum``..``maximum``; else ValueError saying why, in one line
+    (the settings' ConfigError and the CLI's usage errors both show it)."""
+    written = str(raw).strip() if isinstance(raw, int | str) and not isinstance(raw, bool) else ""
+    if not _WHOLE_TEXT.fullmatch(written):
+        raise ValueError(f"expected a whole number, got {_shown(raw)}")
+    value = int(written)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        raise ValueError(f"must be {bound}, got {value}")
+    return value
+
+
+def decimal_number(raw: object, minimum: float, maximum: float | None = None) -> float:
+    """A finite number as every setting takes it (an int or float, or plain ASCII decimal
+    text), at least ``minimum`` (and at most ``maximum``); else ValueError saying why."""
+    if isinstance(raw, int | float) and not isinstance(raw, bool):
+        value = float(raw)
+    elif isinstance(raw, str) and _DECIMAL_TEXT.fullmatch(raw.strip()):
+        value = float(raw.strip())
+    else:
+        raise ValueError(f"expected a number, got {_shown(raw)}")
+    if not math.isfinite(value) or value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum:g}" if maximum is None else f"between {minimum:g} and {maximum:g}"
+        raise ValueError(f"must be a finite number {bound}, got {_shown(raw)}")
+    return value
+
+
+def _shown(raw: object) -> str:
+    text = repr(raw)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _int(minimum: int, maximum: int | None = None) -> Callable[[str, Any], int]:
     def parse(name: str, raw: Any) -> int:
-        if isinstance(raw, bool):
-            raise ConfigError(name, f"expected an integer, got {raw!r}")
         try:
-            value = int(str(raw).strip())
-        except ValueError:
-            raise ConfigError(name, f"expected an integer, got {raw!r}") from None
-        if value < minimum or (maximum is not None and value > maximum):
-            bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
-            raise ConfigError(name, f"must be {bound}, got {value}")
-        return value
+            return whole_number(raw, minimum, maximum)
+        except ValueError as exc:
+            raise ConfigError(name, str(exc)) from None
 
     return parse
 
 
-def _float(minimum: float) -> Callable[[str, Any], float]:
+def _float(minimum: float, maximum: float | None = None) -> Callable[[str, Any], float]:
     def parse(name: str, raw: Any) -> float:
         try:
-            value = float(str(raw).strip())
-        except ValueError:
-            raise ConfigError(name, f"expected a number, got {raw!r}") from None
-        if not math.isfinite(value) or value < minimum:
-            raise ConfigError(name, f"must be a finite number >= {minimum}, got {raw!r}")
-        return value
+            return decimal_number(raw, minimum, maximum)
+        except ValueError as exc:
+            raise ConfigError(name, str(exc)) from None
 
     return parse
 
@@ -508,6 +552,8 @@ MAX_LIMIT_KEY_BYTES = 200
 LIMIT_FIELDS = ("rpm", "tpm", "max_in_flight")
 # A limit above this is a typo (a billion tokens a minute), refused rather than obeyed.
 MAX_LIMIT_VALUE = 10**12
+# The largest daily token budget (of a tenant or a session): as large as a count kept in Redis.
+MAX_TOKENS_A_DAY = 10**12
 
 
 def limit_key_problem(key: object) -> str | None:
@@ -527,15 +573,10 @@ def limit_key_problem(key: object) -> str | None:
 
 def limit_value(name: str, raw: object) -> int:
     """One of a limit key's rpm / tpm / max_in_flight: a whole number >= 0 (0: no limit)."""
-    if isinstance(raw, bool) or not isinstance(raw, int | str):
-        raise ConfigError(name, f"expected a whole number >= 0, got {raw!r}")
     try:
-        value = int(str(raw).strip())
-    except ValueError:
-        raise ConfigError(name, f"expected a whole number >= 0, got {raw!r}") from None
-    if not 0 <= value <= MAX_LIMIT_VALUE:
-        raise ConfigError(name, f"must be between 0 and {MAX_LIMIT_VALUE}, got {value}")
-    return value
+        return whole_number(raw, 0, MAX_LIMIT_VALUE)
+    except ValueError as exc:
+        raise ConfigError(name, str(exc)) from None
 
 
 def parse_model_limits(name: str, raw: Any) -> dict[str, dict[str, int]]:
@@ -687,8 +728,27 @@ def cluster_startup_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
     return f"{scheme}{sep}{creds}{at}{first}{slash}{tail}", nodes
 
 
+def embedded_redis_dir() -> Path:
+    """REDIS_URL=embedded: the folder of the user's own redis-server (its data and socket)."""
+    return Path.home() / ".local" / "share" / "dialog-worker" / EMBEDDED
+
+
+def embedded_redis_url() -> str:
+    """What REDIS_URL=embedded stands for: the socket of the user's own redis-server."""
+    return f"unix://{embedded_redis_dir() / 'redis.sock'}"
+
+
 def _url(name: str, raw: Any) -> str:
     value = str(raw).strip()
+    if value == EMBEDDED:
+        socket_path = str(embedded_redis_dir() / "redis.sock")
+        if len(socket_path.encode()) > MAX_SOCKET_PATH_BYTES:
+            raise ConfigError(
+                name,
+                f"embedded: its socket path {socket_path} is longer than the "
+                f"{MAX_SOCKET_PATH_BYTES} bytes a socket path may have (a shorter HOME works)",
+            )
+        return embedded_redis_url()
     if (
         value.startswith(("redis://", "rediss://"))
         and "," in value.partition("://")[2].split("/")[0]
@@ -767,8 +827,9 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "message_ttl_s": _float(0.0),
     "model_limits": _model_limits,
     "model_call_max_wait_ms": _int(0, 60_000),
-    "tenant_daily_tokens": _int(0),
-    "session_daily_tokens": _int(0),
+    "max_provider_pause_s": _float(1.0, 7 * 86400.0),
+    "tenant_daily_tokens": _int(0, MAX_TOKENS_A_DAY),
+    "session_daily_tokens": _int(0, MAX_TOKENS_A_DAY),
     "budget_reply": _text,
     "on_dead_letter": _choice("continue", "hold"),
     "shards": _int(1, 16384),

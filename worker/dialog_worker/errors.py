@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import math
+import time
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -29,24 +32,28 @@ class TransientError(DialogWorkerError):
 
     ``retry_after`` (seconds) is the earliest useful retry, e.g. an HTTP 429's ``Retry-After``:
     the next attempt waits at least that long (within a ceiling, see
-    `dialog_worker.daemon.failures`). A
-    value that is not a finite number >= 0 is ignored rather than raised over, so a bad header
-    still gives an ordinary retry.
+    `dialog_worker.daemon.failures`). The header's text may be given as it came (seconds, or
+    an HTTP date). A value that names no wait (not a finite number >= 0, a date that cannot be
+    read) is ignored rather than raised over, so a bad header still gives an ordinary retry.
     """
 
-    def __init__(self, message: str = "", retry_after: float | None = None) -> None:
+    def __init__(self, message: str = "", retry_after: float | str | None = None) -> None:
         super().__init__(message)
         self.retry_after = _seconds_or_none(retry_after)
 
 
 class RateLimited(TransientError):
     """The model provider refused a call for now (an HTTP 429): raise it from a step with
-    the limit key the call went through and the provider's ``Retry-After`` (seconds). The
-    key is then paused for every worker of the deployment until then, and the message goes
-    back to its session's turn without spending an attempt (docs/engine.md). Outside a
-    worker it is an ordinary `TransientError` with ``retry_after``."""
+    the limit key the call went through and the provider's ``Retry-After`` (seconds, or the
+    header's text as it came). The key is then paused for every worker of the deployment
+    until then (at least a floor that grows with 429s in a row, at most
+    DIALOG_MAX_PROVIDER_PAUSE_S), and the message goes back to its session's turn without
+    spending an attempt (docs/engine.md). Outside a worker it is an ordinary
+    `TransientError` with ``retry_after``."""
 
-    def __init__(self, key: str, retry_after_s: float | None = None, message: str = "") -> None:
+    def __init__(
+        self, key: str, retry_after_s: float | str | None = None, message: str = ""
+    ) -> None:
         super().__init__(
             message or f"model provider rate limit on {key!r}", retry_after=retry_after_s
         )
@@ -84,6 +91,13 @@ class PermanentError(DialogWorkerError):
 class JournalFull(PermanentError):
     """`dialog_worker.once` could not record a result: the message's journal would pass
     DIALOG_JOURNAL_MAX_BYTES. Permanent: the same step would pass it again."""
+
+
+class UnrecordableResult(PermanentError):
+    """`dialog_worker.once` called its function but cannot record what it returned as JSON (a
+    type the journal does not convert, a value nested too deeply, a NaN). Permanent: a
+    retry would call the function again (a second refund) and fail the same way, so the
+    message is dead-lettered after that one call, with the reason naming the type."""
 
 
 class InterruptTimeout(PermanentError):
@@ -138,10 +152,20 @@ class ReplyStreamError(DialogWorkerError):
 
 
 def _seconds_or_none(value: object) -> float | None:
+    """Seconds from a number, or from a Retry-After header as it came: its seconds, or its
+    HTTP date (a date in the past: 0); None if it names no usable wait."""
     if value is None or isinstance(value, bool):
         return None
     try:
         seconds = float(value)  # type: ignore[arg-type]  # any number-like value is welcome
     except (TypeError, ValueError):
-        return None
+        if not isinstance(value, str):
+            return None
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:  # RFC 9110: an HTTP date is in GMT
+            when = when.replace(tzinfo=datetime.UTC)
+        seconds = max(0.0, when.timestamp() - time.time())
     return seconds if math.isfinite(seconds) and seconds >= 0 else None

@@ -66,7 +66,9 @@ class Metrics:
             registry=r,
         )
         self.lease_renewals = Counter(
-            "dialog_lease_renewals", "Lock lease extensions of long steps", registry=r
+            "dialog_lease_renewals",
+            "Worker lease renewals (one per shard an interval) and lock extensions of long steps",
+            registry=r,
         )
         self.interrupts = Counter(
             "dialog_interrupts",

@@ -14,7 +14,8 @@ The spans of one message (docs/operations.md shows them in a trace viewer):
       |                                (its length is the queue wait, also dialog.queue_wait_ms)
       +- dialog.step    (consumer)     one per attempt, siblings, never nested in one another;
       |  |                             attempt k links to attempts 1..k-1
-      |  +- chat <model> (client)      model calls made through the engine API (GenAI attributes)
+      |  +- chat <model> (client)      each dialog_worker.model_call (GenAI attributes, usage,
+      |  |                             the wait for the key's turn)
       |  +- dialog.commit              the fenced commit; the reply event's ``traceparent``
       |                                names the attempt that produced it
       dialog.stream     (consumer)     a reader of the streamed answer (DialogClient.stream,
@@ -957,6 +958,43 @@ def model_call_span(model: str, key: str = "", operation: str = "chat") -> Itera
         return
     from opentelemetry.trace import SpanKind
 
+    with tracer.start_as_current_span(
+        _cut(f"{operation} {model}"),
+        kind=SpanKind.CLIENT,
+        attributes=_model_call_attributes(model, key, operation),
+    ) as span:
+        yield span
+
+
+def start_model_call(model: str, key: str = "", operation: str = "chat") -> Any:
+    """As `model_call_span`, for a call whose start and end are seen in different contexts (a
+    framework's callbacks): the span is a child of the current one but not made current, and
+    `end_model_call` ends it. None when tracing is off."""
+    tracer = _tracer
+    if not enabled or tracer is None:
+        return None
+    from opentelemetry.trace import SpanKind
+
+    return tracer.start_span(
+        _cut(f"{operation} {model}"),
+        kind=SpanKind.CLIENT,
+        attributes=_model_call_attributes(model, key, operation),
+    )
+
+
+def end_model_call(span: Any, error: BaseException | None = None) -> None:
+    """End a span of `start_model_call`, failed when ``error`` is given."""
+    if span is None:
+        return
+    if error is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    span.end()
+
+
+def _model_call_attributes(model: str, key: str, operation: str) -> dict[str, str]:
     attributes: dict[str, str] = {
         "gen_ai.operation.name": _cut(operation),
         "gen_ai.request.model": _cut(model),
@@ -966,20 +1004,31 @@ def model_call_span(model: str, key: str = "", operation: str = "chat") -> Itera
         provider = key.split(":", 1)[0] if ":" in key else ""
         if provider:
             attributes["gen_ai.provider.name"] = _cut(provider)
-    with tracer.start_as_current_span(
-        _cut(f"{operation} {model}"), kind=SpanKind.CLIENT, attributes=attributes
-    ) as span:
-        yield span
+    return attributes
 
 
 def record_usage(
-    span: Any, input_tokens: int, output_tokens: int, cost: float | None = None
+    span: Any,
+    input_tokens: int,
+    output_tokens: int,
+    cost: float | None = None,
+    response_model: str | None = None,
 ) -> None:
     """What a model call used, on its span (``gen_ai.usage.input_tokens`` /
-    ``output_tokens``, and ``dialog.cost``); nothing when ``span`` is None (tracing off)."""
+    ``output_tokens``, ``dialog.cost``, and ``gen_ai.response.model`` when the answer named
+    its model); nothing when ``span`` is None (tracing off)."""
     if span is None:
         return
     span.set_attribute("gen_ai.usage.input_tokens", int(input_tokens))
     span.set_attribute("gen_ai.usage.output_tokens", int(output_tokens))
     if cost is not None:
         span.set_attribute("dialog.cost", float(cost))
+    if response_model:
+        span.set_attribute("gen_ai.response.model", _cut(response_model))
+
+
+def record_turn_wait(span: Any, wait_ms: float) -> None:
+    """How long a model call waited for its limit key's turn (``dialog.turn_wait_ms``);
+    nothing when ``span`` is None."""
+    if span is not None:
+        span.set_attribute("dialog.turn_wait_ms", round(float(wait_ms), 3))

@@ -15,7 +15,9 @@ redis_server   `--redis embedded`: a redis-server of the bench's own
 stats          percentiles and inversions
 """
 
-from dialog_worker.bench.command import add_parser, bench_command
+# The CLI takes `add_parser` and `bench_command` from command.py itself: importing them here
+# imported the fake provider with the package, so `python -m
+# dialog_worker.bench.fake_provider` ran a module already imported (runpy's RuntimeWarning).
 from dialog_worker.bench.stats import inversions, percentile, summarize
 
-__all__ = ["add_parser", "bench_command", "inversions", "percentile", "summarize"]
+__all__ = ["inversions", "percentile", "summarize"]

@@ -40,7 +40,7 @@ from typing import Any
 
 import anyio
 
-from dialog_worker.bench import limits, namespace, tenants
+from dialog_worker.bench import hold, limits, namespace, tenants
 from dialog_worker.bench.counting import COUNTER
 from dialog_worker.bench.machine import machine_info
 from dialog_worker.bench.redis_server import EmbeddedRedis
@@ -71,11 +71,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--burst", type=int, default=10, help="messages per session (default 10)")
     p.add_argument(
         "--mode",
-        choices=["burst", "rate", "limits", "tenants", "merge"],
+        choices=["burst", "rate", "limits", "tenants", "merge", "adapters", "hold"],
         help="burst: all at once (default); rate: --rate msg/s for --duration s; limits: "
         "workers against a fake model provider's quota for --duration s (bench/limits.py); "
         "tenants: a tenant's flood and another's lone messages, weights, a tenant alone; "
-        "merge: bursts merged by the window (bench/tenants.py)",
+        "merge: bursts merged by the window (bench/tenants.py); adapters: an agent framework "
+        "adapter's cost per turn against a hand-written engine, and the state after 50 turns "
+        "(bench/adapters.py); hold: --sessions steps held in flight for --duration s, Redis "
+        "commands per second per step and memory per step (bench/hold.py)",
     )
     p.add_argument("--rate", type=float, help="fixed arrival rate, messages/s (implies rate)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of a rate run")
@@ -100,6 +103,12 @@ def add_parser(sub: Any) -> None:
         default=0.0,
         help="dialog-worker's engine waits this long per message (async), like a remote model "
         "call (ours only; default 0: the built-in rules alone)",
+    )
+    p.add_argument(
+        "--worker-path",
+        metavar="CHECKOUT",
+        help="ours: spawned workers import dialog_worker from CHECKOUT/worker instead of this "
+        "package (another version, for a before/after comparison)",
     )
     p.add_argument(
         "--redis",
@@ -178,6 +187,12 @@ def _validate(args: argparse.Namespace) -> list[str]:
         raise ValidationError("--rate must be positive")
     if args.mode == "rate" and args.rate is None:
         raise ValidationError("--mode rate needs --rate")
+    if args.mode == "hold":
+        if systems != ["ours"] or args.workers < 1:
+            raise ValidationError("--mode hold measures spawned workers of ours only")
+        args.warmup = 0  # a warm-up would wait for steps that outlast the run
+        args.step_ms = args.step_ms or hold.default_step_ms(args)
+        args.concurrency = args.concurrency or -(-args.sessions // args.workers) + 8
     if args.redis not in ("url", "embedded"):
         raise ValidationError("--redis must be 'url' or 'embedded'")
     if args.memory_run is not None and args.workers == 0:
@@ -226,6 +241,8 @@ async def bench_command(settings: Settings, args: argparse.Namespace) -> int:
         return await _limits_command(settings, args)
     if args.mode in ("tenants", "merge"):
         return await _tenants_command(settings, args)
+    if args.mode == "adapters":
+        return await _adapters_command(settings, args)
     systems = _validate(args)
     if not _check_plot(args.plot):
         return EXIT_USAGE
@@ -320,7 +337,23 @@ async def _tenants_command(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK if report.get("ok", True) else EXIT_FAILURE
 
 
+async def _adapters_command(settings: Settings, args: argparse.Namespace) -> int:
+    from dialog_worker.bench import adapters  # imports no framework: its workers do
+
+    report = await _on_own_redis(settings, args, adapters.adapters_bench)
+    progress(json.dumps({"turns": report["turns"], "state": report["state_bytes_after_50_turns"]}))
+    print(json.dumps(report, ensure_ascii=False), flush=True)
+    return EXIT_OK if report["ok"] else EXIT_FAILURE
+
+
 async def _limits_command(settings: Settings, args: argparse.Namespace) -> int:
+    if args.tenants:
+        from dialog_worker.bench import fair_turns
+
+        report = await _on_own_redis(settings, args, fair_turns.fair_turns_bench)
+        progress(json.dumps({k: report[k] for k in ("flood", "weights", "alone", "ok")}))
+        print(json.dumps(report, ensure_ascii=False), flush=True)
+        return EXIT_OK if report["ok"] else EXIT_FAILURE
     report = await _on_own_redis(settings, args, limits.limits_bench)
     progress(json.dumps({k: report[k] for k in ("provider", "correctness", "budget", "ok")}))
     print(json.dumps(report, ensure_ascii=False), flush=True)
@@ -376,6 +409,9 @@ async def _bench_system(
             reference_max = reference_max or measured
             for load in args.loads_list:
                 await one(f"load{int(load * 100)}", "rate", load * reference_max, args.duration)
+        elif args.mode == "hold":
+            progress(f"{system}: holding {args.sessions} steps for {args.duration:g}s")
+            runs.append(await hold.hold_run(target, args))
         elif rate_mode:
             await one("rate", "rate", float(args.rate), args.duration)
         else:

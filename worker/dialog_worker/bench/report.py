@@ -15,6 +15,13 @@ def progress(msg: str) -> None:
 
 
 def line(r: dict[str, Any]) -> str:
+    if r.get("mode") == "hold":  # bench/hold.py
+        return (
+            f"{r['system']}/hold: {r['steps_in_flight']} steps in flight for {r['seconds']}s, "
+            f"{r['commands_per_s_per_step']} Redis commands/s/step, "
+            f"Redis memory {r['redis_memory_per_step_bytes']} B/step, "
+            f"worker RSS {r['worker_rss_per_step_bytes']} B/step"
+        )
     lat, c = r["latency_ms"], r["correctness"]
     red = r["redis"]
     rt = red.get("worker_round_trips_per_msg")

@@ -4,13 +4,14 @@ worker processes and its producer."""
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from redis.asyncio import Redis
 
-from dialog_worker.bench.spawn import WorkerProcess, Workers
+from dialog_worker.bench.spawn import WorkerProcess, Workers, source_root
 from dialog_worker.bench.workload import Producer, Sent
 from dialog_worker.config import Settings
 from dialog_worker.store.connection import connect
@@ -32,6 +33,12 @@ class Target:
                 "DIALOG_ENGINE": "dialog_worker.bench.slow_engine:make",
                 "BENCH_STEP_MS": str(args.step_ms),
             }
+        worker_path = getattr(args, "worker_path", None)
+        if system == "ours" and worker_path:
+            # Another version's package ahead of this one (and bench/ of this checkout).
+            root = source_root()
+            paths = [str(Path(worker_path).resolve() / "worker"), str(root) if root else ""]
+            extra["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         self.workers = Workers(system, settings, run, self.tmp, args.concurrency, extra)
         self.producer = Producer(
             system, settings, self.redis, run, args.senders, msg_ids=args.msg_ids

@@ -45,6 +45,8 @@ from dialog_worker.store.codec import (
     check_expires_at,
     check_id,
     check_meta,
+    check_priority,
+    check_tenant,
     check_text,
 )
 from dialog_worker.store.connection import check_topology, connect, prepare
@@ -183,6 +185,8 @@ class DialogClient:
         multitask: str | None = None,
         expires_at: float | None = None,
         deliver_at: float | None = None,
+        tenant: str | None = None,
+        priority: int | None = None,
     ) -> SendResult:
         """Enqueue one message: one plain XADD to the session's stream (its shard's in a
         sharded deployment), what any producer in any language does. Raises
@@ -206,7 +210,14 @@ class DialogClient:
         ahead): the message waits in its session as a timer and joins the session's order
         when due (its ``meta`` then carries ``timer``: ``msg:<msg_id>``); sending again with
         the same msg_id before then replaces it. Still one XADD (a ``deliver_at`` field, unix
-        seconds)."""
+        seconds).
+
+        ``tenant``: the customer the message belongs to (its ``tenant`` field: 1 to 64 bytes
+        without spaces or control characters), for the fair share of slots, model-call turns
+        and budgets between tenants; without it, DIALOG_TENANT_PATTERN's group in the session
+        id, else ``default``. ``priority``: 0 to 9, higher first (default 5): where the
+        session waits in its tenant's queue; it never reorders one session's messages. A
+        value intake would ignore is refused here (``ValidationError``)."""
         check_id("session_id", session_id)
         if multitask is not None and multitask not in MULTITASK_POLICIES:
             raise ValidationError(
@@ -226,6 +237,7 @@ class DialogClient:
             fields["expires_at"] = check_expires_at(expires_at)
         if deliver_at is not None:
             fields["deliver_at"] = f"{deliver_at_ms(deliver_at) / 1000:.3f}"
+        fields.update(_tenancy(tenant, priority, meta))
         for name, value in (meta or {}).items():
             if name in RESERVED_FIELDS or name in ("deliver_at", "timer"):
                 raise ValidationError(f"meta field {name!r} is reserved")
@@ -283,14 +295,16 @@ class DialogClient:
         timeout: float = 30,  # noqa: ASYNC109
         multitask: str | None = None,
         expires_at: float | None = None,
+        tenant: str | None = None,
+        priority: int | None = None,
     ) -> Reply:
         """Send a message and wait for its reply event: whatever the outcome (``applied``,
         ``dead_lettered`` with the fallback text, ``duplicate`` when ``msg_id`` was seen
         before, or ``cancelled`` / ``rejected`` / ``superseded`` / ``expired``). Raises
         `ReplyTimeout` after ``timeout`` seconds (send included); the message may still be
         processed, and asking again with the same ``msg_id`` waits for it (a resend of a seen
-        ``msg_id`` is never applied twice: its event says ``duplicate``). ``multitask`` and
-        ``expires_at`` as for `send`.
+        ``msg_id`` is never applied twice: its event says ``duplicate``). ``multitask``,
+        ``expires_at``, ``tenant`` and ``priority`` as for `send`.
 
         Every ask of a client shares one reader per reply stream: waiting costs a dictionary
         entry, not a connection. The waiter is registered before the message is sent, so a
@@ -299,6 +313,7 @@ class DialogClient:
         check_id("session_id", session_id)
         msg_id = check_id("msg_id", msg_id) if msg_id is not None else uuid.uuid4().hex
         check_text(text, self.settings.max_message_bytes)
+        _tenancy(tenant, priority, None)
         if isinstance(timeout, bool) or not (
             isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0
         ):
@@ -306,12 +321,21 @@ class DialogClient:
         deadline = anyio.current_time() + timeout
         stream = self.keys_for(session_id).stream
         router = self._router(self.keys_for(session_id).replies)
-        waiter = router.expect(session_id, msg_id)
+        # Sending: an event of this msg_id read before the send is known (an earlier message's
+        # that ended unapplied, read late) must not answer it.
+        waiter = router.expect(session_id, msg_id, sending=True)
         try:
             await router.start()
-            await self.send(
-                session_id, text, msg_id=msg_id, multitask=multitask, expires_at=expires_at
+            sent = await self.send(
+                session_id,
+                text,
+                msg_id=msg_id,
+                multitask=multitask,
+                expires_at=expires_at,
+                tenant=tenant,
+                priority=priority,
             )
+            router.sent_as(waiter, sent.entry_id)
             with anyio.move_on_after(deadline - anyio.current_time()):
                 return await waiter
             raise ReplyTimeout(
@@ -389,6 +413,8 @@ class DialogClient:
                 waiter.set_result(rejected)
             sent = self._sent_entries.get((session_id, msg_id))
             sent_entry = sent[1] if sent and time.monotonic() - sent[0] <= SENT_KEPT_S else None
+            if sent_entry is not None:
+                router.sent_as(waiter, sent_entry)  # its event, not an earlier message's
             async for event in self._follow(
                 session_id, msg_id, cursor, waiter, deadline, sent_entry=sent_entry
             ):
@@ -414,19 +440,22 @@ class DialogClient:
         timeout: float = 60,  # noqa: ASYNC109 - bounds the whole iteration
         meta: Mapping[str, str] | None = None,
         expires_at: float | None = None,
+        tenant: str | None = None,
+        priority: int | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Send a message and stream its answer (events as `stream`). The msg_id is made before
         the send (a uuid unless given) and is on every event: after a failed send or a
         timeout, stream it again (or resend with the same msg_id) instead of sending anew.
-        ``expires_at`` as for `send`."""
+        ``expires_at``, ``tenant`` and ``priority`` as for `send`."""
         check_id("session_id", session_id)
+        _tenancy(tenant, priority, meta)  # refused before anything is read or sent
         # A msg_id of our own was never sent before: it cannot be finished already (a given one
         # may be a resend of a finished message, whose state is looked at at once).
         new = msg_id is None
         msg_id = check_id("msg_id", msg_id) if msg_id is not None else uuid.uuid4().hex
         deadline = _deadline(timeout)
         router = self._router(self.keys_for(session_id).replies)
-        waiter = router.expect(session_id, msg_id)
+        waiter = router.expect(session_id, msg_id, sending=True)  # as in `ask`
         # One trace for the whole exchange: the send (and the worker's spans) hang from the
         # reader's dialog.stream span.
         trace = tracing.stream_trace(session_id, msg_id)
@@ -434,9 +463,20 @@ class DialogClient:
         try:
             await router.start()
             with tracing.active(trace):
-                await self.send(session_id, text, msg_id=msg_id, meta=meta, expires_at=expires_at)
+                sent = await self.send(
+                    session_id,
+                    text,
+                    msg_id=msg_id,
+                    meta=meta,
+                    expires_at=expires_at,
+                    tenant=tenant,
+                    priority=priority,
+                )
+            router.sent_as(waiter, sent.entry_id)
+            # The entry it was sent as: what the msg_id's stream and turn held before it was
+            # read are an earlier message's, never this one's end.
             async for event in self._follow(
-                session_id, msg_id, None, waiter, deadline, new, sent=True
+                session_id, msg_id, None, waiter, deadline, new, sent=True, sent_entry=sent.entry_id
             ):
                 if trace is not None:
                     trace.saw(event.kind, event.outcome)
@@ -822,6 +862,22 @@ def _answer_traceparent(waiter: asyncio.Future[Reply]) -> str:
     if not waiter.done() or waiter.cancelled() or waiter.exception() is not None:
         return ""
     return waiter.result().traceparent
+
+
+def _tenancy(
+    tenant: str | None, priority: int | None, meta: Mapping[str, str] | None
+) -> dict[str, str]:
+    """The ``tenant`` and ``priority`` fields of a message, checked as intake reads them
+    (a value intake would ignore is refused), and not given again in ``meta``."""
+    fields: dict[str, str] = {}
+    if tenant is not None:
+        fields["tenant"] = check_tenant(tenant)
+    if priority is not None:
+        fields["priority"] = check_priority(priority)
+    for name in fields:
+        if meta and name in meta:
+            raise ValidationError(f"{name!r} is given twice: as an argument and in meta")
+    return fields
 
 
 def _deadline(timeout: object) -> float | None:

@@ -28,6 +28,11 @@ Readers see `StreamEvent`s:
   stream goes on once the interrupt is resumed (a ``reset``, then the new attempt's answer).
   A reader that fell behind the stream's trimmed start resyncs the text; the events it
   missed are not replayed.
+- ``waiting``: the worker's: the message waits for something outside its step, ``data``
+  ``{"reason": "rate"|"paused"|"slots"|"tenant_cap", "until_ms": N|null}`` (when it expects
+  to go, epoch ms). Show it until the next event; it is not kept in the message's history.
+  Before the answer has text the worker writes it as an entry ``k`` ``w`` at no position
+  (its id just below the attempt's own): no cursor, nothing of the reader's place moves.
 
 A reader resumes from the ``cursor`` of the last event it handled
 (``<msg_id>:<attempt>:<pos>``, never a Redis entry id): it gets every later piece once.
@@ -57,7 +62,7 @@ from dialog_worker.errors import ValidationError
 
 log = structlog.get_logger("dialog_worker.client.partial_reader")
 
-EVENT_KINDS = ("delta", "reset", "resync", "end", "event")
+EVENT_KINDS = ("delta", "reset", "resync", "end", "event", "waiting")
 # Largest event data a reader decodes (a worker writes at most 16 KiB; anyone with XADD can
 # write anything).
 MAX_EVENT_DATA_CHARS = 65_536
@@ -95,7 +100,7 @@ def _digits(value: str) -> bool:
 class StreamEvent:
     """One event of a streamed answer. ``cursor`` is None for ``reset`` (resume from the
     previous event's cursor: you get the reset again). ``outcome`` only on ``end``;
-    ``event_kind`` and ``data`` only on ``event``."""
+    ``event_kind`` only on ``event``, ``data`` on ``event`` and ``waiting``."""
 
     kind: str
     msg_id: str
@@ -110,7 +115,9 @@ class StreamEvent:
     def as_dict(self) -> dict[str, Any]:
         shown = dataclasses.asdict(self)
         if self.kind != "event":
-            del shown["event_kind"], shown["data"]
+            del shown["event_kind"]
+            if self.kind != "waiting":
+                del shown["data"]
         return shown
 
 
@@ -201,6 +208,9 @@ class Tracker:
     def feed(self, fields: Fields) -> Iterator[StreamEvent]:
         a, p, s, kind, t, f, o, _, n = _values(fields)
         attempt, pos, seq = _int(a), _int(p), _int(s)
+        if kind == b"w":
+            yield from self._transient(attempt, seq, n, t)
+            return
         if attempt is None or pos is None or (kind != b"d" and kind != b"e" and kind != b"v"):
             return  # not ours (anyone with XADD can write anything): skipped
         lowest = max(self.min_seq, self.floor)
@@ -243,6 +253,24 @@ class Tracker:
             return
         yield StreamEvent("delta", self.msg_id, attempt, text, self._cursor(), pos)
 
+    def _transient(
+        self, attempt: int | None, seq: int | None, n: bytes | None, t: bytes | None
+    ) -> Iterator[StreamEvent]:
+        """A transient entry (kind ``w``, a ``waiting`` the worker wrote at no position): no
+        cursor, nothing of the reader's place changes; skipped when it is an earlier
+        message's or an older attempt's than the one read."""
+        lowest = max(self.min_seq, self.floor)
+        if attempt is None or n != b"waiting" or (lowest and (seq is None or seq < lowest)):
+            return
+        if self.attempt is not None and attempt < self.attempt:
+            return
+        data = _text(t) or ""
+        try:
+            value = json.loads(data) if len(data) <= MAX_EVENT_DATA_CHARS else None
+        except (ValueError, RecursionError):
+            value = None
+        yield StreamEvent("waiting", self.msg_id, attempt, "", None, data=_waiting_data(value))
+
     def _cursor(self) -> str:
         return f"{self.msg_id}:{self.attempt or 0}:{self.pos}"  # str(Cursor(...)), per delta
 
@@ -263,12 +291,27 @@ class Tracker:
 
 
 def _event(msg_id: str, attempt: int, cursor: str, pos: int, kind: str, data: str) -> StreamEvent:
-    """An ``event`` entry's StreamEvent; its data decoded (None when it is not JSON)."""
+    """An ``event`` entry's StreamEvent; its data decoded (None when it is not JSON). Kind
+    ``waiting`` is the worker's own (a step cannot emit it): a ``waiting`` event."""
     try:
         value = json.loads(data) if len(data) <= MAX_EVENT_DATA_CHARS else None
     except (ValueError, RecursionError):
         value = None
+    if kind == "waiting":
+        return StreamEvent("waiting", msg_id, attempt, "", cursor, pos, data=_waiting_data(value))
     return StreamEvent("event", msg_id, attempt, "", cursor, pos, event_kind=kind, data=value)
+
+
+def _waiting_data(value: Any) -> dict[str, Any]:
+    """A ``waiting`` event's data as readers get it, whatever the entry held."""
+    got = value if isinstance(value, dict) else {}
+    reason = got.get("reason")
+    until = got.get("until_ms")
+    whole = isinstance(until, int) and not isinstance(until, bool) and 0 <= until < 2**53
+    return {
+        "reason": reason if reason in ("rate", "paused", "slots", "tenant_cap") else "rate",
+        "until_ms": until if whole else None,
+    }
 
 
 def reply_from_history(doc: bytes | None, msg_id: str, seq: int | None) -> tuple[str, str] | None:

@@ -78,6 +78,9 @@ _RETRY_FIRST_S, _RETRY_MAX_S = 0.05, 2.0
 # follow one a moment later (the HTTP gateway: POST, then GET its stream). A rejection leaves
 # no other trace: the message was never sequenced and its msg_id is free again.
 REJECTED_KEPT, REJECTED_KEPT_S = 4096, 60.0
+# Events held for one waiter while its message is being sent (`ReplyRouter.expect`), at most:
+# the newest are kept (its own event, if it came, is the newest of its msg_id).
+HELD_PER_WAITER = 16
 # Events one `SessionFeed` holds for its reader before it tells it to read the stream itself.
 FEED_EVENTS = 256
 
@@ -270,9 +273,14 @@ class ReplyRouter:
     waiters registered for each event's (session_id, msg_id).
 
     Order of an ask (`DialogClient.ask`): `expect` (register), `start` (the loop runs; the
-    first start captures the stream's newest id), send, await the future, `forget`. A waiter
-    registered before its message is sent cannot miss the reply: the loop reads every event
-    after its cursor, and the reply is appended after the send.
+    first start captures the stream's newest id), send, `sent_as` (the entry it was sent as),
+    await the future, `forget`. A waiter registered before its message is sent cannot miss the
+    reply: the loop reads every event after its cursor, and the reply is appended after the
+    send. Nor does it take an earlier message's: a msg_id that ended unapplied (cancelled,
+    rejected...) may be sent again, and the loop, behind, may read the old event after the
+    re-send's waiter registered. A waiter that is sending holds its events until `sent_as`,
+    then takes only an event of that entry or a later one (a duplicate's, a merged part's and a
+    timer's entries are later still), never one of an earlier entry.
 
     Connection failures are retried (waiters keep waiting, within their own timeouts, and
     learn the last error if they time out). Any other failure ends the loop and fails every
@@ -294,6 +302,11 @@ class ReplyRouter:
         self.batch = batch
         self._prepare = prepare
         self._waiters: dict[tuple[str, str], list[asyncio.Future[Reply]]] = {}
+        # Waiters of a message this client sends: the entry id it was sent as (an event of an
+        # earlier entry is an earlier message's), None while the send is under way; and the
+        # events read for them meanwhile.
+        self._sent_as: dict[asyncio.Future[Reply], tuple[int, int] | None] = {}
+        self._held: dict[asyncio.Future[Reply], list[Reply]] = {}
         self._rejected: dict[tuple[str, str], tuple[float, bytes, RawFields]] = {}
         self._feeds: dict[str, set[SessionFeed]] = {}
         self._cursor: str | None = None
@@ -306,14 +319,30 @@ class ReplyRouter:
     def waiting(self) -> int:
         return sum(len(futures) for futures in self._waiters.values())
 
-    def expect(self, session_id: str, msg_id: str) -> asyncio.Future[Reply]:
+    def expect(self, session_id: str, msg_id: str, sending: bool = False) -> asyncio.Future[Reply]:
+        """A waiter for the next event of (session_id, msg_id). ``sending``: the caller sends
+        the message now, then says as what entry (`sent_as`); events read before that are
+        held, not given."""
         if self.closed:
             raise ReplyStreamError("the client is closed")
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault((session_id, msg_id), []).append(future)
+        if sending:
+            self._sent_as[future] = None
         return future
 
+    def sent_as(self, future: asyncio.Future[Reply], entry_id: str) -> None:
+        """``future``'s message is the inbound entry ``entry_id``: from now on only an event of
+        that entry or a later one answers it, the events held meanwhile included."""
+        floor = entry_key(entry_id)
+        self._sent_as[future] = floor
+        for reply in self._held.pop(future, []):
+            if not future.done() and _answers(reply, floor):
+                future.set_result(reply)
+
     def forget(self, session_id: str, msg_id: str, future: asyncio.Future[Reply]) -> None:
+        self._sent_as.pop(future, None)
+        self._held.pop(future, None)
         key = (session_id, msg_id)
         futures = self._waiters.get(key)
         if futures is None:
@@ -427,15 +456,32 @@ class ReplyRouter:
                     del self._rejected[next(iter(self._rejected))]
             return
         reply = reply_from_entry(event_id, fields, self.stream)
-        for future in futures:
-            if not future.done():
-                future.set_result(reply)
+        still = [f for f in futures if not f.done() and not self._give(f, reply)]
+        if still:
+            self._waiters[key] = still
+
+    def _give(self, future: asyncio.Future[Reply], reply: Reply) -> bool:
+        """Answer ``future`` with ``reply`` unless it is an earlier message's (or may be: held
+        while the send is under way). Whether it was answered."""
+        if future in self._sent_as:
+            floor = self._sent_as[future]
+            if floor is None:
+                held = self._held.setdefault(future, [])
+                held.append(reply)
+                del held[:-HELD_PER_WAITER]
+                return False
+            if not _answers(reply, floor):
+                return False
+        future.set_result(reply)
+        return True
 
     def _fail_all(self, error: BaseException) -> None:
         for feeds in self._feeds.values():
             for feed in feeds:
                 feed.fail(error)
         waiters, self._waiters = self._waiters, {}
+        self._sent_as.clear()
+        self._held.clear()
         for futures in waiters.values():
             for future in futures:
                 if not future.done():
@@ -476,6 +522,14 @@ class SessionFeed:
     async def wait(self, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._news.wait(), timeout_s)
+
+
+def _answers(reply: Reply, sent_as: tuple[int, int]) -> bool:
+    """Is ``reply`` the event of a message sent as entry ``sent_as`` (or of a later entry of
+    it)? An event whose entry id is not one (anyone with XADD can write the stream) is not
+    told apart: it answers, as it did before entry ids were compared."""
+    entry = entry_key(reply.entry_id)
+    return entry == (-1, -1) or entry >= sent_as
 
 
 def entry_key(event_id: bytes | str) -> tuple[int, int]:

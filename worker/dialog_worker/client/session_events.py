@@ -17,7 +17,8 @@ Events (`SessionEvent`):
   oldest first; empty after a restart, the new turns follow). ``reason`` ``gap``: the reader's
   cursor is older than what the reply stream still holds (events after it were trimmed or
   deleted); ``restart``: the session started over (a turn with a seq at or below one already
-  shown: it was deleted, and its seq began again at 1; a reset keeps the seq going).
+  shown: it was deleted, and its seq began again at 1; a reset keeps the seq going; a
+  ``duplicate`` carries the original seq and is no restart).
 
 A reader that starts without a cursor first gets the turns the history keeps as ``turn``
 events (only the last carries a cursor), then the new ones. A turn that lands while those are

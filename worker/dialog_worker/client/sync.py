@@ -105,6 +105,8 @@ class SyncDialogClient:
         *,
         multitask: str | None = None,
         deliver_at: float | None = None,
+        tenant: str | None = None,
+        priority: int | None = None,
     ) -> SendResult:
         """Enqueue one message and return at once (`DialogClient.send`)."""
         return self._call(
@@ -116,6 +118,8 @@ class SyncDialogClient:
                 multitask=multitask,
                 expires_at=expires_at,
                 deliver_at=deliver_at,
+                tenant=tenant,
+                priority=priority,
             )
         )
 
@@ -128,6 +132,8 @@ class SyncDialogClient:
         expires_at: float | None = None,
         *,
         multitask: str | None = None,
+        tenant: str | None = None,
+        priority: int | None = None,
     ) -> Reply:
         """Send and wait up to ``timeout`` seconds for the reply (`DialogClient.ask`): raises
         `ReplyTimeout` (ask again with its ``msg_id`` to keep waiting)."""
@@ -139,6 +145,8 @@ class SyncDialogClient:
                 timeout=timeout,
                 multitask=multitask,
                 expires_at=expires_at,
+                tenant=tenant,
+                priority=priority,
             )
         )
 
@@ -177,11 +185,21 @@ class SyncDialogClient:
         timeout: float = 60,
         meta: Mapping[str, str] | None = None,
         expires_at: float | None = None,
+        *,
+        tenant: str | None = None,
+        priority: int | None = None,
     ) -> Iterator[StreamEvent]:
         """Send a message and iterate over its answer's events (`DialogClient.ask_stream`)."""
         return self._iterate(
             lambda c: c.ask_stream(
-                session_id, text, msg_id=msg_id, timeout=timeout, meta=meta, expires_at=expires_at
+                session_id,
+                text,
+                msg_id=msg_id,
+                timeout=timeout,
+                meta=meta,
+                expires_at=expires_at,
+                tenant=tenant,
+                priority=priority,
             )
         )
 

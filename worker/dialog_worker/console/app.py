@@ -212,7 +212,10 @@ Handler = Callable[[Console, Request], Awaitable[Response]]
 
 async def overview_page(c: Console, request: Request) -> Response:
     user = c.user(request)
-    return c.page(request, user, "overview.html", data=await reads.overview(c.client))
+    paused = await model_limits.paused_keys(c.client.redis, c.settings)
+    return c.page(
+        request, user, "overview.html", data=await reads.overview(c.client), paused_keys=paused
+    )
 
 
 async def overview_json(c: Console, request: Request) -> Response:
@@ -369,6 +372,19 @@ async def message_json(c: Console, request: Request) -> Response:
     return JSONResponse({"msg_id": msg_id, "sessions": found}, status_code=200 if found else 404)
 
 
+async def message_life_page(c: Console, request: Request) -> Response:
+    """One message's life: its attempts, waits, model calls and journaled calls
+    (``?session=<id>&msg_id=<id>``; JSON under /api/)."""
+    user = c.user(request)
+    session_id = _session_id(request.query_params.get("session"))
+    msg_id = _msg_id(request.query_params.get("msg_id"))
+    data = await reads.message_life(c.client, session_id, msg_id, c.redact)
+    status = 200 if data["found"] else 404
+    if request.url.path.startswith("/api/"):
+        return JSONResponse(data, status_code=status)
+    return c.page(request, user, "message.html", m=data, status=status)
+
+
 async def letters_list(c: Console, request: Request) -> Response:
     user = c.user(request)
     q = request.query_params
@@ -495,7 +511,8 @@ async def _act(
 
 async def limits_page(c: Console, request: Request) -> Response:
     """The model-provider limit keys (limits, calls holding a slot, pause, last minute's
-    rate) and the tenants' settings and usage of the day; operators may pause a key."""
+    rate) and the tenants' settings and usage of the day; operators may pause a key, and
+    resume a paused one."""
     user = c.user(request)
     keys = await model_limits.list_limits(c.client.redis, c.settings)
     tenants = await model_limits.list_tenants(c.client.redis, c.settings)
@@ -520,6 +537,24 @@ async def limits_pause(c: Console, request: Request) -> Response:
 
     return await _act(
         c, request, user, "pause_limit_key", f"limit key {key}", reason, [], run, back="/limits"
+    )
+
+
+async def limits_resume(c: Console, request: Request) -> Response:
+    """Reopen a paused limit key now, for every worker (an operator's action, audited)."""
+    user = c.user(request)
+    fields = await c.form(request, user)
+    key = _one(fields, "key")
+    reason = _reason(fields)
+
+    async def run() -> actions.Outcome:
+        await model_limits.resume_key(
+            c.client.redis, c.settings, key, reason, user.name, str(user.role), record=False
+        )
+        return actions.Outcome(done=1)
+
+    return await _act(
+        c, request, user, "resume_limit_key", f"limit key {key}", reason, [], run, back="/limits"
     )
 
 
@@ -598,6 +633,8 @@ def create_app(settings: Settings, client: DialogClient | None = None) -> Starle
             Route("/api/letters", bind(letters_json)),
             Route("/api/message", bind(message_json)),
             Route("/message", bind(message_find)),
+            Route("/message/life", bind(message_life_page)),
+            Route("/api/message/life", bind(message_life_page)),
             Route("/sessions", bind(sessions_prefix)),
             Route("/api/sessions", bind(sessions_prefix)),
             Route("/session", bind(session_page)),
@@ -609,6 +646,7 @@ def create_app(settings: Settings, client: DialogClient | None = None) -> Starle
             Route("/audit", bind(audit_page)),
             Route("/limits", bind(limits_page)),
             Route("/limits/pause", bind(limits_pause), methods=["POST"]),
+            Route("/limits/resume", bind(limits_resume), methods=["POST"]),
             Route("/healthz", lambda r: Response("ok\n", media_type="text/plain")),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
         ],

@@ -16,6 +16,7 @@ from redis.exceptions import ResponseError
 
 from dialog_worker.client.dialog_client import DialogClient
 from dialog_worker.errors import ValidationError
+from dialog_worker.ops import model_limits
 from dialog_worker.store.codec import check_id, unpack_timer
 from dialog_worker.store.keys import Keys
 from dialog_worker.store.queue_view import (
@@ -91,7 +92,7 @@ async def overview(client: DialogClient) -> dict[str, Any]:
         for group, lag in (await reply_group_lags(client.redis, keys)).items():
             reply_lag[group] = reply_lag.get(group, 0) + lag
         workers += await _consumers(client.redis, keys)
-    workers.sort(key=lambda w: (not w["waiting"], w["idle_ms"] or 0, w["name"]))
+    workers.sort(key=lambda w: (w["gone"], not w["waiting"], w["idle_ms"] or 0, w["name"]))
     return {
         "at_ms": int(time.time() * 1000),
         "headline": [{"key": k, "label": label, "value": stats.get(k)} for k, label in HEADLINE],
@@ -106,8 +107,9 @@ async def _consumers(redis: Redis, keys: Keys) -> list[dict[str, Any]]:
     the stream. That is no heartbeat: an idle pool has one worker per shard waiting for
     messages (`waiting`: it holds the shard's waiter role, a lease it renews while it lives);
     the others wait on the shard's wake stream, and Redis moves `idle` only when a read
-    delivers something. A worker with pending entries whose `idle_ms` keeps growing is stuck
-    or gone."""
+    delivers something. `gone`: its worker stopped or died (its presence key is gone,
+    dialog_worker/daemon/presence.py) while another worker of the shard announces its own; a
+    worker of a version that announces nothing is not told apart (never gone)."""
     try:
         rows = await redis.xinfo_consumers(keys.stream, keys.group)
     except ResponseError:
@@ -121,9 +123,15 @@ async def _consumers(redis: Redis, keys: Keys) -> list[dict[str, Any]]:
             "idle_ms": int(r.get("idle", 0)),
             "inactive_ms": r.get("inactive"),
             "waiting": waiter is not None and str(r.get("name")) == str(waiter),
+            "gone": False,
         }
         for r in rows
     ]
+    if consumers:
+        present = await _present(redis, keys, [str(c["name"]) for c in consumers])
+        if any(present):  # workers of this shard announce themselves: the others are gone
+            for consumer, alive in zip(consumers, present, strict=True):
+                consumer["gone"] = not alive and not consumer["waiting"]
     if waiter is not None and not any(c["waiting"] for c in consumers):
         # Its consumer was deleted as idle (DIALOG_CONSUMER_IDLE_DELETE_S) or it has never
         # been handed an entry: it is live all the same.
@@ -135,9 +143,18 @@ async def _consumers(redis: Redis, keys: Keys) -> list[dict[str, Any]]:
                 "idle_ms": None,
                 "inactive_ms": None,
                 "waiting": True,
+                "gone": False,
             }
         )
     return consumers
+
+
+async def _present(redis: Redis, keys: Keys, names: list[str]) -> list[bool]:
+    """Whether each worker's presence key exists (one round trip)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.exists(keys.presence(name))
+        return [bool(n) for n in await pipe.execute()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,6 +205,7 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
     found = bool(
         state is not None or view.get("last_seq") or view.get("waiting") or letters or timers
     )
+    waits = None if held is not None or awaiting else await waits_for(client, session_id, view)
     return {
         "session_id": session_id,
         "shard": keys.shard,
@@ -205,6 +223,7 @@ async def timeline(client: DialogClient, session_id: str, redact: Redactor) -> d
         "timers": timers,
         "timers_complete": timers_complete,
         "awaiting": awaiting,
+        "waits_for": waits,
         "history": redact.value(history) if isinstance(history, list) else [],
         "state_json": (
             None
@@ -706,3 +725,204 @@ async def letter_fields(client: DialogClient, keys: Keys, entry_id: str) -> dict
 
 def distinct(values: Iterable[str | None]) -> list[str]:
     return sorted({v for v in values if v})
+
+
+# ---------------------------------------------------------------------------------------------
+# one message's life, and what a session waits for
+
+# Records of a message's life read at most (the worker keeps at most 32: more were written by
+# hand) and the items of each shown.
+LIFE_RECORDS_SHOWN = 64
+LIFE_ITEMS_SHOWN = 32
+WAIT_WORDS = {
+    "rate": "the model's rate limit",
+    "paused": "a paused model key",
+    "slots": "a free worker slot",
+    "tenant_cap": "its tenant's share",
+}
+
+
+async def message_life(
+    client: DialogClient, session_id: str, msg_id: str, redact: Redactor
+) -> dict[str, Any]:
+    """One message's life on one page: each attempt the worker recorded (start, end, how it
+    ended, its error), each wait (the rate, a pause) with its duration, the time between
+    attempts (waited outside a step), each model call (key, tokens) and each journaled call;
+    and its turn in the history, if kept. Two reads (HGETALL of its life hash, the state).
+    Records that do not parse are counted, never trusted."""
+    keys = client.keys_for(session_id)
+    try:
+        raw = cast(
+            dict[bytes, bytes], await client.raw.hgetall(keys.session(session_id).life(msg_id))
+        )
+    except ResponseError:
+        raw = {}  # a key of another type, written by hand
+    records: list[dict[str, Any]] = []
+    unreadable = 0
+    for value in [v for k, v in raw.items() if k != b"n"][:LIFE_RECORDS_SHOWN]:
+        record = _life_record(value)
+        if record is None:
+            unreadable += 1
+        else:
+            records.append(record)
+    records.sort(key=lambda r: (r["start_ms"], r["attempt"]))
+    before: int | None = None
+    for r in records:
+        r["between_s"] = None if before is None else round((r["start_ms"] - before) / 1000, 1)
+        before = r["end_ms"]
+        if r.get("error"):
+            r["error"] = redact.fields({"error": r["error"]})["error"]
+    state = await client.state(session_id)
+    history = state.get("history") if isinstance(state, dict) else None
+    turn = next(
+        (
+            t
+            for t in reversed(history if isinstance(history, list) else [])
+            if isinstance(t, dict) and t.get("msg_id") == msg_id
+        ),
+        None,
+    )
+    first, last = (records[0], records[-1]) if records else (None, None)
+    return {
+        "session_id": session_id,
+        "msg_id": msg_id,
+        "found": bool(records) or turn is not None,
+        "attempts": records,
+        "unreadable": unreadable,
+        "took_s": round((last["end_ms"] - first["start_ms"]) / 1000, 1) if first and last else None,
+        "queued_s": (
+            round((first["start_ms"] - first["enqueued_ms"]) / 1000, 1)
+            if first and first.get("enqueued_ms")
+            else None
+        ),
+        "waited_s": round(
+            sum(w["ms"] for r in records for w in r["waits"]) / 1000
+            + sum(r["between_s"] or 0 for r in records),
+            1,
+        ),
+        "turn": redact.value(turn) if turn is not None else None,
+    }
+
+
+def _life_record(value: bytes) -> dict[str, Any] | None:
+    """One attempt's record as the worker writes it (dialog_worker/daemon/message_life.py),
+    checked field by field; None when it is not one."""
+    try:
+        got = json.loads(value)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(got, dict):
+        return None
+    whole = {k: got.get(k) for k in ("attempt", "start_ms", "end_ms")}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in whole.values()):
+        return None
+    start, end = cast(int, whole["start_ms"]), cast(int, whole["end_ms"])
+    enqueued = got.get("enqueued_ms")
+
+    def rows(name: str) -> list[dict[str, Any]]:
+        found = got.get(name)
+        items = found[:LIFE_ITEMS_SHOWN] if isinstance(found, list) else []
+        return [i for i in items if isinstance(i, dict)]
+
+    waits = []
+    for w in rows("waits"):
+        ms = w.get("ms")
+        until = w.get("until_ms")
+        waits.append(
+            {
+                "reason": str(w.get("reason", "")),
+                "words": WAIT_WORDS.get(str(w.get("reason", "")), str(w.get("reason", ""))),
+                "key": str(w.get("key", "")),
+                "ms": ms if isinstance(ms, int) and not isinstance(ms, bool) and ms >= 0 else 0,
+                "until": _utc(until)
+                if isinstance(until, int) and not isinstance(until, bool)
+                else None,
+            }
+        )
+    return {
+        "attempt": whole["attempt"],
+        "start_ms": start,
+        "end_ms": end,
+        "start": _utc(start),
+        "end": _utc(end),
+        "took_s": round((end - start) / 1000, 3),
+        "enqueued_ms": enqueued
+        if isinstance(enqueued, int) and not isinstance(enqueued, bool)
+        else None,
+        "outcome": str(got.get("outcome", "")),
+        "error": str(got["error"]) if got.get("error") else None,
+        "waits": waits,
+        "calls": [
+            {
+                k: c.get(k)
+                for k in ("key", "model", "tokens", "used", "error")
+                if c.get(k) is not None
+            }
+            for c in rows("calls")
+        ],
+        "once": [
+            {"name": str(o.get("name", "")), "replayed": o.get("replayed") is True}
+            for o in rows("once")
+        ],
+    }
+
+
+async def waits_for(
+    client: DialogClient, session_id: str, view: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """What the session waits for now, in words, or None (nothing to do, or running): its
+    next message handed back for the model (a paused key, with the pause's reason and
+    reopening time, or its key's rate, with its turn), a retry's backoff, or a free worker
+    slot (its tenant's share included). Reads the next message's life (one HGETALL) and, for
+    a pause, the paused keys."""
+    in_flight = view.get("in_flight")
+    if not isinstance(in_flight, dict):
+        return None
+    lock = view.get("lock") or {}
+    if lock.get("token"):
+        return {"reason": "running", "words": f"its message (seq {in_flight['seq']}) is running"}
+    nxt = next((w for w in view.get("waiting", []) if w.get("seq") == in_flight["seq"]), None)
+    msg_id = nxt.get("msg_id") if nxt else None
+    now = int(time.time() * 1000)
+    last = None
+    if isinstance(msg_id, str) and msg_id:
+        life = await message_life(client, session_id, msg_id, Redactor(frozenset()))
+        last = life["attempts"][-1] if life["attempts"] else None
+    due_in = view.get("next_look_in_s")
+    if last is not None and last["outcome"] == "waiting" and last["waits"]:
+        wait = last["waits"][-1]
+        row: dict[str, Any] = {"reason": wait["reason"], "msg_id": msg_id, "key": wait["key"]}
+        if wait["reason"] == "paused":
+            paused = [
+                k
+                for k in await model_limits.paused_keys(client.redis, client.settings)
+                if k["key"] == wait["key"]
+            ]
+            if paused:
+                p = paused[0]
+                row["pause_reason"] = p.get("pause_reason") or ""
+                row["until"] = _utc(int(p["paused_until"] * 1000))
+                row["words"] = f"the model key {wait['key']} is paused"
+                return row
+        row["until"] = wait["until"]
+        row["words"] = f"{WAIT_WORDS.get(wait['reason'], wait['reason'])} on {wait['key']}"
+        return row
+    if (
+        last is not None
+        and last["outcome"] == "retry"
+        and isinstance(due_in, int | float)
+        and due_in > 0
+    ):
+        return {
+            "reason": "retry",
+            "msg_id": msg_id,
+            "words": f"a retry after a failed attempt, in {due_in:g} s",
+            "until": _utc(now + int(due_in * 1000)),
+        }
+    if isinstance(due_in, int | float) and due_in > 0:
+        return {"reason": "later", "msg_id": msg_id, "words": f"its turn, in {due_in:g} s"}
+    return {
+        "reason": "slots",
+        "msg_id": msg_id,
+        "words": WAIT_WORDS["slots"] + " (its tenant's share of the slots included)",
+    }

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -80,6 +81,23 @@ class Event:
     data: str
 
 
+# The worker's own event on an answer's stream: the message waits for something outside its
+# step (readers get a `waiting` event, dialog_worker/client/partial_reader.py). A step cannot
+# emit this kind (engine/emit.py RESERVED_EVENT_KINDS).
+WAITING = "waiting"
+# Why a limit key made a call wait (lua/acquire-3.lua's `why`), as readers are told it: a
+# pause is `paused`, a tenant's share cap at the key `tenant_cap`; a turn of the key's rates
+# or of its max_in_flight (or one kept for it earlier) is `rate`.
+WAIT_REASONS = {"paused": "paused", "tenant_cap": "tenant_cap", "slots": "slots"}
+
+
+def waiting_data(why: str, wait_ms: float | None) -> str:
+    """A `waiting` event's data (JSON): ``reason`` (`rate`, `paused`, `slots`, `tenant_cap`)
+    and ``until_ms``, when it expects to go (epoch ms, this worker's clock; None: not known)."""
+    until_ms = None if wait_ms is None else int(time.time() * 1000 + max(0.0, wait_ms))
+    return json.dumps({"reason": WAIT_REASONS.get(why, "rate"), "until_ms": until_ms})
+
+
 # What the writer gathers: runs of text, and events between them.
 Item = str | Event
 # Most events a history turn keeps (emit_event(..., keep=True)).
@@ -119,6 +137,7 @@ class PartialWriter:
         self.inflight = 0  # batches of this writer in a call not answered yet
         self.refresh_at = 0.0  # loop.time() after which its next batch sets the expiry
         self.drained: asyncio.Event | None = None  # set by `finish`, set when all is written
+        self.last_wait = ""  # the reason of its last `waiting` event (the message's life)
 
     @property
     def wrote(self) -> bool:
@@ -155,6 +174,21 @@ class PartialWriter:
                 self.kept.append({"kind": kind, "data": json.loads(data)})
         if first:
             self.replies.wake(self, False)
+
+    async def waiting(self, why: str, wait_ms: float | None) -> None:
+        """The step waits for its model (a call's turn, ``wait_ms`` away; None: not known):
+        its readers get a `waiting` event. Once the answer has anything, in order with it (a
+        position of its own); before that, as a transient entry that takes no position
+        (`PartialReplies.transient`, one script call at once), so that an attempt that goes
+        back to wait keeps its number (its model calls keep their kept turns)."""
+        data = waiting_data(why, wait_ms)
+        self.last_wait = WAIT_REASONS.get(why, "rate")
+        with self._lock:
+            clean = not (self.used or self.pos or self._pending or self.unsure or self.inflight)
+        if not clean:
+            self.add_event(WAITING, data)
+            return
+        await self.replies.transient(self, data)
 
     def take(self) -> list[Item]:
         """What was gathered since the last take: runs of text joined, events between them."""
@@ -441,6 +475,47 @@ class PartialReplies:
             while len(self._written) > self._written_cap:
                 self._written.popitem(last=False)
         return result
+
+    async def waiting(self, job: Job, why: str, wait_ms: float) -> None:
+        """``job``'s message goes back to wait outside its step (its limit key's turn is later
+        than a step waits, or the key is paused): its readers get a `waiting` event now (one
+        script call, only on this path). An answer that wrote nothing gets it as a transient
+        entry (no position: the next attempt keeps this number, and its calls their kept
+        turns); one that wrote gets it at its next position (its next attempt takes a new
+        number anyway, and its readers a `reset`). Best effort: a failure is logged."""
+        writer = job.partial
+        if writer is None or writer.fenced:
+            return
+        writer.last_wait = WAIT_REASONS.get(why, "rate")
+        if not writer.used:
+            await self.transient(writer, waiting_data(why, wait_ms))
+            return
+        if not writer.idle():  # batches on their way come first (bounded wait)
+            writer.drained = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(writer.drained.wait(), SHOWN_WAIT_S)
+        if writer.fenced or writer.unsure or writer.inflight:
+            return  # in doubt: no position to write at
+        event = Event(WAITING, waiting_data(why, wait_ms))
+        ((pos, _, full),) = writer.batches([event])
+        args: list[str | int] = ["v", writer.token, writer.attempt, pos, writer.seq, event.data]
+        args += [full, WAITING, ""]
+        try:
+            codes = await self.call(writer.keys, args)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.warning("waiting_not_shown", error=str(exc))
+            return
+        writer.written([event], codes)
+
+    async def transient(self, writer: PartialWriter, data: str) -> None:
+        """A `waiting` event at no position of the answer (lua/emit-2.lua kind "w"), fenced by
+        the lock: not written (0) once the attempt wrote anything. Best effort."""
+        args: list[str | int] = ["w", writer.token, writer.attempt, 0, writer.seq, data, ""]
+        args += [WAITING, ""]
+        try:
+            await self.call(writer.keys, args)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.warning("waiting_not_shown", error=str(exc))
 
     async def committed(self, job: Job, msg_id: str, outcome: str, reply: str) -> None:
         """The commit of ``job`` was written: end its partial stream, if its step wrote one

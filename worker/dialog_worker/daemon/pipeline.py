@@ -18,6 +18,7 @@ lock token and the state version.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -31,7 +32,9 @@ from redis.asyncio import Redis
 
 from dialog_worker import tracing
 from dialog_worker.config import Settings, limit_key_problem
+from dialog_worker.daemon import message_life
 from dialog_worker.daemon.failures import describe_failure, retry_after_of, retry_delay_ms
+from dialog_worker.daemon.message_life import LifeCalls, MessageLife
 from dialog_worker.daemon.model_gate import (
     Attempt,
     ModelGate,
@@ -39,7 +42,7 @@ from dialog_worker.daemon.model_gate import (
     merged_state_usage,
     usage_arg,
 )
-from dialog_worker.daemon.partial_writer import PartialReplies, PartialWriter
+from dialog_worker.daemon.partial_writer import WAIT_REASONS, PartialReplies, PartialWriter
 from dialog_worker.daemon.slots import TURN_AFTER_S, SlotGate
 from dialog_worker.daemon.step_journal import AttemptJournal, JournalFenced
 from dialog_worker.engine import cancellation, model_calls, timers
@@ -64,6 +67,7 @@ from dialog_worker.store.codec import (
     json_bytes,
     json_loads,
     merged_message,
+    priority_of,
     redis_text,
     text,
 )
@@ -73,9 +77,15 @@ from dialog_worker.version import __version__
 
 log = structlog.get_logger("dialog_worker.daemon.pipeline")
 
+# A lock taken under a worker lease lives this many lock TTLs (5 s: 5 minutes): its holder's
+# lease, not the lock's TTL, says whether it is alive (daemon/sessions.py's docstring).
+HELD_LOCK_TTL_FACTOR = 60
+
 # The last error a streamed hand-back records: its attempt stays counted, and a dead letter
 # after DIALOG_MAX_ATTEMPTS of them says why rather than blaming a kill or a lost lease.
 HANDED_BACK_STREAMED = "handed back at shutdown after streaming part of its answer"
+# Writes of committed messages' lives under way (the loop keeps only weak references).
+_life_writes: set[asyncio.Task[None]] = set()
 
 # How much of a message's text a history turn keeps (the dead letter keeps it whole).
 HISTORY_TEXT_LIMIT = 1024
@@ -135,6 +145,8 @@ class Job:
     # Its attempt's model calls and their usage (dialog_worker/daemon/model_gate.py), until
     # they are committed with its reply or counted as wasted.
     calls: Attempt | None = None
+    # What its attempt lived through, for the console's message page (message_life.py).
+    life: MessageLife | None = None
     # A merged burst (multitask=merge): the parts before this one, (seq, entry id, fields)
     # each, in order; this job's own seq, entry and fields are the last part's (it answers).
     parts: list[tuple[int, str, dict[bytes, bytes]]] = dataclasses.field(default_factory=list)
@@ -223,11 +235,15 @@ class Committer:
         settings: Settings,
         token_base: Callable[[], str] | None = None,
         slots: SlotGate | None = None,
+        lock_ttl_ms: Callable[[], int] | None = None,
     ) -> None:
         self.scripts = scripts
         self.keys = keys
         self.settings = settings
         self.token_base = token_base
+        # The TTL of the locks it extends and takes: a worker lease's held locks are long
+        # (dialog_worker/daemon/sessions.py), the per-session lease's are the lock TTL.
+        self.lock_ttl_ms = lock_ttl_ms or (lambda: settings.lock_ttl_ms)
         self.slots = slots
         self.dispatching = token_base is not None
         self._queue: list[tuple[list[Any], bool, _Slot]] = []
@@ -255,7 +271,7 @@ class Committer:
 
     async def _send(self, batch: list[tuple[list[Any], bool, _Slot]]) -> None:
         k, s = self.keys, self.settings
-        args: list[Any] = [s.lock_ttl_ms, s.state_ttl_s, s.reply_maxlen, len(batch)]
+        args: list[Any] = [self.lock_ttl_ms(), s.state_ttl_s, s.reply_maxlen, len(batch)]
         for commit_args, _, _ in batch:
             args += commit_args
         args.append(s.on_dead_letter)  # "hold": a dead letter holds its session
@@ -315,8 +331,11 @@ class Pipeline:
         self.step_limiter = anyio.CapacityLimiter(settings.concurrency)
         # What steps emit (dialog_worker.emit) goes to their messages' partial streams.
         self.partials = PartialReplies(scripts.commit.redis, settings)
-        # Per shard, the cancel count as the cancel watch last read it (watch_cancels).
+        # Per shard, the cancel count as the cancel watch last read it (watch_cancels), the
+        # last cancel note it read, and when (monotonic s) a cancel last came.
         self._cancels_seen: dict[int, object] = {}
+        self._notes_seen: dict[int, bytes] = {}
+        self._cancel_came_at = 0.0
         # Producer fields copied onto every reply event of their message (DIALOG_ECHO_FIELDS).
         self.echo_names = [n.encode() for n in settings.echo_fields.split(",") if n]
         # Model calls: limit keys shared by the fleet, budgets, usage.
@@ -355,12 +374,45 @@ class Pipeline:
                 "redis_error",
                 error=str(exc),
                 error_type=type(exc).__name__,
-                note="session resumes after its lease",
+                note="the session is given back",
             )
-        except Exception:
-            log.exception("unexpected_error", note="session resumes after its lease")
+            if job is not None:
+                await self._give_back_unfinished(job, f"Redis failed ({type(exc).__name__})")
+        except Exception as exc:
+            log.exception("unexpected_error", note="the session is given back")
+            if job is not None:
+                await self._give_back_unfinished(job, f"the worker failed ({type(exc).__name__})")
         finally:
             structlog.contextvars.clear_contextvars()
+
+    async def _give_back_unfinished(self, job: Job, error: str) -> None:
+        """Our work on a session ended mid-way (a Redis failure, a bug) while this worker lives
+        on. Under a worker lease the session's lock outlives that, and the session stays at
+        this worker's place in the ready set for as long as its lease is renewed: give it back
+        as a lapse of the lease would (due now, the attempt counted), at the seq its state is
+        at (a commit whose answer was lost may have gone through and handed the lock on).
+        Nothing is written unless the lock is still ours. Tried again while Redis does not
+        answer, for as long as the lock can live; a lapse of our lease, or our stop, sweeps
+        it otherwise."""
+        state = job.keys.session(job.session_id).state
+        deadline = time.monotonic() + self.settings.lock_ttl_ms * HELD_LOCK_TTL_FACTOR / 1000
+        wait_s = 0.05
+        while True:
+            try:
+                applied = await _shielded(self.scripts.commit.redis.hget(state, "a"))
+                seq = int(applied or 0) + 1
+                code = await self._release(job, 0, error, Release.HAND_BACK_STREAMED, seq)
+                log.warning("unfinished_given_back", seq=seq, given_back=code is Code.RELEASED)
+                return
+            except (redis.exceptions.RedisError, OSError) as exc:
+                if time.monotonic() + wait_s > deadline:
+                    log.error("unfinished_not_given_back", error_type=type(exc).__name__)
+                    return
+            except ValueError:  # its state's applied seq is not a number: resume will say so
+                log.error("unfinished_not_given_back", error="state 'a' is not a number")
+                return
+            await anyio.sleep(wait_s)
+            wait_s = min(wait_s * 2, 1.0)
 
     async def _process(self, job: Job) -> Job | None:
         started = time.perf_counter()
@@ -535,9 +587,11 @@ class Pipeline:
         job.timer_ops = timers.TimerOps()  # a new attempt starts with none
         timer_token = timers.bind(job.timer_ops)
         job.calls = self.gate.attempt(
-            job.keys, job.session_id, job.seq, job.attempts, msg.tenant, job.load_state()
-        )
-        calls_token = model_calls.bind(job.calls)
+            job.keys, job.session_id, job.seq, job.attempts, msg.tenant, job.load_state(),
+            priority_of(msg.meta.get("priority")),
+        )  # fmt: skip
+        job.life = MessageLife(job.attempts, msg.enqueued_at_ms)
+        calls_token = model_calls.bind(LifeCalls(job.calls, job.life))
         journal_token = step_journal.bind(job.journal)
         # One scope for the step timeout and for the two who stop a step from outside (one
         # scope less per message than fail_after inside a scope of its own).
@@ -576,28 +630,70 @@ class Pipeline:
         too, so a missed look costs time, never an outcome). Per shard with steps running, one
         GET of the shard's cancel count, and the marks (one MGET) only of the steps that
         started since the last look, or of all of them when the count moved: thousands of
-        long steps in flight cost one key per look, not thousands."""
+        long steps in flight cost one key per look, not thousands.
+
+        Quiet: when the steps run on one shard, each was looked at once, and no cancel came
+        for `cancellation.QUIET_S`, it blocks on the shard's cancel notes instead (at most
+        `cancellation.WATCH_BLOCK_MS`) and looks at the marks as soon as one comes: steps held
+        in flight cost one blocking read a second, not twenty looks. (A cancel that came just
+        before its step started is caught by the looks that follow any cancel.)"""
+        by_shard = self._running_by_shard()
+        if len(by_shard) == 1 and time.monotonic() - self._cancel_came_at >= cancellation.QUIET_S:
+            [(shard, jobs)] = by_shard.items()
+            cursor = self._notes_seen.get(shard)
+            if cursor is not None and all(j.watched for j in jobs):
+                if await self._wait_for_notes(redis, jobs[0].keys, cursor):
+                    return 0
+                by_shard = self._running_by_shard()  # none came: one look at the count too
+        for shard, jobs in by_shard.items():
+            keys = jobs[0].keys
+            if shard not in self._notes_seen:  # where a wait on the notes starts (read first)
+                last: Any = await redis.xrevrange(keys.cancel_notes, count=1)
+                self._notes_seen[shard] = bytes(last[0][0]) if last else b"0-0"
+            count = await redis.get(keys.cancels)
+            if count != self._cancels_seen.get(shard, b"unread"):
+                if shard in self._cancels_seen:
+                    self._cancel_came_at = time.monotonic()
+                self._cancels_seen[shard] = count
+            else:
+                jobs = [j for j in jobs if not j.watched]
+            await self._look_at_marks(redis, jobs)
+        return cancellation.WATCH_INTERVAL_S
+
+    def _running_by_shard(self) -> dict[int, list[Job]]:
         by_shard: dict[int, list[Job]] = {}
         for job in list(self.leases.values()):
             if job.scope is not None and job.msg_id and not job.cancel_flag.is_set():
                 by_shard.setdefault(job.keys.shard, []).append(job)
-        for shard, jobs in by_shard.items():
-            count = await redis.get(jobs[0].keys.cancels)
-            if count != self._cancels_seen.get(shard, b"unread"):
-                self._cancels_seen[shard] = count
-            else:
-                jobs = [j for j in jobs if not j.watched]
-            if not jobs:
-                continue
-            wanted = [j.cancel_marks() for j in jobs]
-            marks = iter(await redis.mget([m for ms in wanted for m in ms]))
-            for job, mine in zip(jobs, wanted, strict=True):
-                job.watched = True
-                found = [next(marks) for _ in mine]
-                if any(m is not None for m in found) and job.scope is not None:
-                    job.cancel_flag.set()
-                    job.scope.cancel()
-        return cancellation.WATCH_INTERVAL_S
+        return by_shard
+
+    async def _wait_for_notes(self, redis: Redis, keys: Keys, cursor: bytes) -> bool:
+        """Block until a cancel note comes after `cursor`, then look at the marks of every step
+        running on the shard then; False when none came (the caller reads the count too, so
+        a note lost some other way costs a second, not the cancel)."""
+        got: Any = await redis.xread(
+            {keys.cancel_notes: cursor}, count=64, block=cancellation.WATCH_BLOCK_MS
+        )
+        if not got:
+            return False
+        self._notes_seen[keys.shard] = bytes(got[0][1][-1][0])
+        self._cancel_came_at = time.monotonic()
+        await self._look_at_marks(redis, self._running_by_shard().get(keys.shard, []))
+        return True
+
+    @staticmethod
+    async def _look_at_marks(redis: Redis, jobs: list[Job]) -> None:
+        """One MGET of the jobs' cancel marks: a marked one's step is stopped."""
+        if not jobs:
+            return
+        wanted = [j.cancel_marks() for j in jobs]
+        marks = iter(await redis.mget([m for ms in wanted for m in ms]))
+        for job, mine in zip(jobs, wanted, strict=True):
+            job.watched = True
+            found = [next(marks) for _ in mine]
+            if any(m is not None for m in found) and job.scope is not None:
+                job.cancel_flag.set()
+                job.scope.cancel()
 
     # ------------------------------------------------------------------------------------
     # commit
@@ -710,7 +806,12 @@ class Pipeline:
             job.trace.end_commit(code.name.lower())
         if code in (Code.COMMITTED, Code.HANDOFF) and calls is not None:
             job.calls = None  # committed: counted once, with the reply
-            await calls.spend_unmetered()
+            await calls.land()
+        if code in (Code.COMMITTED, Code.HANDOFF) and self._telling(job):
+            # Not waited for: the session's next message goes on meanwhile.
+            task = asyncio.get_running_loop().create_task(self._life(job, outcome))
+            _life_writes.add(task)
+            task.add_done_callback(_life_writes.discard)
         if code is Code.INVALID:
             # Refused by the script for this commit alone (the others of the call were
             # written): nothing was written for it. A normal result is dead-lettered; a dead
@@ -835,10 +936,11 @@ class Pipeline:
 
     async def _spent(self, job: Job) -> int:
         """Attempts the message has spent: its deliveries less those that ended waiting for a
-        person (asked only when the count matters: at DIALOG_MAX_ATTEMPTS)."""
+        person or went back for its model's limit key after streaming (asked only when the
+        count matters: at DIALOG_MAX_ATTEMPTS)."""
         if job.journal is None:
             return job.attempts
-        return job.attempts - await job.journal.awaited_attempts()
+        return job.attempts - await job.journal.unspent_attempts()
 
     # ------------------------------------------------------------------------------------
     # failure paths
@@ -855,6 +957,7 @@ class Pipeline:
         if code is Code.RELEASED:
             self.metrics.retries.labels("error").inc()
             log.warning("retry", outcome="retry", error=error, delay_ms=delay)
+            await self._life(job, "retry", error)
         else:
             self.metrics.fencing_rejections.inc()
             log.warning("retry_fenced", outcome="fenced", error=error)
@@ -876,23 +979,54 @@ class Pipeline:
                 "rate_limited", key=exc.key, retry_after_s=exc.retry_after_s, opens_in_ms=delay_ms
             )
         await self._wasted(job)
-        shown = job.partial is not None and job.partial.used  # streamed: a new attempt number
-        mode = Release.HAND_BACK_STREAMED if shown else Release.HAND_BACK
-        error = f"waited for {exc.key} ({why})" if shown else ""
+        # Its readers see why it waits (which makes it "streamed" as below).
+        await self.partials.waiting(job, why, delay_ms)
+        if job.life is not None:
+            reason = WAIT_REASONS.get(why, "rate")
+            job.life.wait(reason, delay_ms, exc.key, message_life.now_ms() + delay_ms)
+        # Streamed: the next attempt needs a new number (its readers start over), yet a wait
+        # for the model's quota spends no attempt, after text as before it.
+        shown = job.partial is not None and job.partial.used
+        mode = Release.HAND_BACK_UNSPENT if shown else Release.HAND_BACK
+        error = f"waited for {exc.key} ({why})"  # kept either way: the next attempt knows
         code = await self._release(job, max(1, delay_ms), error, mode)
         if code is Code.RELEASED:
             self.metrics.retries.labels("rate_limited").inc()
             log.info("handed_back", outcome="handed_back", key=exc.key, why=why, delay_ms=delay_ms)
+            await self._life(job, "waiting")
+            # Back when its turn comes; sooner if the key is paused and an operator reopens it.
+            await self.gate.wait_for_pause(exc.key, job.keys, job.session_id, delay_ms)
         else:
             self.metrics.fencing_rejections.inc()
             log.warning("hand_back_fenced", outcome="fenced", key=exc.key)
+
+    def _telling(self, job: Job) -> bool:
+        """Whether the attempt of ``job`` has more to tell than "answered at first try"."""
+        life = job.life
+        journaled = job.journal is not None and bool(job.journal.calls)
+        # last_error: an earlier attempt failed, or went back to wait (release-2.lua keeps why).
+        return life is not None and (life.telling() or journaled or bool(job.last_error))
+
+    async def _life(self, job: Job, outcome: str, error: str = "") -> None:
+        """The attempt's record in its message's life (message_life.py); best effort."""
+        life = job.life
+        if life is None:
+            return
+        if job.journal is not None:
+            for name, replayed in job.journal.calls:
+                life.journaled(name, replayed)
+            job.journal.calls = []
+        await message_life.write(
+            self.scripts.commit.redis, job.keys, job.session_id, job.msg_id, life, outcome,
+            self.settings.dedupe_ttl_s, error,
+        )  # fmt: skip
 
     async def _wasted(self, job: Job) -> None:
         """The attempt's usage did not commit: counted apart (once)."""
         calls, job.calls = job.calls, None
         if calls is not None:
-            await calls.spend_unmetered()
             await self.gate.waste(calls)
+            await calls.land()
 
     async def hand_back(self, job: Job) -> None:
         """Shutdown: give a message we hold back at once, its attempt not counted, unless its
@@ -906,22 +1040,24 @@ class Pipeline:
         else:
             await self._release(job, 0, "", Release.HAND_BACK)
 
-    async def _release(self, job: Job, delay_ms: int, error: str, mode: Release) -> Code:
+    async def _release(
+        self, job: Job, delay_ms: int, error: str, mode: Release, seq: int | None = None
+    ) -> Code:
         keys = job.keys
+        args: list[Any] = [
+            job.token,
+            job.session_id,
+            job.first_seq if seq is None else seq,  # a merged burst goes back whole: its first
+            delay_ms,
+            redis_text(error),
+            mode.value,
+        ]
+        if mode is Release.HAND_BACK_UNSPENT:  # counted in the message's journal
+            args += [redis_text(job.msg_id), self.settings.state_ttl_s]
         raw = await _shielded(
             oom.call(  # out of memory: wait for room (the release writes the error)
                 "release",
-                lambda: self.scripts.release(
-                    keys=[keys.ready, keys.session_prefix],
-                    args=[
-                        job.token,
-                        job.session_id,
-                        job.first_seq,  # a merged burst goes back whole: its first part
-                        delay_ms,
-                        redis_text(error),
-                        mode.value,
-                    ],
-                ),
+                lambda: self.scripts.release(keys=[keys.ready, keys.session_prefix], args=args),
             )
         )
         return Code(int(raw))

@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from dialog_worker.config import Settings
-from dialog_worker.daemon.sessions import Sessions
+from dialog_worker.daemon.sessions import IN_DOUBT_ERRORS, Sessions
 from dialog_worker.daemon.shard import Shard
 from dialog_worker.store.codec import MAX_EXTRA_FIELDS
 from dialog_worker.store.keys import Keys
@@ -39,8 +39,9 @@ READ_BATCH_SHORT_OF_SLOTS = 64
 # the calls read batches. Without tenants it waits for a slot, as the unread backlog stays in
 # the stream, where an autoscaler reads it (XLEN).
 READ_WITHOUT_SLOTS_S = 0.02
-# How often a reader asks whether the shard has tenants' settings (Reader.tenants_in_use).
-TENANTS_RECHECK_S = 5.0
+# How often a reader with no free slot asks whether the shard has tenants in use (named by an
+# entry, or given settings: Reader.tenants_in_use): one EXISTS.
+TENANTS_RECHECK_S = 1.0
 # The waiter role of a shard (see Reader.idle_wait): a lease at least this long (and three
 # blocking reads), renewed when half of it is left; a worker that waits on the wake stream asks
 # whether the role is free this often (a waiter that died leaves it to expire), and blocks
@@ -121,8 +122,8 @@ class Reader:
             k.group,
             s.consumer,
             min(count, INTAKE_BATCH),
-            self.sessions.token_base(),
-            s.lock_ttl_ms,
+            self.sessions.token_base(k.shard),
+            self.sessions.lock_ttl_ms(k.shard),
             s.dedupe_ttl_s,
             s.max_message_bytes,
             MAX_EXTRA_FIELDS,
@@ -138,6 +139,7 @@ class Reader:
             s.tenant_lua_pattern,
             s.partial_ttl_s,
             s.merge_spec,
+            s.lock_ttl_ms,  # when outstanding work without a place is looked at
         ]
 
     async def intake(
@@ -145,14 +147,17 @@ class Reader:
     ) -> list[Any]:
         keys, args = self.intake_call(shard, count, claim_idle_ms, free)
         # Shielded: entries the script delivered are ours (locked or queued), so the reply
-        # must be seen and its jobs started, whatever is cancelled meanwhile.
-        with anyio.CancelScope(shield=True):
-            reply = await self.scripts.intake(keys=keys, args=args)
+        # must be seen and its jobs started, whatever is cancelled meanwhile; a reply lost
+        # on the way is asked for again.
+        reply = await self.sessions.in_doubt(
+            shard.keys.shard, lambda: self.scripts.intake(keys=keys, args=args)
+        )
         return cast(list[Any], reply)
 
     async def read_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         if not shard.group_ready:
             await self.ensure_group(shard)
+        await self.sessions.ensure_lease(shard.keys)  # before the first lock it takes
         if shard.slots.free == 0 and shard.lease_until:
             await self.hand_over(shard)  # busy: another worker waits for new entries
         slots = self.take_free_slots(shard)
@@ -192,14 +197,17 @@ class Reader:
         return 0
 
     async def tenants_in_use(self, shard: Shard) -> bool:
-        """Whether tenants share this shard: DIALOG_TENANT_PATTERN is set, or some tenant has
-        settings (`dialog-worker tenants set`), looked up every TENANTS_RECHECK_S."""
+        """Whether tenants share this shard: DIALOG_TENANT_PATTERN is set, an entry named a
+        tenant lately (the shard's mark, set by the intake), or some tenant has settings
+        (`dialog-worker tenants set`); looked up every TENANTS_RECHECK_S, one command for
+        both."""
         if self.settings.tenant_pattern:
             return True
         now = time.monotonic()
         if now - shard.tenants_checked_at >= TENANTS_RECHECK_S:
             shard.tenants_checked_at = now
-            shard.tenants_configured = bool(await self.raw.exists(shard.keys.tenant_settings))
+            found = await self.raw.exists(shard.keys.tenant_settings, shard.keys.tenants_named)
+            shard.tenants_configured = bool(found)
         return shard.tenants_configured
 
     @staticmethod
@@ -307,13 +315,20 @@ class Reader:
         keys, args = self.intake_call(shard, count, free=count)
         done = shard.read_ahead_done = anyio.Event()
         try:
-            with anyio.CancelScope(shield=True):
-                async with self.raw.pipeline(transaction=False) as pipe:
-                    pipe.xread(
-                        {k.stream: last_id, k.wake: "$"}, count=1, block=self.settings.read_block_ms
-                    )
-                    pipe.evalsha(self.scripts.intake.sha, len(keys), *keys, *args)
-                    _, reply = await pipe.execute(raise_on_error=False)
+            try:
+                with anyio.CancelScope(shield=True):
+                    async with self.raw.pipeline(transaction=False) as pipe:
+                        pipe.xread(
+                            {k.stream: last_id, k.wake: "$"},
+                            count=1,
+                            block=self.settings.read_block_ms,
+                        )
+                        pipe.evalsha(self.scripts.intake.sha, len(keys), *keys, *args)
+                        _, reply = await pipe.execute(raise_on_error=False)
+            except IN_DOUBT_ERRORS:  # the intake may have run: asked for again, alone
+                reply = await self.sessions.in_doubt(
+                    k.shard, lambda: self.scripts.intake(keys=keys, args=args)
+                )
         except BaseException:
             self.sessions.give_slots(shard, count)
             raise

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar, cast
 
+import structlog
 from redis.asyncio import Redis
 
 from dialog_worker.engine.interrupts import interrupt_id
@@ -27,6 +28,8 @@ from dialog_worker.store.keys import Keys
 from dialog_worker.store.scripts import Code, Script
 
 T = TypeVar("T")
+
+log = structlog.get_logger("dialog_worker.daemon.step_journal")
 
 # How long a plain step's thread waits for one journal call on the event loop before it gives
 # up (the call itself takes a round trip; the step's own timeout usually ends it first).
@@ -41,6 +44,7 @@ class Job(Protocol):
     token: str
     seq: int
     msg_id: str
+    attempts: int
 
     @property
     def first_seq(self) -> int: ...
@@ -76,6 +80,9 @@ class AttemptJournal:
         self.asked = 0  # interrupt() calls of this attempt
         self.answered = 0  # of those, how many got their value (or their timeout)
         self.recorded = 0  # results this attempt recorded (the others came from the journal)
+        # Each once() of this attempt: (name, answered from the journal), for the message's
+        # life (dialog_worker/daemon/message_life.py); bounded there.
+        self.calls: list[tuple[str, bool]] = []
 
     @property
     def key(self) -> str:
@@ -95,8 +102,19 @@ class AttemptJournal:
         found = (await self._load()).get(b"o:" + name.encode("utf-8", "surrogatepass"))
         if found is None:
             return None
+        self.calls.append((name, True))
         if self.metrics is not None:
             self.metrics.journal_calls.labels("replayed").inc()
+        # An earlier attempt's call (a crash, a retry, the run after a resume) answered without
+        # calling again: said in the log, so "why did my tool not run?" has an answer. The
+        # name only: the result may hold what the log must not.
+        log.info(
+            "journal_replayed",
+            once=name,
+            session_id=self.job.session_id,
+            msg_id=self.job.msg_id,
+            attempt=self.job.attempts,
+        )
         return found.decode("utf-8", "replace")
 
     async def record(self, name: str, value: str) -> str:
@@ -122,6 +140,7 @@ class AttemptJournal:
         if code is Code.JOURNALED:
             entries[field] = value.encode("utf-8", "surrogatepass")
             self.recorded += 1
+            self.calls.append((name, False))
             if self.metrics is not None:
                 self.metrics.journal_calls.labels("recorded").inc()
             return value
@@ -166,8 +185,14 @@ class AttemptJournal:
     def run_sync(self, call: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(call, self.loop).result(THREAD_WAIT_S)
 
-    async def awaited_attempts(self) -> int:
+    async def unspent_attempts(self) -> int:
         """How many earlier attempts of the message ended awaiting a person (the journal's
-        w): they are not counted against DIALOG_MAX_ATTEMPTS."""
-        raw = (await self._load()).get(b"w")
-        return int(raw) if raw is not None and raw.isdigit() and len(raw) <= 9 else 0
+        w) or handed back for its model's limit key after streaming (r, lua/release-2.lua):
+        they are not counted against DIALOG_MAX_ATTEMPTS."""
+        journal = await self._load()
+        return sum(_count(journal.get(field)) for field in (b"w", b"r"))
+
+
+def _count(raw: bytes | None) -> int:
+    """A journal's counter (written by the scripts, read as untrusted): 0 unless digits."""
+    return int(raw) if raw is not None and raw.isdigit() and len(raw) <= 9 else 0

@@ -18,17 +18,23 @@ from dialog_worker.daemon.reader import INTAKE_BATCH, Reader
 from dialog_worker.daemon.sessions import Sessions
 from dialog_worker.daemon.shard import Shard
 from dialog_worker.metrics import Metrics
-from dialog_worker.store.keys import Keys
+from dialog_worker.store.keys import HELD_PLACE_MS, Keys
 from dialog_worker.store.scripts import Scripts
 
 log = structlog.get_logger("dialog_worker.daemon.upkeep")
 
-# How long the resumer sleeps when no session waits in the ready set: anything added later is
-# due a lock lease or a backoff from then, except a hand-back at shutdown.
+# How long the resumer sleeps when no session waits in the ready set (or only sessions held
+# under live worker leases): what is added later kicks it (a release, a hand-back, a lapsed
+# worker lease's sessions) or is due a lock lease from then.
 RESUME_IDLE_S = 1.0
 # The resumer takes a slot for a session due this soon by this worker's clock (the script
 # decides by Redis's): a clock a little behind Redis's costs a poll interval, no more.
 DUE_SLACK_MS = 50
+# The resumer compares the ready set's scores (Redis's clock) with this worker's clock plus
+# the difference between the two, learnt with one TIME call at most this often, and only while
+# the first session waits for a later time: a Redis clock that stepped ahead (an hour, say)
+# must not leave due sessions looking an hour away to every resumer.
+CLOCK_CHECK_S = 1.0
 # How often the worker doing a shard's upkeep (Shard.does_upkeep) looks for due timers (one
 # ZRANGE of the first; the fire script only when one is due): the most a timer is appended
 # after it is due, while that worker lives.
@@ -57,6 +63,17 @@ class Upkeep:
         self.metrics = metrics
         self.sessions = sessions
         self.reader = reader
+        self.redis_ahead_ms = 0.0  # Redis's clock minus this worker's, as last learnt
+        self.clock_checked = -CLOCK_CHECK_S  # time.monotonic() of that
+
+    def redis_now_ms(self) -> float:
+        """Redis's clock as this worker last learnt it (see CLOCK_CHECK_S)."""
+        return time.time() * 1000 + self.redis_ahead_ms
+
+    async def learn_redis_clock(self) -> None:
+        seconds, micros = await self.raw.time()
+        self.redis_ahead_ms = seconds * 1000 + micros / 1000 - time.time() * 1000
+        self.clock_checked = time.monotonic()
 
     async def resume_once(self, shard: Shard, work: anyio.abc.TaskGroup) -> float:
         """Take up due sessions of the ready set, as many as there are free slots. Waits for
@@ -68,14 +85,21 @@ class Upkeep:
         if not shard.group_ready:
             return self.settings.promote_interval_ms / 1000
         k, s = shard.keys, self.settings
+        await self.sessions.ensure_lease(k)  # before the first lock it takes
         head = await self.raw.zrange(k.ready, 0, 0, withscores=True)
-        if not head:
+        if not head or float(head[0][1]) >= HELD_PLACE_MS:
             # One cheap look instead of a script call while idle, then a wait on the kick
-            # list, where a resume of a parked session (lua/resolve-2.lua) or an interrupt's
-            # timeout (lua/fire-3.lua) wakes an idle resumer at once.
+            # list, where a resume of a parked session (lua/resolve-2.lua), an interrupt's
+            # timeout (lua/fire-3.lua) or a lapsed worker lease's sessions (lua/lease-2.lua)
+            # wake an idle resumer at once. Sessions held under live worker leases need no
+            # look: thousands of steps in flight cost one blocking call a second, not ten
+            # looks.
             await self.wait_for_kick(shard)
             return 0
-        ahead_ms = float(head[0][1]) - time.time() * 1000
+        ahead_ms = float(head[0][1]) - self.redis_now_ms()
+        if ahead_ms > DUE_SLACK_MS and time.monotonic() - self.clock_checked >= CLOCK_CHECK_S:
+            await self.learn_redis_clock()
+            ahead_ms = float(head[0][1]) - self.redis_now_ms()
         if ahead_ms <= DUE_SLACK_MS:
             await shard.slots.acquire(priority=True)
             slots = 1 + self.reader.take_free_slots(shard)
@@ -84,20 +108,20 @@ class Upkeep:
         else:
             # Nothing due yet (sessions in flight are there until their leases end).
             return min(s.promote_interval_ms, ahead_ms) / 1000
+        args: list[Any] = [
+            min(slots, INTAKE_BATCH),
+            self.sessions.token_base(k.shard),
+            self.sessions.lock_ttl_ms(k.shard),
+            int(s.gap_timeout_s * 1000),
+            s.tenant_lua_pattern,
+            s.merge_spec,
+        ]
         try:
-            with anyio.CancelScope(shield=True):
-                rows, wait_ms = await self.scripts.resume(
-                    keys=[k.stream, k.ready, k.session_prefix],
-                    args=[
-                        min(slots, INTAKE_BATCH),
-                        self.sessions.token_base(),
-                        s.lock_ttl_ms,
-                        int(s.gap_timeout_s * 1000),
-                        s.tenant_lua_pattern,
-                        s.merge_spec,
-                    ],
-                )
-                jobs = [Job.from_script(k, row[1:], gap=row[0] == b"g") for row in rows]
+            rows, wait_ms = await self.sessions.in_doubt(  # shielded, asked again if lost
+                k.shard,
+                lambda: self.scripts.resume(keys=[k.stream, k.ready, k.session_prefix], args=args),
+            )
+            jobs = [Job.from_script(k, row[1:], gap=row[0] == b"g") for row in rows]
         except BaseException:
             self.sessions.give_slots(shard, slots)
             raise

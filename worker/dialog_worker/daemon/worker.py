@@ -39,6 +39,7 @@ from dialog_worker import tracing
 from dialog_worker.config import Settings
 from dialog_worker.daemon.health_server import serve as serve_http
 from dialog_worker.daemon.pipeline import Committer, Pipeline
+from dialog_worker.daemon.presence import Presence
 from dialog_worker.daemon.reader import Reader
 from dialog_worker.daemon.sampler import Sampler
 from dialog_worker.daemon.sessions import Sessions
@@ -103,8 +104,9 @@ class Worker:
                 self.scripts,
                 s.keys,
                 settings,
-                token_base=lambda: self.sessions.token_base(),
+                token_base=partial(self._token_base, s.keys.shard),
                 slots=s.slots,
+                lock_ttl_ms=partial(self._lock_ttl_ms, s.keys.shard),
             )
             for s in self.shards
         }
@@ -133,9 +135,16 @@ class Worker:
             self.reader,
         )
         self.sampler = Sampler(settings, self.redis, self.metrics, self.shards, self.sessions)
+        self.presence = Presence(self.redis, self.shards, settings.consumer)
         self.refused: ConfigError | None = None  # set when Redis says this config is wrong
         self._ready = False
         self._last_error_log = 0.0
+
+    def _token_base(self, shard: int) -> str:
+        return self.sessions.token_base(shard)
+
+    def _lock_ttl_ms(self, shard: int) -> int:
+        return self.sessions.lock_ttl_ms(shard)
 
     @property
     def ready(self) -> bool:
@@ -200,8 +209,10 @@ class Worker:
                 side.start_soon(
                     self._loop, "cancel-watch", partial(self.pipeline.watch_cancels, self.raw)
                 )
+                side.start_soon(self._loop, "pause-watch", self.pipeline.gate.wake_resumed)
                 side.start_soon(self.sampler.watch_loop_lag)
                 side.start_soon(self._loop, "sampler", self.sampler.sample_once)
+                side.start_soon(self._loop, "presence", self.presence.announce_once)
                 side.start_soon(self._loop, "redis-check", self.guard.check_once)
                 side.start_soon(self._loop, "failover-watch", self.failover.check_once)
                 async with anyio.create_task_group() as work:
@@ -241,6 +252,8 @@ class Worker:
                     self.pipeline.stopping = True
                 with anyio.CancelScope(shield=True):
                     await shutdown_engine(self.pipeline.engine)  # after the last step
+                    await self.presence.leave()  # nothing in hand: shown as gone at once
+                    await self.sessions.leave()  # its leases are forgotten at once too
                 side.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):

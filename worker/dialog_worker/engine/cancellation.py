@@ -18,6 +18,10 @@ import threading
 # any step runs): the bound on how late a running step learns of its cancel, plus one round
 # trip.
 WATCH_INTERVAL_S = 0.05
+# Quiet (every step it runs looked at once, no cancel for QUIET_S), the watch blocks on the
+# shard's cancel notes for at most WATCH_BLOCK_MS instead, and looks as soon as one comes.
+QUIET_S = 1.0
+WATCH_BLOCK_MS = 1000
 
 _flag: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
     "dialog_worker_cancel_flag", default=None

@@ -46,7 +46,7 @@ def emit(text: str) -> None:
 MAX_EVENT_KIND_CHARS = 64
 MAX_EVENT_BYTES = 8192
 # Kinds the worker writes itself: a step may not forge them.
-RESERVED_EVENT_KINDS = frozenset({"awaiting"})
+RESERVED_EVENT_KINDS = frozenset({"awaiting", "waiting"})
 
 
 def emit_event(kind: str, data: Any = None, *, keep: bool = False) -> None:
@@ -56,7 +56,8 @@ def emit_event(kind: str, data: Any = None, *, keep: bool = False) -> None:
     starts over with ``reset``). Not kept once the message is committed, unless ``keep``:
     then the committed attempt's kept events go into the message's history turn
     (``"events": [{"kind", "data"}...]``, at most 32). ``kind`` is 1 to 64 letters, digits,
-    ``_ . : -``; ``awaiting`` is the worker's (`interrupt`). A plain function, like `emit`:
+    ``_ . : -``; ``awaiting`` (`interrupt`) and ``waiting`` (a wait for the model) are the
+    worker's. A plain function, like `emit`:
     call it from a step, ``async def`` or plain ``def``; outside a step it does nothing."""
     if (
         not isinstance(kind, str)

@@ -13,6 +13,10 @@ a budget spent (`BudgetExceeded`) leave the step with an exception the worker ha
 pass. Usage is committed with the step's reply, so it is counted once, however often the step
 runs. Outside a worker (an engine's own tests) `model_call` waits for nothing and the usage goes
 nowhere, unless the test records it (`recording`).
+
+While tracing is on, each call is a span of its own (``chat <model>``, GenAI attributes: the
+model named by the key, what the call reported it used, how long it waited for the key's
+turn), a child of the step's ``dialog.step`` (dialog_worker/tracing.py).
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import dataclasses
 import functools
 import inspect
 import math
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, cast
 
 import anyio.from_thread
 
+from dialog_worker import tracing
 from dialog_worker.config import limit_key_problem
 from dialog_worker.errors import ValidationError
 
@@ -130,6 +136,10 @@ class ModelCall:
         self._calls: Calls | None = None
         self._grant: object = None
         self._active: contextvars.Token[ModelCall | None] | None = None
+        # The call's span while it is open: its context manager, and the span (None while
+        # tracing is off).
+        self._span_cm: contextlib.AbstractContextManager[Any] | None = None
+        self._span: Any = None
 
     def usage(
         self,
@@ -147,9 +157,16 @@ class ModelCall:
 
     async def __aenter__(self) -> ModelCall:
         self._enter_checks()
+        span = self._begin_span()
         calls = _calls.get()
         if calls is not None:
-            self._grant = await calls.acquire(self.key, self.tokens)
+            started = time.monotonic()
+            try:
+                self._grant = await calls.acquire(self.key, self.tokens)
+            except BaseException as exc:
+                self._end_span(exc)  # no call: a wait handed back, a budget spent
+                raise
+            tracing.record_turn_wait(span, (time.monotonic() - started) * 1000)
             self._calls = calls
         self._active = _active.set(self)
         return self
@@ -162,17 +179,57 @@ class ModelCall:
     ) -> None:
         self._leave()
         calls, self._calls = self._calls, None
+        try:
+            if calls is not None:
+                with anyio.CancelScope(shield=True):  # its slot is given back when cancelled
+                    await calls.settle(self.key, self._grant, self.reports, exc)
+        finally:
+            self._end_span(exc)
+
+    # --- begin / end: a call whose start and end are seen in different contexts ---
+
+    async def begin(self) -> ModelCall:
+        """Wait for the key's turn, as ``async with`` does, for a caller that sees the call's
+        start and end in different contexts (a framework's callbacks): report its usage with
+        `usage` on this object, then `end` it, also when it failed."""
+        self._enter_checks()
+        span = self._begin_span(current=False)  # ended in another context: never current
+        calls = _calls.get()
         if calls is not None:
-            with anyio.CancelScope(shield=True):  # its slot is given back even when cancelled
-                await calls.settle(self.key, self._grant, self.reports, exc)
+            started = time.monotonic()
+            try:
+                self._grant = await calls.acquire(self.key, self.tokens)
+            except BaseException as exc:
+                self._end_span(exc)
+                raise
+            tracing.record_turn_wait(span, (time.monotonic() - started) * 1000)
+            self._calls = calls
+        return self
+
+    async def end(self, error: BaseException | None = None) -> None:
+        """The call `begin` started ended (``error``: how it failed, if it did)."""
+        calls, self._calls = self._calls, None
+        try:
+            if calls is not None:
+                with anyio.CancelScope(shield=True):
+                    await calls.settle(self.key, self._grant, self.reports, error)
+        finally:
+            self._end_span(error)
 
     # --- with (a plain def step runs in a worker thread) ---
 
     def __enter__(self) -> ModelCall:
         self._enter_checks()
+        span = self._begin_span()
         calls = _calls.get()
         if calls is not None:
-            self._grant = _from_thread(calls.acquire, self.key, self.tokens)
+            started = time.monotonic()
+            try:
+                self._grant = _from_thread(calls.acquire, self.key, self.tokens)
+            except BaseException as exc:
+                self._end_span(exc)
+                raise
+            tracing.record_turn_wait(span, (time.monotonic() - started) * 1000)
             self._calls = calls
         self._active = _active.set(self)
         return self
@@ -185,8 +242,45 @@ class ModelCall:
     ) -> None:
         self._leave()
         calls, self._calls = self._calls, None
-        if calls is not None:
-            _from_thread(calls.settle, self.key, self._grant, self.reports, exc)
+        try:
+            if calls is not None:
+                _from_thread(calls.settle, self.key, self._grant, self.reports, exc)
+        finally:
+            self._end_span(exc)
+
+    # --- its span (while tracing is on) ---
+
+    def _begin_span(self, current: bool = True) -> Any:
+        """Open the call's span until `_end_span`: from before the wait for the key's turn to
+        after its slot is given back; ``current`` (as in a ``with`` block) while it is open.
+        The model is the key's part after its ``provider:`` prefix (the whole key without
+        one). Returns the span, or None."""
+        provider, _, model = self.key.partition(":")
+        if current:
+            self._span_cm = tracing.model_call_span(model or provider, self.key)
+            self._span = self._span_cm.__enter__()
+        else:
+            self._span = tracing.start_model_call(model or provider, self.key)
+        return self._span
+
+    def _end_span(self, error: BaseException | None) -> None:
+        span_cm, span, self._span_cm, self._span = self._span_cm, self._span, None, None
+        if self.reports:
+            costs = [r.cost for r in self.reports]
+            model = self.reports[-1].model
+            tracing.record_usage(
+                span,
+                sum(r.input_tokens for r in self.reports),
+                sum(r.output_tokens for r in self.reports),
+                None if None in costs else sum(c for c in costs if c is not None),
+                model if model != self.key else None,
+            )
+        if span_cm is None:
+            tracing.end_model_call(span, error)
+        elif error is None:
+            span_cm.__exit__(None, None, None)
+        else:
+            span_cm.__exit__(type(error), error, error.__traceback__)
 
     # --- as a decorator ---
 

@@ -58,7 +58,9 @@ class Engine(Protocol):
     Optional, not part of the protocol's type: ``async def startup(self)`` before the first
     step (open HTTP clients, pools), ``async def shutdown(self)`` after the last one, and a
     ``fallback_reply`` string: the reply to a message that cannot be processed (dead-lettered),
-    in your bot's language (default: `DIALOG_FALLBACK_REPLY`).
+    in your bot's language (default: `DIALOG_FALLBACK_REPLY`), and a ``budget_reply`` string:
+    the reply to a message whose tenant or session spent its tokens of the day (default:
+    `DIALOG_BUDGET_REPLY`).
     """
 
     def step(
@@ -303,13 +305,23 @@ def fallback_reply(engine: Engine, configured: str, default: str) -> str:
     """The reply to a message that cannot be processed: `DIALOG_FALLBACK_REPLY` when it was
     set (``configured`` differs from ``default``), else the engine's own ``fallback_reply``
     attribute, else the default."""
-    own = getattr(engine, "fallback_reply", None)
+    return _own_reply(engine, "fallback_reply", configured, default)
+
+
+def budget_reply(engine: Engine, configured: str, default: str) -> str:
+    """The reply to a message over its tenant's or session's daily tokens: as `fallback_reply`,
+    from `DIALOG_BUDGET_REPLY` or the engine's own ``budget_reply`` attribute."""
+    return _own_reply(engine, "budget_reply", configured, default)
+
+
+def _own_reply(engine: Engine, attribute: str, configured: str, default: str) -> str:
+    own = getattr(engine, attribute, None)
     if configured != default or own is None:
         return configured
     if not isinstance(own, str) or not own.strip():
         raise ConfigError(
             ENGINE_SETTING,
-            f"{type(engine).__qualname__}.fallback_reply is {describe(own)}; it must be "
+            f"{type(engine).__qualname__}.{attribute} is {describe(own)}; it must be "
             "non-empty text",
         )
     return own

@@ -73,6 +73,36 @@ async def pause_key(
     return await store.view(key)
 
 
+async def resume_key(
+    redis: Redis,
+    settings: Settings,
+    key: str,
+    reason: str,
+    who: str,
+    role: str,
+    *,
+    record: bool = True,
+) -> dict[str, Any]:
+    """Reopen a paused key for every worker now (a provider's pause or an operator's): the
+    calls waiting for it go from now, in the order they were refused, and the workers bring
+    the messages they handed back for the pause to their turn within a second. ``record``:
+    write the audit entry here (the console writes its own around the action)."""
+    store = limit_store(redis, settings)
+    check_key(key)
+    if not reason.strip():
+        raise ValidationError("a resume needs a reason (--reason)")
+    if record:
+        await audit.record(redis, settings, who, "limit_resume", key, reason, {}, role=role)
+    early_ms = await store.reopen(key)
+    return {**await store.view(key), "resumed_early_s": round(early_ms / 1000, 3)}
+
+
+async def paused_keys(redis: Redis, settings: Settings) -> list[dict[str, Any]]:
+    """The keys paused now (by a provider or an operator), soonest to reopen first."""
+    rows = [row for row in await list_limits(redis, settings) if row["paused_until"]]
+    return sorted(rows, key=lambda row: row["paused_until"])
+
+
 async def list_tenants(redis: Redis, settings: Settings) -> list[dict[str, Any]]:
     """Tenants with settings, with usage today or with sessions waiting, one row each:
     `in_flight` and `waiting` are sessions (in flight, waiting for a slot), summed over the
@@ -89,9 +119,10 @@ async def list_tenants(redis: Redis, settings: Settings) -> list[dict[str, Any]]
     rows = []
     for name in names:
         setting = own.get(name, tenants.TenantSettings())
-        used = await tenants.tenant_usage(redis, topology, name, day)
+        # What the budget check sees: the day's counters (committed and wasted) and calls that
+        # reported nothing, whenever the budget was set; and what calls hold now.
+        used, reserved = await tenants.used_today(redis, topology, keys, name, day)
         in_flight, waiting = await tenants.load(redis, topology, name)
-        wasted = used["wasted"]
         rows.append(
             {
                 "tenant": name,
@@ -101,10 +132,10 @@ async def list_tenants(redis: Redis, settings: Settings) -> list[dict[str, Any]]
                 "in_flight": in_flight,
                 "waiting": waiting,
                 "daily_tokens": setting.budget(settings.tenant_daily_tokens),
-                "used_today": used["input_tokens"] + used["output_tokens"]
-                + wasted["input_tokens"] + wasted["output_tokens"],
+                "used_today": used,
+                "reserved_now": reserved,
             }
-        )  # fmt: skip
+        )
     return rows
 
 

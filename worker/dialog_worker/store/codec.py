@@ -117,6 +117,37 @@ def check_text(text: object, max_bytes: int) -> str:
     return text
 
 
+# A message's priority inside its tenant (the scripts read one digit; anything else is 5).
+PRIORITIES = range(10)
+
+
+def check_tenant(value: object) -> str:
+    """A ``tenant`` field a client sends: what intake takes as a tenant name (`tenant_of`),
+    refused here rather than counted as the default tenant there."""
+    if not isinstance(value, str) or _tenant_name(value.encode("utf-8", "surrogatepass")) is None:
+        raise ValidationError(
+            f"tenant must be 1 to {MAX_TENANT_BYTES} bytes of UTF-8 text without spaces or "
+            f"control characters, got {str(value)[:80]!r}"
+        )
+    return value
+
+
+def check_priority(value: object) -> str:
+    """A ``priority`` field a client sends: an integer 0-9 (higher first), as intake reads it
+    (one digit), refused here rather than counted as 5 there."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in PRIORITIES:
+        raise ValidationError(f"priority must be an integer from 0 to 9, got {value!r}")
+    return str(value)
+
+
+def priority_of(value: object) -> int:
+    """A message's priority as the scripts read its ``priority`` field: one ASCII digit, anything
+    else (or none) is 5."""
+    if isinstance(value, str) and len(value) == 1 and value in "0123456789":
+        return int(value)
+    return 5
+
+
 def check_meta(name: str, value: object) -> str:
     """An extra field of a message (reaches the engine as message["meta"][name])."""
     check_id("meta field name", name)

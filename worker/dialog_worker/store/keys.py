@@ -40,6 +40,9 @@ from functools import cache
 from dialog_worker.config import Settings
 
 SLOTS = 16384
+# A session held under a worker lease sits in the ready set at this place plus the worker's
+# number (HELD_BASE in lua/_common.lua): past any clock, looked at when that lease lapses.
+HELD_PLACE_MS = 10**13
 _ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
 
 
@@ -124,6 +127,13 @@ class SessionKeys:
         bytes used, ``w`` attempts that ended awaiting; journal_key in lua/_common.lua),
         deleted by its commit."""
         return self.state.removesuffix(":state") + ":journal:" + msg_id
+
+    def life(self, msg_id: str) -> str:
+        """A hash: what one message lived through, one field per attempt (JSON: start, end,
+        outcome, waits, model calls, journaled calls), for the console's message page
+        (dialog_worker/daemon/message_life.py); kept DIALOG_DEDUPE_TTL_S, deleted with the
+        session."""
+        return self.state.removesuffix(":state") + ":life:" + msg_id
 
     @property
     def interrupts(self) -> str:
@@ -230,6 +240,12 @@ class Keys:
         lua/_common.lua)."""
         return f"{self.session_prefix}cancels"
 
+    @property
+    def cancel_notes(self) -> str:
+        """A stream of at most about 64 entries: one per cancel mark counted in `cancels`, for
+        a cancel watch that blocks until one comes (note_cancel in lua/_common.lua)."""
+        return f"{self.session_prefix}cancel-notes"
+
     # The tenants' share of the shard's slots (lua/_common.lua, "Tenants"): the names the
     # scripts derive from the ready set's (runq_key, busy_key, active_key, vt_key, tset_key,
     # tmin_key).
@@ -252,6 +268,12 @@ class Keys:
         return f"{self.ready}:vt"
 
     @property
+    def tenants_named(self) -> str:
+        """A string with a TTL: present while entries of the shard named a tenant lately (a
+        ``tenant`` field other than the default): tenants are then in use (lua/intake-5.lua)."""
+        return f"{self.ready}:named"
+
+    @property
     def tenant_settings(self) -> str:
         """A hash: tenant -> "weight min max", the shard's copy of the tenants' settings."""
         return f"{self.ready}:tset"
@@ -267,6 +289,12 @@ class Keys:
         consumer name, with a lease TTL): one blocked reader per shard, not one per worker."""
         return f"{self.ready}:waiter"
 
+    def presence(self, consumer: str) -> str:
+        """A string that exists while the worker ``consumer`` runs: set again and again with a
+        short TTL, deleted when it stops (dialog_worker/daemon/presence.py). The console tells
+        a consumer whose worker is gone from a live one by it."""
+        return f"{self.ready}:worker:{consumer}"
+
     @property
     def wake(self) -> str:
         """A stream of at most one entry: the waiter appends one when it hands its role on,
@@ -279,6 +307,12 @@ class Keys:
         interrupt's timeout pushes one, and an idle worker's resumer, blocked on it (BLPOP)
         while the ready set is empty, looks at the ready set at once."""
         return f"{self.ready}:kick"
+
+    @property
+    def workers(self) -> str:
+        """A sorted set: worker leases, each worker's number on the shard -> when its lease
+        ends (ms); `<workers>:n` hands the numbers out (lua/lease-2.lua)."""
+        return f"{self.ready}:workers"
 
     @property
     def reshard_moved(self) -> str:

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from dialog_worker.store.codec import unpack_custody
-from dialog_worker.store.keys import Keys
+from dialog_worker.store.keys import HELD_PLACE_MS, Keys
 from dialog_worker.store.stream_entries import StreamReader, first_id, shown, undecoded
 
 
@@ -263,7 +263,13 @@ async def session_view(
             if int(fields.get("s", 0)) > applied
             else None
         ),
-        "next_look_in_s": round((float(due) - now) / 1000, 3) if due is not None else None,
+        # None too while a worker's lease covers it (HELD_PLACE_MS): it is looked at when that
+        # lease lapses.
+        "next_look_in_s": (
+            round((float(due) - now) / 1000, 3)
+            if due is not None and float(due) < HELD_PLACE_MS
+            else None
+        ),
         "waiting": waiting,
         "dead_letters": dead,
     }
@@ -278,3 +284,39 @@ def _int(value: str | None) -> int | None:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+async def message_in_progress(redis: Redis, keys: Keys, session_id: str) -> str | None:
+    """The msg_id of the message the session answers now: its first sequenced message not
+    applied yet (running, waiting for its turn or for a person), or None when it has none (a
+    message still unread in the inbound stream is not known here). Two reads, no script: a
+    commit between them moves the session on, and the next message is looked at (at most a few
+    times: a session committing that fast answers nothing for long)."""
+    state = keys.session(session_id).state
+    for _ in range(3):
+        applied, last = await undecoded(redis, "HMGET", state, "a", "s")
+        done, sequenced = _int_bytes(applied), _int_bytes(last)
+        if done is None or sequenced is None or sequenced <= done:
+            return None
+        raw = await undecoded(redis, "HGET", state, f"q{done + 1}")
+        if raw is None:
+            continue  # committed meanwhile
+        held = unpack_custody(raw)
+        if held is None:
+            return None
+        entry_id, fields = held
+        msg_id = fields.get(b"msg_id") or entry_id.encode()  # msg_id defaults to the entry id
+        try:
+            return msg_id.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return None
+
+
+def _int_bytes(value: bytes | None) -> int | None:
+    if value is None:
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        return None

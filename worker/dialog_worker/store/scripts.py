@@ -44,6 +44,9 @@ class Release(enum.StrEnum):
     FAILED = "1"  # a failed attempt: the error is recorded, the attempt stays counted
     HAND_BACK = "0"  # shutdown: the attempt is given back
     HAND_BACK_STREAMED = "2"  # shutdown after partial text: the next attempt needs a new number
+    # Waiting for a model's limit key after partial text: a new number for the next attempt,
+    # yet no attempt spent (counted in the message's journal, beside the awaited ones).
+    HAND_BACK_UNSPENT = "3"
 
 
 def lua_dir() -> Path:
@@ -57,10 +60,11 @@ def lua_dir() -> Path:
 # The flags each script declares in its `#!lua` line (Redis >= 7.0). Any flag line makes Redis
 # refuse a script before it runs when memory is over `maxmemory` (an OOM error, nothing
 # written) instead of failing at its first write half-way through, or letting it overrun the
-# limit once it has written. Every script here writes, so none is `no-writes`; only renew,
-# which extends leases and adds nothing, may run out of memory (`allow-oom`), so a holder
-# waiting for room to commit keeps its lease. `allow-stale` and `no-cluster` are not wanted.
-FLAGS: dict[str, str] = {"renew": "allow-oom"}
+# limit once it has written. Every script here writes, so none is `no-writes`; only renew and
+# lease, which extend leases (and bring lapsed ones' sessions back) and add almost nothing, may
+# run out of memory (`allow-oom`), so a holder waiting for room to commit keeps its lease.
+# `allow-stale` and `no-cluster` are not wanted.
+FLAGS: dict[str, str] = {"renew": "allow-oom", "lease": "allow-oom"}
 
 
 @cache
@@ -114,6 +118,7 @@ class Scripts:
     commit: Script
     release: Script
     renew: Script
+    lease: Script
     delconsumer: Script
     cancel: Script
     fire: Script
@@ -125,8 +130,10 @@ class Scripts:
     acquire: Script
     settle: Script
     pause: Script
+    reopen: Script
     reserve: Script
     spend: Script
+    land: Script
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

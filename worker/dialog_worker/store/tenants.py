@@ -5,9 +5,10 @@ with any of ``weight`` (float, default 1), ``min`` (int, default 0), ``max`` (in
 and ``daily_tokens`` (int; absent: DIALOG_TENANT_DAILY_TOKENS; 0: no budget). Written by
 `dialog-worker tenants set` (a partial update), read by every worker.
 
-Budgets: a meter per tenant and UTC day (`Keys.budget`): tokens ``spent`` as calls end and
-tokens ``reserved`` by calls in flight (lua/reserve-2.lua, lua/spend-2.lua). Usage: the
-per-shard, per-day counters the commit writes with each reply (`Keys.usage`), summed here.
+Usage: the per-shard, per-day counters the commit writes with each reply (`Keys.usage`),
+summed here. Budgets count them: a tenant's day is what its counters say, whenever its budget
+was set; a meter per tenant and UTC day (`Keys.budget`) holds what calls in flight reserved and
+what calls that reported nothing were charged (lua/reserve-2.lua, spend-2.lua, land-2.lua).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, cast
 
 from redis.asyncio import Redis
 
+from dialog_worker.config import MAX_TOKENS_A_DAY
 from dialog_worker.errors import ValidationError
 from dialog_worker.store.codec import MAX_TENANT_BYTES, text
 from dialog_worker.store.keys import Keys, Topology
@@ -28,9 +30,11 @@ from dialog_worker.store.scripts import Scripts
 # A budget meter outlives its day by this much (s): yesterday's stays readable today.
 BUDGET_KEEP_S = 3 * 86400
 MAX_WEIGHT = 1_000_000.0
-MAX_COUNT = 10**12
+MAX_COUNT = MAX_TOKENS_A_DAY  # what DIALOG_TENANT_DAILY_TOKENS takes
 USAGE_KINDS = ("in", "out", "cost", "calls")
 WASTED_KINDS = ("win", "wout", "wcost", "wcalls")
+# The counters of tokens (committed and wasted) a budget counts.
+TOKEN_KINDS = ("in", "out", "win", "wout")
 # Cost is counted in millionths (whole numbers: exact sums in Redis).
 COST_UNIT = 1_000_000
 
@@ -229,17 +233,26 @@ async def active(redis: Redis, topology: Topology) -> set[str]:
 
 
 # --- budgets -----------------------------------------------------------------------------
+#
+# What a tenant used today is what the usage counters of the day say (the commit writes them
+# with every reply, wasted attempts are counted beside them: whether a budget was set or not),
+# plus the budget meter's ``unreported`` (calls that reported nothing, charged their
+# estimate). Calls in flight, and ended calls whose attempt is not counted yet, hold tokens on
+# the meter (``reserved``): a call may go when used + reserved, its estimate included, stays
+# within the budget. Without a budget, nothing here runs.
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reservation:
     granted: bool
-    spent: int
-    reserved: int
+    used: int  # today's usage counters + unreported
+    reserved: int  # held by calls in flight, this one's included when granted
 
 
 async def reserve(
+    redis: Redis,
     scripts: Scripts,
+    topology: Topology,
     keys: Keys,
     tenant: str,
     day: str,
@@ -248,24 +261,59 @@ async def reserve(
     budget: int,
     lease_ms: int,
 ) -> Reservation:
+    """Hold ``tokens`` for a call, then look at what the day used (the counters are read after
+    the hold: a call's hold goes only once its usage is counted, so none is missed); over the
+    budget, the hold is given back at once and the call refused."""
     b = keys.budget(tenant, day)
-    raw = await scripts.reserve(
-        keys=[b.meter, b.leases], args=[call_id, tokens, budget, lease_ms, BUDGET_KEEP_S]
+    unreported, held = await scripts.reserve(
+        keys=[b.meter, b.leases], args=[call_id, tokens, lease_ms, BUDGET_KEEP_S]
     )
-    return Reservation(bool(int(raw[0])), int(raw[1]), int(raw[2]))
+    used = await counted(redis, topology, tenant, day) + int(unreported)
+    if used + int(held) <= budget:
+        return Reservation(True, used, int(held))
+    await spend(scripts, keys, tenant, day, call_id, 0)
+    return Reservation(False, used, int(held) - tokens)
 
 
 async def spend(
-    scripts: Scripts, keys: Keys, tenant: str, day: str, call_id: str, tokens: int
-) -> int:
+    scripts: Scripts, keys: Keys, tenant: str, day: str, call_id: str, used: int | None
+) -> None:
+    """A call ended: its hold becomes what it used (0: given back at once; None: it reported
+    nothing, charged its estimate), until its attempt's usage is counted (`land`)."""
     b = keys.budget(tenant, day)
-    raw = await scripts.spend(keys=[b.meter, b.leases], args=[call_id, tokens, BUDGET_KEEP_S])
-    return int(raw)
+    await scripts.spend(
+        keys=[b.meter, b.leases], args=[call_id, -1 if used is None else used, BUDGET_KEEP_S]
+    )
 
 
-async def spent(redis: Redis, keys: Keys, tenant: str, day: str) -> int:
-    value = await redis.hget(keys.budget(tenant, day).meter, "spent")
-    return _whole(value)
+async def land(scripts: Scripts, keys: Keys, tenant: str, day: str, call_ids: list[str]) -> None:
+    """An attempt's usage is in the usage counters: its calls' holds go."""
+    b = keys.budget(tenant, day)
+    for start in range(0, len(call_ids), 1000):
+        await scripts.land(keys=[b.meter, b.leases], args=list(call_ids[start : start + 1000]))
+
+
+async def used_today(
+    redis: Redis, topology: Topology, keys: Keys, tenant: str, day: str
+) -> tuple[int, int]:
+    """(tokens the tenant used on ``day``: the usage counters, committed and wasted, plus
+    calls that reported nothing; tokens held now by calls whose usage is not counted yet): what
+    `dialog-worker tenants` shows and what a budget is checked against."""
+    unreported, reserved = await redis.hmget(
+        keys.budget(tenant, day).meter, "unreported", "reserved"
+    )
+    return await counted(redis, topology, tenant, day) + _whole(unreported), _whole(reserved)
+
+
+async def counted(redis: Redis, topology: Topology, tenant: str, day: str) -> int:
+    """Input and output tokens of the tenant's committed and wasted attempts on ``day``, summed
+    over the shards (one pipeline)."""
+    names = [f"{tenant}:{kind}" for kind in TOKEN_KINDS]
+    async with redis.pipeline(transaction=False) as pipe:
+        for shard in topology.shards:
+            pipe.hmget(shard.usage(day), names)
+        rows = await pipe.execute()
+    return sum(_whole(v) for row in rows for v in row)
 
 
 # --- usage -------------------------------------------------------------------------------

@@ -12,7 +12,8 @@
     return value === null || value === undefined ? "—" : String(value);
   }
 
-  function fillRows(tbody, rows, empty) {
+  // rows: arrays of cells; `classes` (optional): each row's class name ("" for none).
+  function fillRows(tbody, rows, empty, classes) {
     while (tbody.firstChild) tbody.removeChild(tbody.firstChild);
     if (rows.length === 0) {
       const tr = document.createElement("tr");
@@ -24,8 +25,9 @@
       tbody.appendChild(tr);
       return;
     }
-    for (const cells of rows) {
+    for (const [i, cells] of rows.entries()) {
       const tr = document.createElement("tr");
+      if (classes && classes[i]) tr.className = classes[i];
       for (const cell of cells) {
         const td = document.createElement("td");
         td.textContent = show(cell);
@@ -52,8 +54,9 @@
       if (workers) {
         fillRows(workers, data.workers.map((w) => [
           w.name, w.shard, w.idle_ms === null ? "–" : (w.idle_ms / 1000).toFixed(1), w.pending,
-          w.waiting ? "waiting for messages" : ""]),
-          "No worker has read the stream yet.");
+          w.waiting ? "waiting for messages" : (w.gone ? "gone: stopped or died" : "")]),
+          "No worker has read the stream yet.",
+          data.workers.map((w) => (w.gone ? "gone" : "")));
       }
       const lags = document.querySelector("#reply-lag tbody");
       if (lags) {
