@@ -323,7 +323,9 @@ async def test_out_of_memory_mid_burst_holds_the_pool_and_loses_nothing(tmp_path
     env = worker_env(
         server.url,
         DIALOG_ENGINE="attempt_engine:make",
-        ATTEMPT_ENGINE_STEP_S="0.05",
+        # Eight 0.3 s steps a session: sessions are held when the memory runs out, however
+        # slowly the producers send.
+        ATTEMPT_ENGINE_STEP_S="0.3",
         DIALOG_LOCK_TTL_MS="1000",
         DIALOG_VISIBILITY_TIMEOUT_MS="2000",
     )
@@ -332,6 +334,11 @@ async def test_out_of_memory_mid_burst_holds_the_pool_and_loses_nothing(tmp_path
     client = DialogClient(settings=load_settings(environ=env), max_connections=100)
     try:
         procs = pool.start(2, metrics=True)
+        # Both workers have taken their leases (they read) before the burst begins.
+        deadline = time.monotonic() + 30
+        while await admin.get(f"{client.keys.workers}:n") != b"2":
+            assert time.monotonic() < deadline, "the workers did not start"
+            await asyncio.sleep(0.05)  # start-up poll
         sessions = [f"oom{i}" for i in range(60)]
         per_session = 8
         sent: list[Sent] = []
@@ -362,10 +369,15 @@ async def test_out_of_memory_mid_burst_holds_the_pool_and_loses_nothing(tmp_path
         sent_at_fill = len(sent)
         await asyncio.sleep(1.0)  # let in-flight steps reach their commits
         applied_then = await applied_total(admin, sessions)
+        # Sessions are held through the refusals (their leases are what must hold).
+        held = [sid for sid in sessions if await admin.exists(client.keys.session(sid).lock)]
+        assert held, "no session held when the memory ran out"
         oom_backing_off = await asyncio.to_thread(scrape_sum, procs, "dialog_redis_oom_backoff")
         await asyncio.sleep(2.0)  # held longer than a lease (1 s): leases must be renewed
         held_s = 3.0
         assert await applied_total(admin, sessions) == applied_then, "a commit went through"
+        still = [sid for sid in held if await admin.exists(client.keys.session(sid).lock)]
+        assert still == held, "a held session's lock ran out"
         assert await admin.xlen("dialog-dlq") == 0
         refusals = await asyncio.to_thread(scrape_sum, procs, "dialog_redis_oom_total")
         assert refusals > 0 and oom_backing_off >= 1

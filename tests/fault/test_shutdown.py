@@ -55,38 +55,48 @@ async def test_second_signal_exits_at_once_and_the_message_is_finished_elsewhere
     await assert_drained(client, timeout_s=20)
 
 
-async def test_session_behind_a_long_step_is_not_taken_over_meanwhile(client, workers):
+async def test_session_behind_a_long_step_is_not_taken_over_meanwhile(client, workers, tmp_path):
     """One read holds a session's burst; the first step outlasts the lock TTL several times.
     The heartbeat renews the lease and pushes the session's place in the ready set back, so
     the other worker never resumes the session meanwhile: every lock token seen belongs to
     one worker, and nobody counts a session resumed after a lease ran out. The other worker
-    starts two lock TTLs into the step, so its first lease call would find a lease that was
-    not renewed."""
+    starts two lock TTLs into the step, and the step lasts until that worker's lease call has
+    run (it would bring back the sessions of a lease that was not renewed) and a few renewal
+    intervals more, however slowly the second process starts."""
+    flag = tmp_path / "hold"
+    flag.touch()
     fast = {
         "DIALOG_ENGINE": "fault_engine:make",
+        "FAULT_FLAG_FILE": str(flag),
         "DIALOG_LOCK_TTL_MS": "600",
         "DIALOG_VISIBILITY_TIMEOUT_MS": "800",
         "DIALOG_RECLAIM_INTERVAL_MS": "100",
         "DIALOG_METRICS_SAMPLE_INTERVAL_S": "0.1",
     }
-    sent = await send_bursts(client, ["long"], ["sleep 2.5 nama saya Budi", "dua", "tiga"])
+    sent = await send_bursts(client, ["long"], ["hold nama saya Budi", "dua", "tiga"])
     procs = workers.start(1, metrics=True, **fast)
-    lock = client.keys.session("long").lock
+    sk = client.keys.session("long")
     tokens: set[str] = set()
 
     async def applied_watching_the_lock() -> bool:
-        token = await client.redis.get(lock)
+        token = await client.redis.get(sk.lock)
         if token is not None:
             tokens.add(token)
-        return await client.redis.hget(client.keys.session("long").state, "a") == "3"
+        return await client.redis.hget(sk.state, "a") == "3"
+
+    async def second_lease_taken() -> bool:
+        return await client.redis.get(f"{client.keys.workers}:n") == "2"
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(wait_for, applied_watching_the_lock, 30, "all three applied", 0.02)
+        tg.start_soon(wait_for, applied_watching_the_lock, 60, "all three applied", 0.02)
         await wait_for(lambda: _holding(client, procs[0], "long"), 20, "the long step running")
-        # Two lock TTLs into the step a second worker starts: its first lease call would bring
-        # back the sessions of a lease that was not renewed.
-        await anyio.sleep(1.2)
+        await anyio.sleep(1.2)  # two lock TTLs: a lease that was not renewed has lapsed
         procs += workers.start(1, metrics=True, **fast)
+        await wait_for(second_lease_taken, 30, "the second worker's first lease call")
+        # Five renewal intervals more of the step, then it ends.
+        await anyio.sleep(1.0)  # fault pacing: time for a wrong take-over to show
+        assert await client.redis.hget(sk.state, "a") is None, "the step ended too early"
+        flag.unlink()
     assert await check(client, sent) == []
     assert len({t.split(":", 1)[0] for t in tokens}) == 1, tokens
     reclaimed = sum(
