@@ -14,13 +14,25 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def test_the_fake_provider_starts_from_its_command_answers_throttles_and_counts() -> None:
+def as_a_background_job() -> None:
+    """What `command &` in a script does to its child: SIGINT and SIGQUIT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
+# Ctrl-C and a supervisor's SIGTERM both end it cleanly, even started as a background job of a
+# script (CI once waited 10 s in vain for it to exit on SIGINT).
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_the_fake_provider_starts_from_its_command_answers_throttles_and_counts(
+    stop: signal.Signals,
+) -> None:
     command = ["dialog_worker.bench.fake_provider", "--port", "0", "--latency-ms", "1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", *command],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=as_a_background_job,  # the child's signals, set before exec
     )
     try:
         assert proc.stdout is not None
@@ -48,7 +60,7 @@ def test_the_fake_provider_starts_from_its_command_answers_throttles_and_counts(
         }
         assert [entry["status"] for entry in stats["log"]] == [200, 429]
     finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean exit
+        proc.send_signal(stop)
         _, stderr = proc.communicate(timeout=10)
     assert proc.returncode == 0
     assert stderr == ""  # no RuntimeWarning about the module being imported twice

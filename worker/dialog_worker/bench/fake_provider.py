@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import threading
 import time
@@ -526,12 +527,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     provider = Provider(args.rpm, args.tpm, args.output_tokens, args.latency_ms)
     server = serve(provider, args.host, args.port)
+    # Ctrl-C and SIGTERM (a supervisor, a container's stop) end it cleanly, also when it was
+    # started as a script's background job, which inherits SIGINT ignored.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, _interrupt)
     print(json.dumps({"url": f"http://{args.host}:{server.server_address[1]}"}), flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    finally:
+        server.server_close()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
